@@ -1,0 +1,62 @@
+"""Backend registry and the op implementations that dispatch to it.
+
+Each backend is a module with
+    NAME: str
+    not_supported_reasons(query, key, value, bias, mask) -> list[str]   (empty = supported)
+    forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic)
+        -> (out, lse)
+    backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
+             scale, softcap, deterministic, bias_requires_grad) -> (dq, dk, dv, dbias)
+where `mask` is a `schema.MaskTensors`. The op's CPU and CUDA kernels both route here
+by the op's `backend` argument; "auto" is resolved by `choose` before the op is called.
+"""
+import torch
+
+from .schema import MASK_TENSOR_NAMES, MaskTensors
+
+_N_MASK = len(MASK_TENSOR_NAMES)
+_REGISTRY = {}
+# Preference order for "auto": fastest first.
+_AUTO_ORDER = ("cuda", "triton", "reference")
+
+
+def register(module) -> None:
+    _REGISTRY[module.NAME] = module
+
+
+def available() -> list:
+    return [name for name in _AUTO_ORDER if name in _REGISTRY]
+
+
+def get(name: str):
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: unknown or unavailable backend {name!r}; available: {available()}")
+    return _REGISTRY[name]
+
+
+def not_supported_reasons(name, query, key, value, bias, mask: MaskTensors) -> list:
+    return get(name).not_supported_reasons(query, key, value, bias, mask)
+
+
+def choose(query, key, value, bias, mask: MaskTensors) -> str:
+    """The first backend in preference order that supports these inputs."""
+    for name in available():
+        if not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask):
+            return name
+    raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
+
+
+@torch.library.impl("flexsparse::attention", ("CPU", "CUDA"))
+def _attention_impl(query, key, value, bias, *rest):
+    mask = MaskTensors(*rest[:_N_MASK])
+    block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
+    return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
+                                deterministic)
+
+
+@torch.library.impl("flexsparse::attention_backward", ("CPU", "CUDA"))
+def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
+    mask = MaskTensors(*rest[:_N_MASK])
+    block_q, block_k, scale, softcap, backend, deterministic, bias_requires_grad = rest[_N_MASK:]
+    return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
+                                 block_q, block_k, scale, softcap, deterministic, bias_requires_grad)

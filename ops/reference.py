@@ -1,0 +1,312 @@
+"""The reference backend: pure PyTorch, any device, float64-capable. It defines the semantics.
+
+Work is done in chunks of query rows so that memory stays O(rows x Lk) (or O(rows x W)
+for index lists), never a full (Lq, Lk) tensor per head. Inside a chunk everything is
+laid out in "group form" (b, hkv, g, rows, cols): query head h = hkv * G + g, so GQA
+never copies K/V. Forward and backward are written out by hand (no autograd inside the
+op) and checked against autograd of a naive float64 computation in the tests.
+"""
+import math
+
+import torch
+
+from .schema import MaskTensors, lse_dtype
+
+NAME = "reference"
+# Elements of one (b, h, rows, cols) score chunk in the compute dtype.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def not_supported_reasons(query, key, value, bias, mask) -> list:
+    return []
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def to_groups(t: torch.Tensor, Hkv: int, G: int) -> torch.Tensor:
+    """(b, h, ...) with h in {1, Hkv, Hkv*G}  ->  (b, hkv|1, g|1, ...)."""
+    if t.shape[1] == Hkv * G and G > 1:
+        return t.unflatten(1, (Hkv, G))
+    return t.unsqueeze(2)
+
+
+def from_groups_sum(t: torch.Tensor, shape) -> torch.Tensor:
+    """Sum a group-form gradient (b, hkv, g, rows, cols) down to a broadcast `shape` (4-D)."""
+    Bb, Hb, Lqb, Lkb = shape
+    if Lkb == 1:
+        t = t.sum(-1, keepdim=True)
+    if Lqb == 1:
+        t = t.sum(-2, keepdim=True)
+    Hkv, G = t.shape[1], t.shape[2]
+    if Hb == Hkv * G:
+        t = t.flatten(1, 2)
+    elif Hb == Hkv:
+        t = t.sum(2)
+    else:
+        t = t.sum((1, 2)).unsqueeze(1)
+    if Bb == 1:
+        t = t.sum(0, keepdim=True)
+    return t
+
+
+def _chunk_rows(total_rows, per_row, align):
+    rows = max(1, CHUNK_ELEMENTS // max(1, per_row))
+    rows = max(align, rows // align * align)
+    return min(rows, max(total_rows, 1))
+
+
+# ---------------------------------------------------------------- visibility
+
+def _block_state(mask: MaskTensors, qb0, qb1, nKB, device):
+    """int32 (Bd, Hd, qb1-qb0, nKB): 0 skipped, 1 partial, 2 full."""
+    state = None
+    for count, index, value in ((mask.kv_count, mask.kv_index, 1),
+                                (mask.kv_full_count, mask.kv_full_index, 2)):
+        c = count[:, :, qb0:qb1].to(torch.int64)
+        idx = index[:, :, qb0:qb1, :].to(torch.int64)
+        valid = torch.arange(idx.shape[-1], device=device) < c[..., None]
+        s = torch.zeros(c.shape + (nKB,), dtype=torch.int32, device=device)
+        src = torch.where(valid, torch.full_like(idx, value, dtype=torch.int32),
+                          torch.zeros_like(idx, dtype=torch.int32))
+        s.scatter_reduce_(-1, idx.clamp(0, max(nKB - 1, 0)), src, "amax")
+        state = s if state is None else torch.maximum(state, s)
+    return state
+
+
+def col_ranges_visible(col_ranges: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """bool (Bc, Hc, r1-r0, Lk): True where no masked interval of column j holds row i."""
+    i = torch.arange(r0, r1, device=col_ranges.device)[:, None]
+    masked = torch.zeros((1, 1, r1 - r0, col_ranges.shape[2]), dtype=torch.bool,
+                         device=col_ranges.device)
+    for r in range(col_ranges.shape[-1] // 2):
+        start = col_ranges[..., 2 * r][:, :, None, :]
+        end = col_ranges[..., 2 * r + 1][:, :, None, :]
+        masked = masked | ((start <= i) & (i < end))
+    return ~masked
+
+
+def _bits_visible(mask: MaskTensors, qb0, qb1, rows, Lk, block_q, block_k):
+    """bool (Bd, Hd, rows, Lk) from the partial-block bitmaps (True where no bitmap)."""
+    pidx = mask.partial_bits_index[:, :, qb0:qb1, :].to(torch.int64)
+    words = mask.partial_bits[pidx.clamp(min=0)]            # (Bd, Hd, n, nKB, bq, nw)
+    col = torch.arange(block_k, device=words.device)
+    bits = (words[..., col // 32] >> (col % 32)) & 1           # (Bd, Hd, n, nKB, bq, bk)
+    vis = (bits != 0) | (pidx < 0)[..., None, None]
+    Bd, Hd, n, nKB = pidx.shape
+    vis = vis.permute(0, 1, 2, 4, 3, 5).reshape(Bd, Hd, n * block_q, nKB * block_k)
+    return vis[:, :, :rows, :Lk]
+
+
+def visible_rows(mask: MaskTensors, r0, r1, Lk, block_q, block_k, Hkv, G):
+    """Group-form bool (b, hkv|1, g|1, r1-r0, Lk) of visible entries for query rows [r0, r1).
+
+    r0 must be a multiple of block_q. Visible = full block, or partial block and every
+    present element predicate (dense mask, column ranges, bitmaps) allows it.
+    """
+    device = mask.kv_count.device
+    rows = r1 - r0
+    qb0, qb1 = r0 // block_q, -(-r1 // block_q)
+    nKB = -(-Lk // block_k)
+    state = _block_state(mask, qb0, qb1, nKB, device)
+    state = state.repeat_interleave(block_q, dim=-2)[..., :rows, :]
+    state = state.repeat_interleave(block_k, dim=-1)[..., :Lk]
+    pred = torch.ones((1, 1, 1, 1, 1), dtype=torch.bool, device=device)
+    if mask.dense_mask is not None:
+        dm = mask.dense_mask
+        dm = dm[:, :, r0:r1] if dm.shape[2] != 1 else dm
+        pred = pred & to_groups(dm, Hkv, G)
+    if mask.col_ranges is not None:
+        pred = pred & to_groups(col_ranges_visible(mask.col_ranges, r0, r1), Hkv, G)
+    if mask.partial_bits_index is not None:
+        bits = _bits_visible(mask, qb0, qb1, rows, Lk, block_q, block_k)
+        pred = pred & to_groups(bits, Hkv, G)
+    state = to_groups(state, Hkv, G)
+    return (state == 2) | ((state == 1) & pred)
+
+
+# ---------------------------------------------------------------- shared math
+
+def _bias_rows(bias, r0, r1, Hkv, G, dtype):
+    b = bias[:, :, r0:r1] if bias.shape[2] != 1 else bias
+    return to_groups(b, Hkv, G).to(dtype)
+
+
+def _softcap(s, softcap):
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
+
+
+def _softmax_with_lse(s, vis):
+    """Masked softmax along the last dim; rows with nothing visible give p = 0, lse = -inf."""
+    s = s.masked_fill(~vis, -math.inf)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    p = e / torch.where(l > 0, l, torch.ones_like(l))
+    lse = (torch.log(l) + m).squeeze(-1)
+    return p, lse
+
+
+def _probs_from_lse(s, vis, lse5):
+    lse_safe = torch.where(torch.isfinite(lse5), lse5, torch.zeros_like(lse5))
+    p = torch.exp(s - lse_safe[..., None])
+    return torch.where(vis, p, torch.zeros_like(p))
+
+
+def _prepare(query, key, value):
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    cd = _compute_dtype(query.dtype)
+    k5 = key.to(cd).unsqueeze(2)      # (B, Hkv, 1, Lk, D)
+    v5 = value.to(cd).unsqueeze(2)
+    return B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5
+
+
+def _gather_rows(x, idx):
+    """x (B, Hkv, Lk, D), idx (B|1, Hkv|1, rows, W) -> (B, Hkv, rows, W, D)."""
+    B, Hkv, _, D = x.shape
+    rows, W = idx.shape[-2:]
+    flat = idx.expand(B, Hkv, rows, W).reshape(B, Hkv, rows * W, 1).expand(-1, -1, -1, D)
+    return torch.gather(x, 2, flat).view(B, Hkv, rows, W, D)
+
+
+def _index_rows(mask, r0, r1, Lk):
+    idx = mask.attn_indices[:, :, r0:r1].to(torch.int64)
+    valid = (idx >= 0) & (idx < Lk)
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def _gather_bias(bias5, idx, B, Hkv, G, rows, Lk):
+    """Group-form bias (b, hkv|1, g|1, rows|1, Lk|1) gathered at idx -> (B, Hkv, G, rows, W)."""
+    full = bias5.expand(B, Hkv, G, rows, Lk)
+    ix = idx.unsqueeze(2).expand(B, Hkv, G, rows, idx.shape[-1])
+    return torch.gather(full, -1, ix)
+
+
+# ---------------------------------------------------------------- forward
+
+def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale, softcap,
+            deterministic):
+    B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5 = _prepare(query, key, value)
+    Dv = value.shape[-1]
+    out = torch.zeros((B, Hq, Lq, Dv), dtype=query.dtype, device=query.device)
+    lse = torch.full((B, Hq, Lq), -math.inf, dtype=lse_dtype(query.dtype), device=query.device)
+    if Lq == 0 or Lk == 0:
+        return out, lse
+    index_mode = mask.attn_indices is not None
+    if index_mode:
+        W = mask.attn_indices.shape[-1]
+        step = _chunk_rows(Lq, B * Hq * W * max(D, Dv) // max(G, 1) + B * Hq * W, 1)
+    else:
+        step = _chunk_rows(Lq, B * Hq * Lk, block_q)
+    for r0 in range(0, Lq, step):
+        r1 = min(Lq, r0 + step)
+        rows = r1 - r0
+        q5 = query[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))
+        if index_mode:
+            idx, valid = _index_rows(mask, r0, r1, Lk)
+            k_sel = _gather_rows(k5.squeeze(2), idx)
+            v_sel = _gather_rows(v5.squeeze(2), idx)
+            s, _ = _softcap(torch.einsum("bhgrd,bhrwd->bhgrw", q5, k_sel) * scale, softcap)
+            if bias is not None:
+                s = s + _gather_bias(_bias_rows(bias, r0, r1, Hkv, G, cd), idx, B, Hkv, G, rows, Lk)
+            p, l = _softmax_with_lse(s, valid.unsqueeze(2))
+            o = torch.einsum("bhgrw,bhrwd->bhgrd", p, v_sel)
+        else:
+            vis = visible_rows(mask, r0, r1, Lk, block_q, block_k, Hkv, G)
+            s, _ = _softcap(q5 @ k5.transpose(-1, -2) * scale, softcap)
+            if bias is not None:
+                s = s + _bias_rows(bias, r0, r1, Hkv, G, cd)
+            p, l = _softmax_with_lse(s, vis)
+            o = p @ v5
+        out[:, :, r0:r1] = o.flatten(1, 2).to(query.dtype)
+        lse[:, :, r0:r1] = l.flatten(1, 2).to(lse.dtype)
+    return out, lse
+
+
+# ---------------------------------------------------------------- backward
+
+def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask: MaskTensors,
+             block_q, block_k, scale, softcap, deterministic, bias_requires_grad):
+    B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5 = _prepare(query, key, value)
+    Dv = value.shape[-1]
+    dq = torch.zeros((B, Hq, Lq, D), dtype=cd, device=query.device)
+    dk = torch.zeros((B, Hkv, Lk, D), dtype=cd, device=query.device)
+    dv = torch.zeros((B, Hkv, Lk, Dv), dtype=cd, device=query.device)
+    want_dbias = bias is not None and bias_requires_grad
+    dbias = torch.zeros(bias.shape, dtype=cd, device=bias.device) if want_dbias else None
+    index_mode = mask.attn_indices is not None
+    if Lq > 0 and Lk > 0:
+        if index_mode:
+            W = mask.attn_indices.shape[-1]
+            step = _chunk_rows(Lq, B * Hq * W * max(D, Dv) // max(G, 1) + B * Hq * W, 1)
+        else:
+            step = _chunk_rows(Lq, B * Hq * Lk, block_q)
+        for r0 in range(0, Lq, step):
+            r1 = min(Lq, r0 + step)
+            rows = r1 - r0
+            q5 = query[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))
+            do5 = grad_out[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))
+            o5 = out[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))
+            lse5 = lse[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))
+            delta = (do5 * o5).sum(-1, keepdim=True)
+            if grad_lse is not None:
+                delta = delta - grad_lse[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))[..., None]
+            if index_mode:
+                idx, valid = _index_rows(mask, r0, r1, Lk)
+                k_sel = _gather_rows(k5.squeeze(2), idx)
+                v_sel = _gather_rows(v5.squeeze(2), idx)
+                s, t = _softcap(torch.einsum("bhgrd,bhrwd->bhgrw", q5, k_sel) * scale, softcap)
+                if bias is not None:
+                    s = s + _gather_bias(_bias_rows(bias, r0, r1, Hkv, G, cd), idx, B, Hkv, G,
+                                         rows, Lk)
+                p = _probs_from_lse(s, valid.unsqueeze(2), lse5)
+                dp = torch.einsum("bhgrd,bhrwd->bhgrw", do5, v_sel)
+                ds = p * (dp - delta)
+                if want_dbias:
+                    full = torch.zeros((B, Hkv, G, rows, Lk), dtype=cd, device=query.device)
+                    full.scatter_add_(-1, idx.unsqueeze(2).expand_as(ds), ds)
+                    _accumulate_dbias(dbias, full, r0, r1)
+                if t is not None:
+                    ds = ds * (1 - t * t)
+                ds = ds * scale
+                dq[:, :, r0:r1] = torch.einsum("bhgrw,bhrwd->bhgrd", ds, k_sel).flatten(1, 2)
+                W = idx.shape[-1]
+                flat = idx.expand(B, Hkv, rows, W).reshape(B, Hkv, rows * W, 1)
+                dk_c = torch.einsum("bhgrw,bhgrd->bhrwd", ds, q5).reshape(B, Hkv, rows * W, D)
+                dv_c = torch.einsum("bhgrw,bhgrd->bhrwd", p, do5).reshape(B, Hkv, rows * W, Dv)
+                dk.scatter_add_(2, flat.expand(-1, -1, -1, D), dk_c)
+                dv.scatter_add_(2, flat.expand(-1, -1, -1, Dv), dv_c)
+            else:
+                vis = visible_rows(mask, r0, r1, Lk, block_q, block_k, Hkv, G)
+                s, t = _softcap(q5 @ k5.transpose(-1, -2) * scale, softcap)
+                if bias is not None:
+                    s = s + _bias_rows(bias, r0, r1, Hkv, G, cd)
+                p = _probs_from_lse(s, vis, lse5)
+                dp = do5 @ v5.transpose(-1, -2)
+                ds = p * (dp - delta)
+                if want_dbias:
+                    _accumulate_dbias(dbias, ds, r0, r1)
+                if t is not None:
+                    ds = ds * (1 - t * t)
+                ds = ds * scale
+                dq[:, :, r0:r1] = (ds @ k5).flatten(1, 2)
+                dk += torch.einsum("bhgrk,bhgrd->bhkd", ds, q5)
+                dv += torch.einsum("bhgrk,bhgrd->bhkd", p, do5)
+    dbias_out = dbias.to(bias.dtype) if want_dbias else query.new_empty((0,))
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dbias_out
+
+
+def _accumulate_dbias(dbias, ds5, r0, r1):
+    Bb, Hb, Lqb, Lkb = dbias.shape
+    part = from_groups_sum(ds5, (Bb, Hb, 1 if Lqb == 1 else r1 - r0, Lkb))
+    if Lqb == 1:
+        dbias += part
+    else:
+        dbias[:, :, r0:r1] += part

@@ -1,0 +1,97 @@
+"""The op schemas, defined once. See docs/design.md for what every argument means.
+
+`attention` returns (out, lse); `attention_backward` returns (dq, dk, dv, dbias). Both
+dispatch on their `backend` argument to a module registered in `backends.py`; the
+Python API resolves "auto" before calling, so the op only ever sees concrete names.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+# The 13 optional tensors that describe a mask to the op, in schema order.
+MASK_TENSOR_NAMES = (
+    "kv_count", "kv_index", "kv_full_count", "kv_full_index",
+    "q_count", "q_index", "q_full_count", "q_full_index",
+    "dense_mask", "col_ranges", "partial_bits_index", "partial_bits",
+    "attn_indices",
+)
+
+
+class MaskTensors(NamedTuple):
+    """The mask as the op sees it: plain tensors, no mask classes."""
+    kv_count: Optional[torch.Tensor] = None
+    kv_index: Optional[torch.Tensor] = None
+    kv_full_count: Optional[torch.Tensor] = None
+    kv_full_index: Optional[torch.Tensor] = None
+    q_count: Optional[torch.Tensor] = None
+    q_index: Optional[torch.Tensor] = None
+    q_full_count: Optional[torch.Tensor] = None
+    q_full_index: Optional[torch.Tensor] = None
+    dense_mask: Optional[torch.Tensor] = None
+    col_ranges: Optional[torch.Tensor] = None
+    partial_bits_index: Optional[torch.Tensor] = None
+    partial_bits: Optional[torch.Tensor] = None
+    attn_indices: Optional[torch.Tensor] = None
+
+
+assert MaskTensors._fields == MASK_TENSOR_NAMES
+
+_MASK_ARGS = ", ".join(f"Tensor? {name}" for name in MASK_TENSOR_NAMES)
+_TAIL_ARGS = "int block_q, int block_k, float scale, float softcap, str backend, bool deterministic"
+
+torch.library.define(
+    "flexsparse::attention",
+    f"(Tensor query, Tensor key, Tensor value, Tensor? bias, {_MASK_ARGS}, {_TAIL_ARGS})"
+    " -> (Tensor out, Tensor lse)",
+)
+torch.library.define(
+    "flexsparse::attention_backward",
+    f"(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out,"
+    f" Tensor lse, Tensor? bias, {_MASK_ARGS}, {_TAIL_ARGS}, bool bias_requires_grad)"
+    " -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("flexsparse::attention")
+def _attention_fake(query, key, value, bias, *args):
+    B, Hq, Lq, _ = query.shape
+    Dv = value.shape[-1]
+    out = query.new_empty((B, Hq, Lq, Dv))
+    lse = query.new_empty((B, Hq, Lq), dtype=lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("flexsparse::attention_backward")
+def _attention_backward_fake(grad_out, grad_lse, query, key, value, out, lse, bias, *args):
+    bias_requires_grad = args[-1]
+    dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else query.new_empty((0,))
+    return (query.new_empty(query.shape), key.new_empty(key.shape),
+            value.new_empty(value.shape), dbias)
+
+
+# ---- autograd: forward saves its inputs, backward calls the backward op ----
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, bias = inputs[:4]
+    mask = inputs[4:4 + len(MASK_TENSOR_NAMES)]
+    ctx.tail = inputs[4 + len(MASK_TENSOR_NAMES):]
+    out, lse = output
+    ctx.n_mask = len(mask)
+    ctx.save_for_backward(query, key, value, out, lse, bias, *mask)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, bias, *mask = ctx.saved_tensors
+    bias_requires_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = torch.ops.flexsparse.attention_backward(
+        grad_out, grad_lse, query, key, value, out, lse, bias, *mask, *ctx.tail,
+        bias_requires_grad)
+    n_rest = len(MASK_TENSOR_NAMES) + len(ctx.tail)
+    return (dq, dk, dv, dbias if bias_requires_grad else None) + (None,) * n_rest
+
+
+torch.library.register_autograd("flexsparse::attention", _backward, setup_context=_setup_context)
