@@ -1,0 +1,133 @@
+"""flexsparse.attention: validate, compile the mask, pick a backend, call the op."""
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import masks as masks_mod
+from .descriptor import BlockDescriptor
+from .ops import backends
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BACKENDS = ("auto", "reference", "triton", "cuda")
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None, *,
+              bias: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+              softcap: Optional[float] = None, return_lse: bool = False,
+              backend: str = "auto", deterministic: bool = False,
+              block_size: Tuple[int, int] = masks_mod.DEFAULT_BLOCK_SIZE,
+              ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Masked/sparse attention. See README and docs/semantics.md.
+
+    query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv); Hq % Hkv == 0.
+    mask: None, a bool tensor, a `flexsparse.masks` mask, a compiled `BlockDescriptor`,
+    or a FlexAttention `BlockMask`. Returns out (B, Hq, Lq, Dv), and lse (B, Hq, Lq)
+    when `return_lse`.
+    """
+    _check_qkv(query, key, value)
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    desc = compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=query.device, block_size=block_size)
+    _check_bias(bias, query, B, Hq, Hkv, Lq, Lk)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale: must be a float, got {type(scale).__name__}")
+    if softcap is None:
+        softcap = 0.0
+    elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap <= 0:
+        raise ValueError(f"softcap: must be a positive float or None, got {softcap!r}")
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
+    mt = desc.mask_tensors()
+    if backend == "auto":
+        backend = backends.choose(query, key, value, bias, mt)
+    else:
+        reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
+        if reasons:
+            raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
+    out, lse = torch.ops.flexsparse.attention(
+        query, key, value, bias, *mt, desc.block_size[0], desc.block_size[1], float(scale),
+        float(softcap), backend, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAULT_BLOCK_SIZE
+                 ) -> BlockDescriptor:
+    """Whatever the user passed as `mask`, as a BlockDescriptor for these sizes."""
+    if isinstance(mask, BlockDescriptor):
+        if mask.seq_lengths != (Lq, Lk):
+            raise ValueError(f"mask: descriptor was compiled for (Lq, Lk)={mask.seq_lengths}, "
+                             f"inputs have ({Lq}, {Lk})")
+        if mask.num_heads[1] != Hkv or mask.num_heads[0] != Hq:
+            raise ValueError(f"mask: descriptor was compiled for (Hq, Hkv)={mask.num_heads}, "
+                             f"inputs have ({Hq}, {Hkv})")
+        if mask.device != device:
+            raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
+        return mask
+    if mask is None:
+        mask = masks_mod.full()
+    elif isinstance(mask, torch.Tensor):
+        mask = masks_mod.dense(mask)
+    elif _is_flex_block_mask(mask):
+        try:
+            from .flex import from_block_mask
+        except ImportError as err:
+            raise NotImplementedError("mask: FlexAttention BlockMask conversion is not "
+                                      "available yet") from err
+        mask = from_block_mask(mask)
+        if isinstance(mask, BlockDescriptor):
+            return compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=device, block_size=block_size)
+    if not isinstance(mask, masks_mod.Mask):
+        raise TypeError(f"mask: expected None, a bool tensor, a flexsparse mask, a BlockDescriptor "
+                        f"or a FlexAttention BlockMask, got {type(mask).__name__}")
+    return mask.compile(B, Hq, Hkv, Lq, Lk, device=device, block_size=block_size)
+
+
+def _is_flex_block_mask(mask) -> bool:
+    return type(mask).__name__ == "BlockMask" and hasattr(mask, "kv_num_blocks")
+
+
+def _check_qkv(query, key, value):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype must be float16, bfloat16, float32 or float64, "
+                            f"got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} must match query dtype {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name}: is on {t.device} but query is on {query.device}")
+        if t.shape[0] != query.shape[0]:
+            raise ValueError(f"{name}: batch {t.shape[0]} must match query batch {query.shape[0]}")
+    if value.shape[1] != key.shape[1]:
+        raise ValueError(f"value: has {value.shape[1]} heads but key has {key.shape[1]}")
+    if value.shape[2] != key.shape[2]:
+        raise ValueError(f"value: length {value.shape[2]} must match key length {key.shape[2]}")
+    if key.shape[3] != query.shape[3]:
+        raise ValueError(f"key: head dim {key.shape[3]} must match query head dim {query.shape[3]}")
+    Hq, Hkv = query.shape[1], key.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"key: query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv}")
+
+
+def _check_bias(bias, query, B, Hq, Hkv, Lq, Lk):
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: must be a tensor, got {type(bias).__name__}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias: must be a floating tensor, got {bias.dtype}")
+    if bias.device != query.device:
+        raise ValueError(f"bias: is on {bias.device} but query is on {query.device}")
+    if bias.dim() != 4:
+        raise ValueError(f"bias: must be 4-D (B|1, H|1, Lq|1, Lk|1), got shape {tuple(bias.shape)}")
+    b, h, lq, lk = bias.shape
+    if b not in (1, B) or h not in (1, Hkv, Hq) or lq not in (1, Lq) or lk not in (1, Lk):
+        raise ValueError(f"bias: shape {tuple(bias.shape)} is not broadcastable to "
+                         f"(B={B}, Hq={Hq} or Hkv={Hkv}, Lq={Lq}, Lk={Lk})")

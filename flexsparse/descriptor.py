@@ -1,0 +1,177 @@
+"""BlockDescriptor: a mask compiled for one set of sizes, holding exactly what the op reads.
+
+Layout and meaning of every tensor: docs/design.md. Per query block, a list of partial
+key blocks (element predicates apply) and a list of full key blocks (no predicate); the
+transposed lists serve the dK/dV pass; blocks in neither list are skipped. For index
+masks the lists are None and `attn_indices` holds the per-query key lists.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from .ops import reference
+from .ops.schema import MASK_TENSOR_NAMES, MaskTensors
+
+SKIP, PARTIAL, FULL = 0, 1, 2
+_STATE_CHARS = {SKIP: ".", PARTIAL: "+", FULL: "#"}
+
+
+@dataclass(eq=False)
+class BlockDescriptor:
+    seq_lengths: Tuple[int, int]          # (Lq, Lk)
+    block_size: Tuple[int, int]           # (block_q, block_k)
+    num_heads: Tuple[int, int]            # (Hq, Hkv) it was compiled for
+    kv_count: Optional[torch.Tensor] = None
+    kv_index: Optional[torch.Tensor] = None
+    kv_full_count: Optional[torch.Tensor] = None
+    kv_full_index: Optional[torch.Tensor] = None
+    q_count: Optional[torch.Tensor] = None
+    q_index: Optional[torch.Tensor] = None
+    q_full_count: Optional[torch.Tensor] = None
+    q_full_index: Optional[torch.Tensor] = None
+    dense_mask: Optional[torch.Tensor] = None
+    col_ranges: Optional[torch.Tensor] = None
+    partial_bits_index: Optional[torch.Tensor] = None
+    partial_bits: Optional[torch.Tensor] = None
+    attn_indices: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------ construction
+
+    @staticmethod
+    def from_block_state(state: torch.Tensor, *, seq_lengths, block_size, num_heads,
+                         kv_width: Optional[int] = None, q_width: Optional[int] = None,
+                         **predicates) -> "BlockDescriptor":
+        """Build the block lists from a block-state tensor (Bd, Hd, nQB, nKB) of SKIP/PARTIAL/FULL.
+
+        Widths, when given, must bound the number of blocks of each kind in a row
+        (an analytic mask knows this); they keep the lists O(N) for banded masks.
+        """
+        kv_count, kv_index = _block_lists(state == PARTIAL, kv_width)
+        kv_full_count, kv_full_index = _block_lists(state == FULL, kv_width)
+        st = state.transpose(-1, -2)
+        q_count, q_index = _block_lists(st == PARTIAL, q_width)
+        q_full_count, q_full_index = _block_lists(st == FULL, q_width)
+        return BlockDescriptor(
+            tuple(seq_lengths), tuple(block_size), tuple(num_heads),
+            kv_count, kv_index, kv_full_count, kv_full_index,
+            q_count, q_index, q_full_count, q_full_index, **predicates)
+
+    # ------------------------------------------------------------ what the op reads
+
+    def mask_tensors(self) -> MaskTensors:
+        return MaskTensors(*(getattr(self, name) for name in MASK_TENSOR_NAMES))
+
+    @property
+    def is_index_mask(self) -> bool:
+        return self.attn_indices is not None
+
+    @property
+    def device(self) -> torch.device:
+        t = self.attn_indices if self.is_index_mask else self.kv_count
+        return t.device
+
+    # ------------------------------------------------------------ reading it back
+
+    def block_state(self) -> torch.Tensor:
+        """int32 (Bd, Hd, nQB, nKB) of SKIP / PARTIAL / FULL (block masks only)."""
+        if self.is_index_mask:
+            raise ValueError("mask: an index mask has no block state")
+        nKB = -(-self.seq_lengths[1] // self.block_size[1])
+        return reference._block_state(self.mask_tensors(), 0, self.kv_count.shape[-1], nKB,
+                                      self.device)
+
+    def visible_rows(self, r0: int, r1: int) -> torch.Tensor:
+        """Group-form bool (b, hkv|1, g|1, r1-r0, Lk): what query rows [r0, r1) may see.
+
+        For block masks r0 must be a multiple of block_q.
+        """
+        Lq, Lk = self.seq_lengths
+        Hq, Hkv = self.num_heads
+        G = Hq // Hkv
+        if self.is_index_mask:
+            idx = self.attn_indices[:, :, r0:r1].to(torch.int64)
+            valid = (idx >= 0) & (idx < Lk)
+            hits = torch.zeros(idx.shape[:-1] + (Lk,), dtype=torch.int32, device=idx.device)
+            hits.scatter_add_(-1, torch.where(valid, idx, 0), valid.to(torch.int32))
+            return reference.to_groups(hits > 0, Hkv, G)
+        bq, bk = self.block_size
+        return reference.visible_rows(self.mask_tensors(), r0, r1, Lk, bq, bk, Hkv, G)
+
+    def to_dense(self) -> torch.Tensor:
+        """bool (B|1, H|1, Lq, Lk), H the query heads (or 1 / Hkv when the mask is shared)."""
+        Lq, _ = self.seq_lengths
+        return groups_to_heads(self.visible_rows(0, Lq), self.num_heads)
+
+    def num_visible(self, batch: int = 1) -> int:
+        """Visible (query, key) pairs summed over batch and query heads, computed in row chunks."""
+        Lq, Lk = self.seq_lengths
+        Hq, Hkv = self.num_heads
+        step = max(self.block_size[0], (1 << 24) // max(1, Hq * Lk) // self.block_size[0]
+                   * self.block_size[0])
+        total = 0
+        for r0 in range(0, Lq, step):
+            vis = self.visible_rows(r0, min(Lq, r0 + step))
+            b, h, g = vis.shape[:3]
+            n = int(vis.sum())
+            total += n * (batch // b) * (Hkv // h) * (Hq // Hkv // g)
+        return total
+
+    def __str__(self) -> str:
+        Lq, Lk = self.seq_lengths
+        head = (f"BlockDescriptor(Lq={Lq}, Lk={Lk}, block_size={self.block_size}, "
+                f"heads={self.num_heads}")
+        if self.is_index_mask:
+            return head + f", attn_indices={tuple(self.attn_indices.shape)})"
+        state = self.block_state()
+        preds = [n for n in ("dense_mask", "col_ranges", "partial_bits") if getattr(self, n) is not None]
+        lines = [head + f", predicates={preds})"]
+        Bd, Hd = state.shape[:2]
+        for b in range(min(Bd, 2)):
+            for h in range(min(Hd, 2)):
+                lines.append(f"[b={b}, h={h}]  # full, + partial, . skipped")
+                for row in state[b, h].tolist():
+                    lines.append("".join(_STATE_CHARS[x] for x in row))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def groups_to_heads(vis: torch.Tensor, num_heads) -> torch.Tensor:
+    """Group form (b, hkv|1, g|1, ...) -> head form (b, H, ...) with H in {1, Hkv, Hq}."""
+    Hq, Hkv = num_heads
+    if vis.shape[2] > 1:
+        return vis.expand(vis.shape[0], Hkv, *vis.shape[2:]).flatten(1, 2)
+    return vis.squeeze(2)
+
+
+def _block_lists(selected: torch.Tensor, width: Optional[int]):
+    """Counts and ascending indices of the True entries of the last dim, padded to `width`."""
+    count = selected.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~selected).to(torch.int32), dim=-1, stable=True)
+    if width is not None:
+        order = order[..., :max(1, width)]
+    return count, order.to(torch.int32).contiguous()
+
+
+# ---- pytree: descriptors can flow through torch.compile'd functions and torch.export
+
+def _flatten(d: BlockDescriptor):
+    names = [f.name for f in dataclasses.fields(d)][3:]
+    return [getattr(d, n) for n in names], (d.seq_lengths, d.block_size, d.num_heads)
+
+
+def _unflatten(children, context):
+    return BlockDescriptor(*context, *children)
+
+
+def _flatten_with_keys(d: BlockDescriptor):
+    children, context = _flatten(d)
+    names = [f.name for f in dataclasses.fields(d)][3:]
+    return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children)], context
+
+
+pytree.register_pytree_node(BlockDescriptor, _flatten, _unflatten,
+                            flatten_with_keys_fn=_flatten_with_keys)

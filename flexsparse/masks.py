@@ -1,0 +1,792 @@
+"""Mask builders. Every mask compiles, for given sizes, into a BlockDescriptor.
+
+Three families, by how the element predicate is stored (docs/design.md):
+- column ranges, O(Lk): causal, sliding_window, document, prefix_lm, shared_question,
+  column_ranges, and any and_/or_ of them (intervals are closed under both);
+- dense / block-level / bitmaps: dense, block_sparse, full, and the generic fallback
+  that evaluates any mix in row chunks and keeps bits only for partial blocks;
+- index lists: indices (and_ with other masks turns invisible entries into -1).
+
+Conventions: query i sees key j; with Lq != Lk causal masks align bottom-right,
+i' = i + (Lk - Lq).
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .descriptor import FULL, PARTIAL, SKIP, BlockDescriptor, groups_to_heads
+from .ops import reference
+
+DEFAULT_BLOCK_SIZE = (128, 128)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes a mask is compiled for."""
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    block_q: int
+    block_k: int
+    device: torch.device
+
+    @property
+    def nQB(self):
+        return -(-self.Lq // self.block_q)
+
+    @property
+    def nKB(self):
+        return -(-self.Lk // self.block_k)
+
+    @property
+    def offset(self):
+        return self.Lk - self.Lq
+
+
+@dataclass
+class _Parts:
+    """A compiled mask before its block lists are built."""
+    state: Optional[torch.Tensor] = None          # (Bd, Hd, nQB, nKB) SKIP/PARTIAL/FULL
+    dense_mask: Optional[torch.Tensor] = None
+    col_ranges: Optional[torch.Tensor] = None
+    partial_bits_index: Optional[torch.Tensor] = None
+    partial_bits: Optional[torch.Tensor] = None
+    attn_indices: Optional[torch.Tensor] = None
+
+    def to_descriptor(self, sz: Sizes) -> BlockDescriptor:
+        common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
+                      num_heads=(sz.Hq, sz.Hkv))
+        if self.attn_indices is not None:
+            return BlockDescriptor(common["seq_lengths"], common["block_size"],
+                                   common["num_heads"], attn_indices=self.attn_indices)
+        return BlockDescriptor.from_block_state(
+            self.state, **common, dense_mask=self.dense_mask, col_ranges=self.col_ranges,
+            partial_bits_index=self.partial_bits_index, partial_bits=self.partial_bits)
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class Mask:
+    """Base class. Subclasses implement `_parts(sizes) -> _Parts` and `__repr__`."""
+
+    def compile(self, B: int, Hq: int, Hkv: int, Lq: int, Lk: int, *, device=None,
+                block_size: Tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockDescriptor:
+        """The BlockDescriptor of this mask for these sizes (H = query heads)."""
+        if Hkv <= 0 or Hq % Hkv != 0:
+            raise ValueError(f"num_kv_heads: Hq={Hq} must be a multiple of Hkv={Hkv}")
+        bq, bk = block_size
+        if bq <= 0 or bk <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, torch.device(device or self._default_device()))
+        return self._parts(sz).to_descriptor(sz)
+
+    def to_dense(self, B: int, H: int, Lq: int, Lk: int, *, num_kv_heads: Optional[int] = None,
+                 device=None) -> torch.Tensor:
+        """bool (B|1, H|1, Lq, Lk), True = attend. For small sizes."""
+        Hkv = num_kv_heads or self._kv_heads_hint(H)
+        return self.compile(B, H, Hkv, Lq, Lk, device=device, block_size=(16, 16)).to_dense()
+
+    def show(self, Lq: int, Lk: Optional[int] = None, *, B: int = 1, H: int = 1, b: int = 0,
+             h: int = 0) -> str:
+        """A text grid of the mask for batch b, head h: '#' attend, '.' masked."""
+        Lk = Lq if Lk is None else Lk
+        dense = self.to_dense(B, H, Lq, Lk)
+        grid = dense[min(b, dense.shape[0] - 1), min(h, dense.shape[1] - 1)]
+        return "\n".join("".join("#" if x else "." for x in row) for row in grid.tolist())
+
+    def __and__(self, other):
+        return and_(self, other)
+
+    def __or__(self, other):
+        return or_(self, other)
+
+    # hooks
+    def _parts(self, sz: Sizes) -> _Parts:
+        raise NotImplementedError
+
+    def _default_device(self):
+        return "cpu"
+
+    def _kv_heads_hint(self, H: int) -> int:
+        return H
+
+
+# =============================================================== full / dense / blocks
+
+class _Full(Mask):
+    def _parts(self, sz):
+        state = torch.full((1, 1, sz.nQB, sz.nKB), FULL, dtype=torch.int32, device=sz.device)
+        return _Parts(state=state)
+
+    def __repr__(self):
+        return "full()"
+
+
+def full() -> Mask:
+    """Every query sees every key (what mask=None means)."""
+    return _Full()
+
+
+def _check_heads_dim(name, n, sz: Sizes, allow_hq=True):
+    ok = (1, sz.Hkv, sz.Hq) if allow_hq else (1, sz.Hkv)
+    if n not in ok:
+        raise ValueError(f"{name}: head dim {n} must be 1, Hkv={sz.Hkv}"
+                         + (f" or Hq={sz.Hq}" if allow_hq else ""))
+
+
+def _pool_blocks(vis: torch.Tensor, sz: Sizes) -> torch.Tensor:
+    """State (b, h, nQB|1, nKB|1) from a bool (b, h, Lq|1, Lk|1); out-of-range cells are neutral."""
+    b, h, lq, lk = vis.shape
+    nq = sz.nQB if lq != 1 else 1
+    nk = sz.nKB if lk != 1 else 1
+    bq = sz.block_q if lq != 1 else 1
+    bk = sz.block_k if lk != 1 else 1
+    pad = (0, nk * bk - lk, 0, nq * bq - lq)
+    any_ = torch.nn.functional.pad(vis, pad, value=False).view(b, h, nq, bq, nk, bk).any(5).any(3)
+    all_ = torch.nn.functional.pad(vis, pad, value=True).view(b, h, nq, bq, nk, bk).all(5).all(3)
+    state = torch.where(all_, FULL, torch.where(any_, PARTIAL, SKIP)).to(torch.int32)
+    return state.expand(b, h, sz.nQB, sz.nKB)
+
+
+class _Dense(Mask):
+    def __init__(self, mask: torch.Tensor):
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask: expected a bool tensor, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask: a dense mask must be torch.bool, got {mask.dtype}")
+        if mask.dim() != 4:
+            raise ValueError(f"mask: a dense mask must be 4-D (B|1, H|1, Lq|1, Lk|1), "
+                             f"got shape {tuple(mask.shape)}")
+        self.mask = mask
+
+    def _parts(self, sz):
+        m = self.mask
+        b, h, lq, lk = m.shape
+        if b not in (1, sz.B) or lq not in (1, sz.Lq) or lk not in (1, sz.Lk):
+            raise ValueError(f"mask: shape {tuple(m.shape)} is not broadcastable to "
+                             f"(B={sz.B}, H, Lq={sz.Lq}, Lk={sz.Lk})")
+        _check_heads_dim("mask", h, sz)
+        if m.device != sz.device:
+            raise ValueError(f"mask: is on {m.device} but the inputs are on {sz.device}")
+        return _Parts(state=_pool_blocks(m, sz), dense_mask=m)
+
+    def _default_device(self):
+        return self.mask.device
+
+    def _kv_heads_hint(self, H):
+        return self.mask.shape[1] if self.mask.shape[1] not in (1, H) else H
+
+    def __repr__(self):
+        return f"dense(<bool {tuple(self.mask.shape)}>)"
+
+
+def dense(mask: torch.Tensor) -> Mask:
+    """A dense bool mask (True = attend), broadcastable to (B, H, Lq, Lk); H may be Hkv."""
+    return _Dense(mask)
+
+
+class _BlockSparse(Mask):
+    def __init__(self, layout: torch.Tensor, block_size):
+        if not isinstance(layout, torch.Tensor) or layout.dtype != torch.bool:
+            raise TypeError("layout: must be a bool tensor (B|1, H|1, ceil(Lq/bq), ceil(Lk/bk))")
+        if layout.dim() != 4:
+            raise ValueError(f"layout: must be 4-D, got shape {tuple(layout.shape)}")
+        bq, bk = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+        if bq <= 0 or bk <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        self.layout, self.block = layout, (bq, bk)
+
+    def _parts(self, sz):
+        lay = self.layout
+        bq, bk = self.block
+        nq, nk = -(-sz.Lq // bq), -(-sz.Lk // bk)
+        if lay.shape[0] not in (1, sz.B) or lay.shape[2] != nq or lay.shape[3] != nk:
+            raise ValueError(f"layout: shape {tuple(lay.shape)} does not match "
+                             f"(B|1, H|1, {nq}, {nk}) for Lq={sz.Lq}, Lk={sz.Lk}, "
+                             f"block_size={self.block}")
+        _check_heads_dim("layout", lay.shape[1], sz)
+        if (bq, bk) == (sz.block_q, sz.block_k):
+            return _Parts(state=torch.where(lay, FULL, SKIP).to(torch.int32))
+        # Other block sizes: evaluate at element level in row chunks.
+        Hkv, G = sz.Hkv, sz.Hq // sz.Hkv
+        j = torch.arange(sz.Lk, device=lay.device) // bk
+
+        def visible(r0, r1):
+            i = torch.arange(r0, r1, device=lay.device) // bq
+            return reference.to_groups(lay[:, :, i][..., j], Hkv, G)
+        return _parts_from_visible(visible, sz)
+
+    def _default_device(self):
+        return self.layout.device
+
+    def __repr__(self):
+        return f"block_sparse(<bool {tuple(self.layout.shape)}>, block_size={self.block})"
+
+
+def block_sparse(layout: torch.Tensor, block_size=DEFAULT_BLOCK_SIZE) -> Mask:
+    """Block-level layout (B|1, H|1, ceil(Lq/bq), ceil(Lk/bk)), True = the block is attended."""
+    return _BlockSparse(layout, block_size)
+
+
+# =============================================================== generic fallback
+
+def _pack_bits(vis: torch.Tensor) -> torch.Tensor:
+    """bool (..., bk) -> int32 (..., ceil(bk/32)); bit c%32 of word c//32."""
+    bk = vis.shape[-1]
+    nw = -(-bk // 32)
+    v = torch.nn.functional.pad(vis, (0, nw * 32 - bk)).view(*vis.shape[:-1], nw, 32)
+    weights = torch.tensor([1 << c for c in range(32)], dtype=torch.int64, device=vis.device)
+    words = (v.to(torch.int64) * weights).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _parts_from_visible(visible: Callable[[int, int], torch.Tensor], sz: Sizes) -> _Parts:
+    """Block state + bitmaps of partial blocks from a row-chunk visibility function.
+
+    `visible(r0, r1)` returns group form (b, hkv|1, g|1, rows, Lk). Memory stays
+    O(rows x Lk) per step plus the bits of partial blocks. Eager only (data-dependent sizes).
+    """
+    bq, bk = sz.block_q, sz.block_k
+    per_block_row = max(1, sz.B * sz.Hq * bq * sz.Lk)
+    step = max(1, (1 << 24) // per_block_row) * bq
+    states, bit_chunks, index_chunks = [], [], []
+    n_bits = 0
+    for r0 in range(0, sz.Lq, step):
+        r1 = min(sz.Lq, r0 + step)
+        vis = groups_to_heads(visible(r0, r1), (sz.Hq, sz.Hkv))     # (b, h, rows, Lk)
+        b, h, rows, _ = vis.shape
+        nq = -(-rows // bq)
+        padded = torch.nn.functional.pad(vis, (0, sz.nKB * bk - sz.Lk, 0, nq * bq - rows))
+        tiles = padded.view(b, h, nq, bq, sz.nKB, bk).permute(0, 1, 2, 4, 3, 5)  # b h nq nk bq bk
+        in_range = torch.nn.functional.pad(
+            torch.ones((rows, sz.Lk), dtype=torch.bool, device=vis.device),
+            (0, sz.nKB * bk - sz.Lk, 0, nq * bq - rows)).view(nq, bq, sz.nKB, bk).permute(0, 2, 1, 3)
+        any_ = tiles.any(-1).any(-1)
+        all_ = (tiles | ~in_range).all(-1).all(-1)
+        state = torch.where(all_, FULL, torch.where(any_, PARTIAL, SKIP)).to(torch.int32)
+        partial = state == PARTIAL
+        index = torch.full(state.shape, -1, dtype=torch.int32, device=vis.device)
+        n = int(partial.sum())
+        index[partial] = torch.arange(n_bits, n_bits + n, dtype=torch.int32, device=vis.device)
+        bit_chunks.append(_pack_bits(tiles[partial]))
+        n_bits += n
+        states.append(state)
+        index_chunks.append(index)
+    state = _cat_rows(states)
+    index = _cat_rows(index_chunks)
+    bits = torch.cat(bit_chunks) if bit_chunks else torch.zeros(
+        (0, bq, -(-bk // 32)), dtype=torch.int32, device=sz.device)
+    if n_bits == 0:
+        return _Parts(state=state)
+    return _Parts(state=state, partial_bits_index=index, partial_bits=bits.contiguous())
+
+
+def _cat_rows(chunks):
+    shape = torch.broadcast_shapes(*[c.shape[:2] for c in chunks])
+    return torch.cat([c.expand(*shape, *c.shape[2:]) for c in chunks], dim=2).contiguous()
+
+
+# =============================================================== column ranges
+
+UPPER, LOWER, GENERAL = "upper", "lower", "general"   # [0, e) / [s, Lq) / [s, e)
+
+
+class _ColumnRanges(Mask):
+    """Masked row intervals per key column; `build(sz)` returns [(kind, (Bc,Hc,Lk,2) int64)]."""
+
+    def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
+                 device=None, kv_heads_hint=None):
+        self.build, self.text, self.device, self.kv_hint = build, text, device, kv_heads_hint
+
+    def slots(self, sz: Sizes):
+        return _simplify(self.build(sz), sz)
+
+    def _parts(self, sz):
+        slots = self.slots(sz)
+        if not slots:   # nothing masked
+            return _Full()._parts(sz)
+        cr = _stack_slots(slots, sz)
+        return _Parts(state=col_ranges_block_state(cr, sz), col_ranges=cr)
+
+    def _default_device(self):
+        return self.device or "cpu"
+
+    def _kv_heads_hint(self, H):
+        return self.kv_hint if self.kv_hint not in (None, 1) else H
+
+    def __repr__(self):
+        return self.text
+
+
+def _aligned_heads(ts: Sequence[torch.Tensor], sz: Sizes):
+    """Make head dims broadcast: a mix of Hkv and Hq heads becomes Hq."""
+    hs = {t.shape[1] for t in ts} - {1}
+    if len(hs) <= 1:
+        return list(ts)
+    G = sz.Hq // sz.Hkv
+    return [t.repeat_interleave(G, dim=1) if t.shape[1] == sz.Hkv else t for t in ts]
+
+
+def _simplify(slots, sz: Sizes):
+    """Union of masked intervals: all UPPER merge into one (max end), all LOWER into one (min start)."""
+    uppers = [t for k, t in slots if k == UPPER]
+    lowers = [t for k, t in slots if k == LOWER]
+    out = [(k, t) for k, t in slots if k == GENERAL]
+    if uppers:
+        ends = torch.broadcast_tensors(*_aligned_heads([t[..., 1] for t in uppers], sz))
+        end = torch.stack(ends).amax(0)
+        out.insert(0, (UPPER, torch.stack([torch.zeros_like(end), end], -1)))
+    if lowers:
+        starts = torch.broadcast_tensors(*_aligned_heads([t[..., 0] for t in lowers], sz))
+        start = torch.stack(starts).amin(0)
+        out.insert(len(uppers) > 0, (LOWER, torch.stack([start, torch.full_like(start, sz.Lq)], -1)))
+    return out
+
+
+def _stack_slots(slots, sz: Sizes) -> torch.Tensor:
+    """int32 (Bc, Hc, Lk, 2m), clamped to [0, Lq]; empty intervals normalized to (0, 0)/(Lq, Lq)."""
+    ts = torch.broadcast_tensors(*_aligned_heads([t for _, t in slots], sz))
+    fixed = []
+    for (kind, _), t in zip(slots, ts):
+        t = t.clamp(0, sz.Lq)
+        s, e = t[..., 0], t[..., 1]
+        empty = s >= e
+        fill = sz.Lq if kind == LOWER else 0      # keeps per-block min/max stats tight
+        s = torch.where(empty, fill, s)
+        e = torch.where(empty, fill, e)
+        fixed.append(torch.stack([s, e], -1))
+    return torch.cat(fixed, -1).to(torch.int32).contiguous()
+
+
+def col_ranges_block_state(cr: torch.Tensor, sz: Sizes) -> torch.Tensor:
+    """SKIP/PARTIAL/FULL per block from per-key-block min/max of the intervals: O(Lk + blocks).
+
+    Sound, not always tight: SKIP only if one interval covers the block's rows in every
+    column; FULL only if every interval misses them in every column; else PARTIAL.
+    """
+    Bc, Hc, Lk, two_m = cr.shape
+    nKB, bk = sz.nKB, sz.block_k
+    pad = nKB * bk - Lk
+    r0 = torch.arange(sz.nQB, device=cr.device) * sz.block_q
+    r1 = (r0 + sz.block_q).clamp(max=sz.Lq)
+    r0, r1 = r0[:, None], r1[:, None]                        # (nQB, 1) against (.., 1, nKB)
+    big = 1 << 30
+    skip = torch.zeros((Bc, Hc, sz.nQB, nKB), dtype=torch.bool, device=cr.device)
+    full = torch.ones((Bc, Hc, sz.nQB, nKB), dtype=torch.bool, device=cr.device)
+    for r in range(two_m // 2):
+        s = cr[..., 2 * r].to(torch.int64)
+        e = cr[..., 2 * r + 1].to(torch.int64)
+        nonempty = s < e
+        # covering needs every real column covered: padded columns are neutral (cover all)
+        s_cov = torch.nn.functional.pad(s, (0, pad), value=0).view(Bc, Hc, nKB, bk).amax(-1)
+        e_cov = torch.nn.functional.pad(torch.where(nonempty, e, 0), (0, pad), value=big)
+        e_cov = e_cov.view(Bc, Hc, nKB, bk).amin(-1)
+        skip |= (s_cov[:, :, None, :] <= r0) & (e_cov[:, :, None, :] >= r1)
+        # missing: ignore empty intervals and padded columns
+        s_miss = torch.nn.functional.pad(torch.where(nonempty, s, big), (0, pad), value=big)
+        s_miss = s_miss.view(Bc, Hc, nKB, bk).amin(-1)
+        e_miss = torch.nn.functional.pad(torch.where(nonempty, e, -big), (0, pad), value=-big)
+        e_miss = e_miss.view(Bc, Hc, nKB, bk).amax(-1)
+        full &= (s_miss[:, :, None, :] >= r1) | (e_miss[:, :, None, :] <= r0)
+    return torch.where(skip, SKIP, torch.where(full, FULL, PARTIAL)).to(torch.int32)
+
+
+def _cols(sz: Sizes) -> torch.Tensor:
+    return torch.arange(sz.Lk, device=sz.device, dtype=torch.int64)
+
+
+def _interval(start, end):
+    """Starts/ends of shape (Lk,) or (Bl, Lk) -> one slot tensor (Bc, 1, Lk, 2)."""
+    start, end = torch.broadcast_tensors(start, end)
+    t = torch.stack([start, end], -1)
+    return t[None, None] if t.dim() == 2 else t[:, None]
+
+
+def causal() -> Mask:
+    """Query i sees key j iff j <= i + (Lk - Lq)."""
+    def build(sz):
+        j = _cols(sz)
+        return [(UPPER, _interval(torch.zeros_like(j), j - sz.offset))]
+    return _ColumnRanges(build, "causal()")
+
+
+def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
+    """Query i sees key j iff i' - left <= j <= i' + right, i' = i + (Lk - Lq); None = unbounded."""
+    for name, v in (("left", left), ("right", right)):
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise ValueError(f"{name}: must be a non-negative int or None, got {v!r}")
+
+    def build(sz):
+        j = _cols(sz)
+        slots = []
+        if right is not None:     # rows i < j - off - right are masked
+            slots.append((UPPER, _interval(torch.zeros_like(j), j - sz.offset - right)))
+        if left is not None:      # rows i > j - off + left are masked
+            slots.append((LOWER, _interval(j - sz.offset + left + 1, torch.full_like(j, sz.Lq))))
+        return slots
+    return _ColumnRanges(build, f"sliding_window(left={left}, right={right})")
+
+
+def _as_lengths(lengths, name) -> torch.Tensor:
+    t = torch.as_tensor(lengths)
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TypeError(f"{name}: must be integers, got {t.dtype}")
+    if t.dim() not in (1, 2):
+        raise ValueError(f"{name}: must be 1-D (n,) or 2-D (B, n), got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def _doc_bounds(lengths: torch.Tensor, sz: Sizes, name: str):
+    """Per key column: (start, end) of its document, each (Bl, Lk)."""
+    if sz.Lq != sz.Lk:
+        raise ValueError(f"{name}: needs Lq == Lk, got Lq={sz.Lq}, Lk={sz.Lk}")
+    lens = lengths.to(sz.device)
+    lens = lens[None] if lens.dim() == 1 else lens
+    if lens.shape[0] not in (1, sz.B):
+        raise ValueError(f"{name}: batch dim {lens.shape[0]} must be 1 or B={sz.B}")
+    if not _is_compiling():
+        if bool((lens < 0).any()):
+            raise ValueError(f"{name}: lengths must be non-negative")
+        totals = lens.sum(-1)
+        if bool((totals != sz.Lk).any()):
+            raise ValueError(f"{name}: lengths must sum to L={sz.Lk}, got {totals.tolist()}")
+    ends = lens.cumsum(-1)
+    starts = ends - lens
+    j = _cols(sz).expand(lens.shape[0], sz.Lk).contiguous()
+    d = torch.searchsorted(ends, j, right=True).clamp(max=lens.shape[1] - 1)
+    return starts.gather(-1, d), ends.gather(-1, d)
+
+
+def document(lengths, causal: bool = True) -> Mask:
+    """Packed sequences: attention only within a document (and causal inside it by default).
+
+    `lengths`: 1-D (n,) summing to L, or (B, n) padded with zeros, each row summing to L.
+    """
+    lens = _as_lengths(lengths, "lengths")
+    use_causal = causal
+
+    def build(sz):
+        s, e = _doc_bounds(lens, sz, "lengths")
+        j = _cols(sz)
+        upper_end = torch.maximum(s, j - sz.offset) if use_causal else s
+        return [(UPPER, _interval(torch.zeros_like(upper_end), upper_end)),
+                (LOWER, _interval(e, torch.full_like(e, sz.Lq)))]
+    return _ColumnRanges(build, f"document(lengths={lens.tolist()}, causal={causal})")
+
+
+def prefix_lm(prefix_len) -> Mask:
+    """Key j is visible iff j < prefix_len or causal. prefix_len: int or (B,) tensor."""
+    is_int = isinstance(prefix_len, int)
+    p = torch.as_tensor(prefix_len, dtype=torch.int64)
+    if p.dim() > 1:
+        raise ValueError(f"prefix_len: must be an int or a (B,) tensor, got shape {tuple(p.shape)}")
+
+    def build(sz):
+        j = _cols(sz)
+        pl = p.to(sz.device).reshape(-1, 1)                  # (Bp, 1)
+        if pl.shape[0] not in (1, sz.B):
+            raise ValueError(f"prefix_len: batch dim {pl.shape[0]} must be 1 or B={sz.B}")
+        end = torch.where(j < pl, 0, j - sz.offset)          # (Bp, Lk)
+        return [(UPPER, _interval(torch.zeros_like(end), end))]
+    text = f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({p.tolist()})"
+    return _ColumnRanges(build, text)
+
+
+def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
+    """Causal; every answer sees the question and itself, never another answer."""
+    answers = _as_lengths(answer_lengths, "answer_lengths")
+    if answers.dim() != 1:
+        raise ValueError("answer_lengths: must be 1-D")
+    if not isinstance(question_len, int) or question_len < 0:
+        raise ValueError(f"question_len: must be a non-negative int, got {question_len!r}")
+
+    def build(sz):
+        lengths = torch.cat([torch.tensor([question_len]), answers])
+        s, e = _doc_bounds(lengths, sz, "shared_question lengths")
+        j = _cols(sz)
+        lower = torch.where(j < question_len, sz.Lq, e)      # question columns: no lower interval
+        return [(UPPER, _interval(torch.zeros_like(j), j - sz.offset)),
+                (LOWER, _interval(lower, torch.full_like(lower, sz.Lq)))]
+    return _ColumnRanges(build, f"shared_question({question_len}, {answers.tolist()})")
+
+
+def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
+    """FlashMask's column-wise mask. Tensor (B|1, Hkv|1, Lk, C) of row indices:
+
+    causal, C=1: rows [LTS, Lq) of column j are masked; causal, C=2: rows [LTS, LTE);
+    non-causal, C=2: rows >= LTS and rows < UTE; C=4: [LTS, LTE) and [UTS, UTE).
+    With causal the part above the diagonal is masked too.
+    """
+    t = startend_row_indices
+    if not isinstance(t, torch.Tensor):
+        raise TypeError("startend_row_indices: must be an integer tensor")
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TypeError(f"startend_row_indices: must be an integer tensor, got {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(f"startend_row_indices: must be 4-D (B|1, Hkv|1, Lk, C), "
+                         f"got shape {tuple(t.shape)}")
+    C = t.shape[-1]
+    if C not in ((1, 2, 4) if causal else (2, 4)):
+        raise ValueError(f"startend_row_indices: last dim C={C} is not valid with causal={causal} "
+                         f"(causal: 1, 2 or 4; non-causal: 2 or 4)")
+
+    def build(sz):
+        if t.shape[0] not in (1, sz.B) or t.shape[2] != sz.Lk:
+            raise ValueError(f"startend_row_indices: shape {tuple(t.shape)} must be "
+                             f"(B|1, Hkv|1, Lk={sz.Lk}, C)")
+        _check_heads_dim("startend_row_indices", t.shape[1], sz)
+        if t.device != sz.device:
+            raise ValueError(f"startend_row_indices: is on {t.device}, inputs on {sz.device}")
+        x = t.to(torch.int64)
+        lq = torch.full_like(x[..., 0], sz.Lq)
+        zero = torch.zeros_like(lq)
+        if C == 1:
+            slots = [(LOWER, torch.stack([x[..., 0], lq], -1))]
+        elif C == 2 and causal:
+            slots = [(GENERAL, x[..., 0:2])]
+        elif C == 2:
+            slots = [(LOWER, torch.stack([x[..., 0], lq], -1)),
+                     (UPPER, torch.stack([zero, x[..., 1]], -1))]
+        else:
+            slots = [(GENERAL, x[..., 0:2]), (GENERAL, x[..., 2:4])]
+        if causal:
+            slots.append((UPPER, _interval(torch.zeros_like(_cols(sz)), _cols(sz) - sz.offset)))
+        return slots
+    return _ColumnRanges(build, f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
+                         device=t.device, kv_heads_hint=t.shape[1])
+
+
+# =============================================================== index lists
+
+class _Indices(Mask):
+    def __init__(self, attn_indices: torch.Tensor, causal: bool, validate: bool):
+        t = attn_indices
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("attn_indices: must be an integer tensor")
+        if t.dtype not in (torch.int32, torch.int64, torch.int16):
+            raise TypeError(f"attn_indices: must be int32 or int64, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"attn_indices: must be 4-D (B|1, Hkv|1, Lq, W), got shape {tuple(t.shape)}")
+        self.indices, self.causal, self.validate = t, causal, validate
+
+    def _parts(self, sz):
+        t = self.indices
+        if t.shape[0] not in (1, sz.B) or t.shape[2] != sz.Lq:
+            raise ValueError(f"attn_indices: shape {tuple(t.shape)} must be (B|1, Hkv|1, Lq={sz.Lq}, W)")
+        if t.shape[1] not in (1, sz.Hkv):
+            raise ValueError(f"attn_indices: head dim {t.shape[1]} must be 1 or Hkv={sz.Hkv}")
+        if t.device != sz.device:
+            raise ValueError(f"attn_indices: is on {t.device} but the inputs are on {sz.device}")
+        if self.validate and not _is_compiling() and t.numel() > 0:
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -1 or hi >= sz.Lk:
+                raise ValueError(f"attn_indices: entries must be -1 or in [0, Lk={sz.Lk}), "
+                                 f"found values in [{lo}, {hi}]")
+        idx = t.to(torch.int32)
+        if self.causal:
+            i = torch.arange(sz.Lq, device=t.device, dtype=torch.int32)[:, None]
+            idx = torch.where(idx > i + sz.offset, -1, idx)
+        return _Parts(attn_indices=idx.contiguous())
+
+    def _default_device(self):
+        return self.indices.device
+
+    def _kv_heads_hint(self, H):
+        return self.indices.shape[1] if self.indices.shape[1] != 1 else H
+
+    def __repr__(self):
+        return f"indices(<{tuple(self.indices.shape)}>, causal={self.causal})"
+
+
+def indices(attn_indices: torch.Tensor, causal: bool = False, *, validate: bool = True) -> Mask:
+    """Per-query key lists (B|1, Hkv|1, Lq, W); -1 = inactive; each entry counts once per occurrence.
+
+    causal=True turns entries with j > i + (Lk - Lq) into -1. `validate=False` skips the
+    range check (kernels still never read out of bounds).
+    """
+    return _Indices(attn_indices, causal, validate)
+
+
+# =============================================================== combinations
+
+def _flatten_children(cls, masks):
+    out = []
+    for m in masks:
+        out.extend(m.children if isinstance(m, cls) else [m])
+    return out
+
+
+class _And(Mask):
+    def __init__(self, children):
+        self.children = children
+
+    def _parts(self, sz):
+        cols = [m for m in self.children if isinstance(m, _ColumnRanges)]
+        idx = [m for m in self.children if isinstance(m, _Indices)]
+        rest = [m for m in self.children if not isinstance(m, (_ColumnRanges, _Indices))]
+        if len(idx) > 1:
+            raise NotImplementedError("mask: and_ of two index masks is not supported")
+        merged = []
+        if cols:
+            merged.append(_ColumnRanges(lambda s: [x for m in cols for x in m.build(s)],
+                                        repr(self)))
+        others = merged + rest
+        if idx:
+            return _filter_indices(idx[0]._parts(sz), others, sz)
+        parts = [m._parts(sz) for m in others]
+        if len(parts) == 1:
+            return parts[0]
+        if sum(p.partial_bits is not None for p in parts) > 1:
+            return _parts_from_visible(_visible_and(parts, sz), sz)
+        state = parts[0].state
+        for p in parts[1:]:
+            state = _and_state(state, p.state, sz)
+        dense = [p.dense_mask for p in parts if p.dense_mask is not None]
+        crs = [p.col_ranges for p in parts if p.col_ranges is not None]
+        bits = [p for p in parts if p.partial_bits is not None]
+        dm = None
+        for d in dense:
+            dm = d if dm is None else _and_dense(dm, d, sz)
+        cr = None
+        if crs:
+            crs = torch.broadcast_tensors(*_aligned_heads(crs, sz)) if len(crs) > 1 else crs
+            cr = torch.cat([c for c in crs], -1).contiguous()
+        out = _Parts(state=state, dense_mask=dm, col_ranges=cr)
+        if bits:
+            out.partial_bits_index = bits[0].partial_bits_index
+            out.partial_bits = bits[0].partial_bits
+        return out
+
+    def _default_device(self):
+        return self.children[0]._default_device()
+
+    def _kv_heads_hint(self, H):
+        hints = [m._kv_heads_hint(H) for m in self.children]
+        return min(hints)
+
+    def __repr__(self):
+        return "and_(" + ", ".join(repr(m) for m in self.children) + ")"
+
+
+def _and_state(a, b, sz):
+    a, b = torch.broadcast_tensors(*_aligned_heads([a, b], sz))
+    skip = (a == SKIP) | (b == SKIP)
+    full = (a == FULL) & (b == FULL)
+    return torch.where(skip, SKIP, torch.where(full, FULL, PARTIAL)).to(torch.int32)
+
+
+def _and_dense(a, b, sz):
+    a, b = _aligned_heads([a, b], sz)
+    return a & b
+
+
+def _visible_and(parts: List[_Parts], sz: Sizes):
+    descs = [p.to_descriptor(sz) for p in parts]
+
+    def visible(r0, r1):
+        out = descs[0].visible_rows(r0, r1)
+        for d in descs[1:]:
+            out = out & d.visible_rows(r0, r1)
+        return out
+    return visible
+
+
+def _filter_indices(idx_parts: _Parts, others: List[Mask], sz: Sizes) -> _Parts:
+    """and_ with an index mask: entries whose (i, j) another mask hides become -1."""
+    idx = idx_parts.attn_indices
+    if not others:
+        return idx_parts
+    descs = [m._parts(sz).to_descriptor(sz) for m in others]
+    Hkv, G = sz.Hkv, sz.Hq // sz.Hkv
+    out = []
+    step = max(1, (1 << 24) // max(1, sz.B * sz.Hq * sz.Lk))
+    for r0 in range(0, sz.Lq, step):
+        r1 = min(sz.Lq, r0 + step)
+        vis = descs[0].visible_rows(r0, r1)
+        for d in descs[1:]:
+            vis = vis & d.visible_rows(r0, r1)
+        if vis.shape[2] > 1:
+            raise NotImplementedError("mask: and_ of an index mask with a mask that differs "
+                                      "between the query heads of a KV group is not supported")
+        vis = vis.squeeze(2)                                   # (b, hkv|1, rows, Lk)
+        rows_idx = idx[:, :, r0:r1].to(torch.int64)
+        shape = torch.broadcast_shapes(vis.shape[:2], rows_idx.shape[:2])
+        vis = vis.expand(*shape, *vis.shape[2:])
+        rows_idx = rows_idx.expand(*shape, *rows_idx.shape[2:])
+        ok = torch.gather(vis, -1, rows_idx.clamp(0, sz.Lk - 1)) & (rows_idx >= 0)
+        out.append(torch.where(ok, rows_idx, -1).to(torch.int32))
+    return _Parts(attn_indices=torch.cat(out, dim=2).contiguous())
+
+
+class _Or(Mask):
+    def __init__(self, children):
+        self.children = children
+
+    def _parts(self, sz):
+        if all(isinstance(m, _ColumnRanges) for m in self.children):
+            return _ColumnRanges(lambda s: _or_slots([m.slots(s) for m in self.children], s),
+                                 repr(self))._parts(sz)
+        descs = [m._parts(sz).to_descriptor(sz) for m in self.children]
+
+        def visible(r0, r1):
+            out = descs[0].visible_rows(r0, r1)
+            for d in descs[1:]:
+                out = out | d.visible_rows(r0, r1)
+            return out
+        return _parts_from_visible(visible, sz)
+
+    def _default_device(self):
+        return self.children[0]._default_device()
+
+    def _kv_heads_hint(self, H):
+        return min(m._kv_heads_hint(H) for m in self.children)
+
+    def __repr__(self):
+        return "or_(" + ", ".join(repr(m) for m in self.children) + ")"
+
+
+def _or_slots(slot_lists, sz: Sizes):
+    """Masked sets intersect under or_: the product of the interval lists."""
+    acc = slot_lists[0]
+    for nxt in slot_lists[1:]:
+        prod = []
+        for ka, a in acc:
+            for kb, b in nxt:
+                a2, b2 = torch.broadcast_tensors(*_aligned_heads([a, b], sz))
+                s = torch.maximum(a2[..., 0], b2[..., 0])
+                e = torch.minimum(a2[..., 1], b2[..., 1])
+                kind = ka if ka == kb else GENERAL
+                prod.append((kind, torch.stack([s, e], -1)))
+        acc = _simplify(prod, sz)
+    return acc
+
+
+def and_(*masks: Mask) -> Mask:
+    """Visible where every mask is visible."""
+    masks = _check_masks("and_", masks)
+    return masks[0] if len(masks) == 1 else _And(_flatten_children(_And, masks))
+
+
+def or_(*masks: Mask) -> Mask:
+    """Visible where any mask is visible."""
+    masks = _check_masks("or_", masks)
+    return masks[0] if len(masks) == 1 else _Or(_flatten_children(_Or, masks))
+
+
+def _check_masks(name, masks):
+    if not masks:
+        raise ValueError(f"{name}: needs at least one mask")
+    out = []
+    for m in masks:
+        if isinstance(m, torch.Tensor):
+            m = dense(m)
+        if not isinstance(m, Mask):
+            raise TypeError(f"{name}: expected flexsparse masks, got {type(m).__name__}")
+        out.append(m)
+    return out
