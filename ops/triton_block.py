@@ -1,0 +1,827 @@
+"""Triton kernels for block-descriptor masks: forward, backward (dK/dV pass + dQ pass), launchers.
+
+Layout of the work (see docs/design.md for the op contract):
+
+* forward: one program = one BLOCK_M query tile of one (b, query head). It walks the
+  partial key-block list (`kv_count/kv_index`, element predicates applied), then the full
+  list (`kv_full_count/kv_full_index`, no element masking at all). Blocks in neither list
+  are never touched. Online softmax in the exp2 domain (log2(e) folded into the scale).
+* backward, dK/dV pass: one program = one BLOCK_N key tile of one (b, kv head); it loops
+  over the G query heads of that kv head and walks the transposed lists
+  (`q_count/q_index`, `q_full_count/q_full_index`). No atomics for dK/dV.
+* backward, dQ pass: one program = one BLOCK_M query tile of one (b, query head), walking
+  the kv lists again.
+
+A descriptor block (block_q x block_k) is covered by (block_q / BLOCK_M) x (block_k / BLOCK_N)
+kernel tiles; the list loops are flattened ("iteration it -> list entry it // SUB, sub-tile
+it % SUB") so that Triton pipelines one loop.
+
+Head broadcast for every per-head tensor (descriptor lists, bias, dense mask, col ranges,
+bitmap index): a head dim of size 1, Hkv or Hq is read at head `h // hdiv` with hdiv = Hq,
+G or 1. Batch dims of size 1 get stride 0.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# dbias modes of the dK/dV pass
+DB_NONE, DB_STORE, DB_ATOMIC, DB_ROWSUM = 0, 1, 2, 3
+
+
+# ============================================================================ helpers (jit)
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates cleanly to +-1 in float32.
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _load_tile(ptrs, r_ok, c_ok, NEED_R: tl.constexpr, NEED_C: tl.constexpr):
+    if NEED_R and NEED_C:
+        x = tl.load(ptrs, mask=r_ok & c_ok, other=0.0)
+    elif NEED_R:
+        x = tl.load(ptrs, mask=r_ok, other=0.0)
+    elif NEED_C:
+        x = tl.load(ptrs, mask=c_ok, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _visible(i, j, Lq, Lk, qb, kb, block_q, block_k, b, h,
+             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+             CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+             HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr):
+    """Element visibility inside a partial block; i, j broadcastable index tiles."""
+    vis = (i < Lq) & (j < Lk)
+    if HAS_DM:
+        d = tl.load(DM + b * dm_sb + (h // dm_hdiv) * dm_sh + i * dm_sq + j * dm_sk,
+                    mask=vis, other=0)
+        vis = vis & (d != 0)
+    if N_RANGES > 0:
+        base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
+        j_ok = j < Lk
+        for r in tl.static_range(N_RANGES):
+            start = tl.load(base + 2 * r, mask=j_ok, other=0)
+            end = tl.load(base + 2 * r + 1, mask=j_ok, other=0)
+            vis = vis & ((i < start) | (i >= end))
+    if HAS_BITS:
+        p = tl.load(PBI + b * pbi_sb + (h // pbi_hdiv) * pbi_sh + qb * pbi_sq + kb)
+        c = j - kb * block_k
+        w = tl.load(PB + p.to(tl.int64) * pb_sp + (i - qb * block_q) * pb_sr + (c // 32),
+                    mask=vis & (p >= 0), other=-1)
+        vis = vis & (((w >> (c % 32)) & 1) != 0)
+    return vis
+
+
+# ============================================================================ forward
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
+               Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
+               idx_ptr, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
+               qk_scale, cap_log2,
+               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+               PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+               HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+               EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    d_ok = offs_d[:, None] < D
+    for it in range(n_iters):
+        kb = tl.load(idx_ptr + it // SUB)
+        j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+        j_ok = j[None, :] < Lk
+        kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
+                        not EVEN_N, not EVEN_D)
+        qk = tl.dot(q, kT)
+        if SOFTCAP:
+            s = _tanh(qk * qk_scale) * cap_log2
+        else:
+            s = qk * qk_scale
+        if HAS_BIAS:
+            bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
+                           mask=(i[:, None] < Lq) & j_ok, other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        if PARTIAL:
+            vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                           DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                           CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                           PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                           HAS_DM, N_RANGES, HAS_BITS)
+            s = tl.where(vis, s, float("-inf"))
+        elif not EVEN_N:
+            s = tl.where(j_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_tile(Vh + j[:, None] * svn + offs_d[None, :] * svd, j[:, None] < Lk,
+                       offs_d[None, :] < D, not EVEN_N, not EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, Bias,
+              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+              sob, soh, som, sod,
+              sbb, sbh, sbq, sbk, b_hdiv,
+              KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W,
+              KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+              DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+              CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+              Hq, G, Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
+              HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+              N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr,
+              EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    qb = m0 // block_q
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    i = m0 + offs_m
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+
+    q = _load_tile(Q + b64 * sqb + h64 * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+                   i[:, None] < Lq, offs_d[None, :] < D, not EVEN_M, not EVEN_D)
+    Kh = K + b64 * skb + hk64 * skh
+    Vh = V + b64 * svb + hk64 * svh
+    Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
+    n_iters = tl.load(KVC + row) * SUB
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
+        KVI + row.to(tl.int64) * kv_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
+        qk_scale, cap_log2,
+        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N)
+    row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
+    n_iters = tl.load(KFC + row) * SUB
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
+        KFI + row.to(tl.int64) * kf_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
+        qk_scale, cap_log2,
+        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_ptrs = Out + b64 * sob + h64 * soh + i[:, None] * som + offs_d[None, :] * sod
+    if EVEN_M and EVEN_D:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(i[:, None] < Lq) & (offs_d[None, :] < D))
+    l_ptrs = Lse + (b64 * Hq + h64) * Lq + i
+    if EVEN_M:
+        tl.store(l_ptrs, lse)
+    else:
+        tl.store(l_ptrs, lse, mask=i < Lq)
+
+
+# ============================================================================ backward
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
+                  Qh, sqm, sqd, DOh, sdm, sdd, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
+                  idx_ptr, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k, qk_scale, cap_log2,
+                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                  CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                  PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                  PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                  DB_MODE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """Transposed tiles: rows = keys (BLOCK_N), columns = queries (BLOCK_M)."""
+    d_okT = offs_d[:, None] < D
+    d_ok = offs_d[None, :] < D
+    j_ok = j[:, None] < Lk
+    for it in range(n_iters):
+        qb = tl.load(idx_ptr + it // SUB)
+        i = qb * block_q + (it % SUB) * BLOCK_M + offs_m
+        i_ok = i < Lq
+        qT = _load_tile(Qh + i[None, :] * sqm + offs_d[:, None] * sqd, i_ok[None, :], d_okT,
+                        not EVEN_M, not EVEN_D)
+        if EVEN_M:
+            lse2 = tl.load(LSE2h + i)
+            delta = tl.load(DELh + i)
+        else:
+            lse2 = tl.load(LSE2h + i, mask=i_ok, other=float("inf"))
+            delta = tl.load(DELh + i, mask=i_ok, other=0.0)
+        qk = tl.dot(k, qT)
+        if SOFTCAP:
+            t = _tanh(qk * qk_scale)
+            s = t * cap_log2
+        else:
+            s = qk * qk_scale
+        if HAS_BIAS:
+            bias = tl.load(Bh + i[None, :] * sbq + j[:, None] * sbk, mask=i_ok[None, :] & j_ok,
+                           other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        pT = tl.math.exp2(s - lse2[None, :])
+        if PARTIAL:
+            vis = _visible(i[None, :], j[:, None], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                           DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                           CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                           PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                           HAS_DM, N_RANGES, HAS_BITS)
+            pT = tl.where(vis, pT, 0.0)
+        do = _load_tile(DOh + i[:, None] * sdm + offs_d[None, :] * sdd, i_ok[:, None], d_ok,
+                        not EVEN_M, not EVEN_D)
+        dv = tl.dot(pT.to(do.dtype), do, dv)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if DB_MODE == 1:
+            tl.store(DBh + i[None, :] * sdbq + j[:, None] * sdbk,
+                     dsT.to(DBh.dtype.element_ty), mask=i_ok[None, :] & j_ok)
+        elif DB_MODE == 2:
+            tl.atomic_add(DBh + i[None, :] * sdbq + j[:, None] * sdbk, dsT,
+                          mask=i_ok[None, :] & j_ok, sem="relaxed")
+        elif DB_MODE == 3:
+            dbacc += tl.sum(dsT, 1)
+        if SOFTCAP:
+            dsT = dsT * (1.0 - t * t)
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+    return dk, dv, dbacc
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                   sdob, sdoh, sdom, sdod,
+                   sbb, sbh, sbq, sbk, b_hdiv,
+                   sdbb, sdbh, sdbq, sdbk, db_hdiv,
+                   QC, QI, qc_sb, qc_sh, qc_hdiv, qc_W,
+                   QFC, QFI, qf_sb, qf_sh, qf_hdiv, qf_W,
+                   DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                   CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                   Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+                   HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+                   N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n0 = pid_n * BLOCK_N
+    kb = n0 // block_k
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    j = n0 + offs_n
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    j_ok = j[:, None] < Lk
+    d_ok = offs_d[None, :] < D
+    k = _load_tile(K + b64 * skb + hk64 * skh + j[:, None] * skn + offs_d[None, :] * skd,
+                   j_ok, d_ok, not EVEN_N, not EVEN_D)
+    v = _load_tile(V + b64 * svb + hk64 * svh + j[:, None] * svn + offs_d[None, :] * svd,
+                   j_ok, d_ok, not EVEN_N, not EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(G):
+        h = hk * G + g
+        h64 = h.to(tl.int64)
+        Qh = Q + b64 * sqb + h64 * sqh
+        DOh = DO + b64 * sdob + h64 * sdoh
+        LSE2h = LSE2 + (b64 * Hq + h64) * Lq
+        DELh = DEL + (b64 * Hq + h64) * Lq
+        Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
+        DBh = DB + b64 * sdbb + (h // db_hdiv).to(tl.int64) * sdbh
+        dbacc = tl.zeros([BLOCK_N], tl.float32)
+        row = b * qc_sb + (h // qc_hdiv) * qc_sh + kb
+        n_iters = tl.load(QC + row) * SUB
+        dk, dv, dbacc = _bwd_kv_inner(
+            dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
+            Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
+            QI + row.to(tl.int64) * qc_W, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k,
+            qk_scale, cap_log2,
+            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
+            BLOCK_M)
+        row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
+        n_iters = tl.load(QFC + row) * SUB
+        dk, dv, dbacc = _bwd_kv_inner(
+            dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
+            Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
+            QFI + row.to(tl.int64) * qf_W, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k,
+            qk_scale, cap_log2,
+            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
+            BLOCK_M)
+        if DB_MODE == 3:
+            tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
+    dk = dk * scale
+    # dK, dV outputs are contiguous (B, Hkv, Lk, D)
+    o = (b64 * Hkv + hk64) * Lk * D + j[:, None] * D + offs_d[None, :]
+    if EVEN_N and EVEN_D:
+        tl.store(DK + o, dk.to(DK.dtype.element_ty))
+        tl.store(DV + o, dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(DK + o, dk.to(DK.dtype.element_ty), mask=j_ok & d_ok)
+        tl.store(DV + o, dv.to(DV.dtype.element_ty), mask=j_ok & d_ok)
+
+
+@triton.jit
+def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
+                 Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
+                 idx_ptr, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k, qk_scale, cap_log2,
+                 DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                 CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                 PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                 PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+                 HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                 DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    d_okT = offs_d[:, None] < D
+    for it in range(n_iters):
+        kb = tl.load(idx_ptr + it // SUB)
+        j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+        j_ok = j[None, :] < Lk
+        kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
+                        not EVEN_N, not EVEN_D)
+        vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
+                        not EVEN_N, not EVEN_D)
+        qk = tl.dot(q, kT)
+        if SOFTCAP:
+            t = _tanh(qk * qk_scale)
+            s = t * cap_log2
+        else:
+            s = qk * qk_scale
+        if HAS_BIAS:
+            bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
+                           mask=(i[:, None] < Lq) & j_ok, other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        p = tl.math.exp2(s - lse2[:, None])
+        if PARTIAL:
+            vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                           DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                           CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                           PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                           HAS_DM, N_RANGES, HAS_BITS)
+            p = tl.where(vis, p, 0.0)
+        elif not EVEN_N:
+            p = tl.where(j_ok, p, 0.0)
+        dp = tl.dot(do, vT)
+        ds = p * (dp - delta[:, None])
+        if DB_COLSUM:
+            dbacc += tl.sum(ds, 1)
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+    return dq, dbacc
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
+                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                 sdob, sdoh, sdom, sdod,
+                 sbb, sbh, sbq, sbk, b_hdiv,
+                 KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W,
+                 KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+                 DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                 CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                 PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                 Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+                 HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+                 N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    qb = m0 // block_q
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    i = m0 + offs_m
+    i_ok = i < Lq
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    d_ok = offs_d[None, :] < D
+    q = _load_tile(Q + b64 * sqb + h64 * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+                   i_ok[:, None], d_ok, not EVEN_M, not EVEN_D)
+    do = _load_tile(DO + b64 * sdob + h64 * sdoh + i[:, None] * sdom + offs_d[None, :] * sdod,
+                    i_ok[:, None], d_ok, not EVEN_M, not EVEN_D)
+    rbase = (b64 * Hq + h64) * Lq
+    if EVEN_M:
+        lse2 = tl.load(LSE2 + rbase + i)
+        delta = tl.load(DEL + rbase + i)
+    else:
+        lse2 = tl.load(LSE2 + rbase + i, mask=i_ok, other=float("inf"))
+        delta = tl.load(DEL + rbase + i, mask=i_ok, other=0.0)
+    Kh = K + b64 * skb + hk64 * skh
+    Vh = V + b64 * svb + hk64 * svh
+    Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dbacc = tl.zeros([BLOCK_M], tl.float32)
+
+    row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
+    n_iters = tl.load(KVC + row) * SUB
+    dq, dbacc = _bwd_q_inner(
+        dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
+        Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
+        KVI + row.to(tl.int64) * kv_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
+        qk_scale, cap_log2,
+        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N)
+    row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
+    n_iters = tl.load(KFC + row) * SUB
+    dq, dbacc = _bwd_q_inner(
+        dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
+        Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
+        KFI + row.to(tl.int64) * kf_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
+        qk_scale, cap_log2,
+        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N)
+    dq = dq * scale
+    o = rbase * D + i[:, None] * D + offs_d[None, :]
+    if EVEN_M and EVEN_D:
+        tl.store(DQ + o, dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + o, dq.to(DQ.dtype.element_ty), mask=i_ok[:, None] & d_ok)
+    if DB_COLSUM:
+        tl.store(DBQ + rbase + i, dbacc, mask=i_ok)
+
+
+# ============================================================================ launchers
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+# Per-pass tile configs (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by padded head dim.
+# BLOCK_M / BLOCK_N are shrunk to divide the descriptor block when needed.
+_GPU_CONFIGS = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
+    "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 1)},
+    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)},
+}
+# Under TRITON_INTERPRET=1 (CPU tests) bigger tiles mean fewer interpreted ops.
+_INTERPRET_TILE = 32
+# Tests and tuning sweeps may force configs: {"fwd": (BM, BN, warps, stages), ...}.
+CONFIG_OVERRIDE = {}
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpreter_numpy_compat():
+    """Triton 3.6's interpreter turns a loaded scalar into a Python int with
+    `int(ndarray of shape (1,))`, which NumPy >= 2.4 rejects (`for it in range(n)` with n
+    loaded from memory fails). Patch its tensor.__index__ to take the single element."""
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:
+        return
+    original = getattr(_interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_flexsparse_compat", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._flexsparse_compat = True
+    _interp._patch_lang_tensor = patched
+
+
+if _interpreting():
+    _interpreter_numpy_compat()
+
+
+def not_supported_reasons(query, key, value, bias, mask) -> list:
+    reasons = []
+    # CPU tensors run under the interpreter (tests); backends.choose never picks us for CPU.
+    if not query.is_cuda and not _interpreting():
+        reasons.append("triton: CPU tensors (CUDA only; CPU runs under TRITON_INTERPRET=1)")
+    if query.dtype not in _SUPPORTED_DTYPES:
+        reasons.append(f"triton: dtype {query.dtype} (supported: float16, bfloat16, float32)")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        reasons.append("triton: query, key and value must share a dtype")
+    if value.shape[-1] != query.shape[-1]:
+        reasons.append(f"triton: value head dim {value.shape[-1]} != query head dim "
+                       f"{query.shape[-1]} (only Dv == D)")
+    if query.shape[-1] > MAX_HEAD_DIM:
+        reasons.append(f"triton: head dim {query.shape[-1]} > {MAX_HEAD_DIM}")
+    if bias is not None and bias.dim() != 4:
+        reasons.append("triton: bias must be 4-D")
+    if mask.dense_mask is not None and mask.dense_mask.dim() != 4:
+        reasons.append("triton: dense_mask must be 4-D")
+    return reasons
+
+
+def _pow2_divisor(pref: int, block: int) -> int:
+    t = pref
+    while t > 1 and block % t != 0:
+        t //= 2
+    if t < 16:
+        raise NotImplementedError(
+            f"triton: descriptor block size {block} has no power-of-two divisor >= 16 "
+            f"(kernel tiles need 16 | block size)")
+    return t
+
+
+def _config(kind, D_pad, block_q, block_k):
+    if kind in CONFIG_OVERRIDE:
+        bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
+    elif _interpreting():
+        bm, bn, warps, stages = _INTERPRET_TILE, _INTERPRET_TILE, 4, 1
+    else:
+        key = 64 if D_pad <= 64 else (128 if D_pad <= 128 else 256)
+        bm, bn, warps, stages = _GPU_CONFIGS[kind][key]
+    return _pow2_divisor(bm, block_q), _pow2_divisor(bn, block_k), warps, stages
+
+
+def _head_div(size, Hq, Hkv, what):
+    if size == Hq:
+        return 1
+    if size == Hkv:
+        return Hq // Hkv
+    if size == 1:
+        return Hq
+    raise ValueError(f"triton: {what} head dim {size} must be 1, Hkv={Hkv} or Hq={Hq}")
+
+
+def _bstride(t, dim):
+    return 0 if t.shape[dim] == 1 else t.stride(dim)
+
+
+# ---------------------------------------------------------------- descriptor lists
+
+def _state_from_lists(count, index, n_cols, value):
+    c = count.to(torch.int64)
+    idx = index.to(torch.int64)
+    valid = torch.arange(idx.shape[-1], device=idx.device) < c[..., None]
+    s = torch.zeros(c.shape + (n_cols,), dtype=torch.int32, device=idx.device)
+    src = torch.where(valid, torch.full_like(idx, value, dtype=torch.int32),
+                      torch.zeros_like(idx, dtype=torch.int32))
+    s.scatter_reduce_(-1, idx.clamp(0, max(n_cols - 1, 0)), src, "amax")
+    return s
+
+
+def _lists_from_state(state, value):
+    sel = state == value
+    count = sel.sum(-1).to(torch.int32)
+    order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices
+    W = max(int(count.max().item()) if count.numel() else 0, 1)
+    return count.contiguous(), order[..., :W].to(torch.int32).contiguous()
+
+
+def _all_lists(mask, Lq, Lk, block_q, block_k, device):
+    """(kv_count, kv_index, kv_full_count, kv_full_index, q_count, ..., q_full_index).
+
+    The API always passes all eight; this fills in what is missing (no descriptor: every
+    block is full, or partial when element predicates are given; no transposed lists:
+    transpose the kv lists)."""
+    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
+    names = ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
+             "q_count", "q_index", "q_full_count", "q_full_index")
+    lists = [getattr(mask, n) for n in names]
+    if all(t is not None for t in lists):
+        return lists
+    if lists[0] is None or lists[2] is None:
+        has_pred = (mask.dense_mask is not None or mask.col_ranges is not None
+                    or mask.partial_bits_index is not None)
+        state = torch.full((1, 1, nQB, nKB), 1 if has_pred else 2, dtype=torch.int32,
+                           device=device)
+    else:
+        state = torch.maximum(_state_from_lists(lists[0], lists[1], nKB, 1),
+                              _state_from_lists(lists[2], lists[3], nKB, 2))
+    kv = [*_lists_from_state(state, 1), *_lists_from_state(state, 2)]
+    stT = state.transpose(-1, -2)
+    q = [*_lists_from_state(stT, 1), *_lists_from_state(stT, 2)]
+    return [t if t is not None else d for t, d in zip(lists, kv + q)]
+
+
+def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
+    count = count.to(torch.int32).contiguous()
+    index = index.to(torch.int32).contiguous()
+    Bd, Hd, n = count.shape
+    if n != n_rows or tuple(index.shape[:3]) != (Bd, Hd, n):
+        raise ValueError(f"triton: {what} has shape {tuple(count.shape)} / "
+                         f"{tuple(index.shape)}, expected (Bd, Hd, {n_rows}[, W])")
+    W = index.shape[-1]
+    if index.numel() == 0:
+        index = dummy
+    return (count, index, 0 if Bd == 1 else Hd * n, n,
+            _head_div(Hd, Hq, Hkv, what), max(W, 1))
+
+
+def _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8):
+    """Element-predicate arguments (shared by all kernels) and their constexpr flags."""
+    dm = mask.dense_mask
+    if dm is not None:
+        dmu = dm.view(torch.uint8) if dm.dtype == torch.bool else (dm != 0).to(torch.uint8)
+        dm_args = (dmu, _bstride(dmu, 0), _bstride(dmu, 1), _bstride(dmu, 2), _bstride(dmu, 3),
+                   _head_div(dm.shape[1], Hq, Hkv, "dense_mask"))
+    else:
+        dm_args = (dummy_u8, 0, 0, 0, 0, 1)
+    cr = mask.col_ranges
+    n_ranges = 0
+    if cr is not None:
+        cr = cr.to(torch.int32).contiguous()
+        Bc, Hc, Lkc, two_m = cr.shape
+        n_ranges = two_m // 2
+        cr_args = (cr, 0 if Bc == 1 else Hc * Lkc * two_m, Lkc * two_m, two_m,
+                   _head_div(Hc, Hq, Hkv, "col_ranges"))
+    else:
+        cr_args = (dummy_i32, 0, 0, 0, 1)
+    has_bits = mask.partial_bits_index is not None
+    if has_bits:
+        pbi = mask.partial_bits_index.to(torch.int32).contiguous()
+        pb = mask.partial_bits.to(torch.int32).contiguous()
+        Bd, Hd, nQB, nKB = pbi.shape
+        P, bq, nw = pb.shape
+        if pb.numel() == 0:
+            pb = dummy_i32
+        pb_args = (pbi, 0 if Bd == 1 else Hd * nQB * nKB, nQB * nKB, nKB,
+                   _head_div(Hd, Hq, Hkv, "partial_bits_index"), pb, bq * nw, nw)
+    else:
+        pb_args = (dummy_i32, 0, 0, 0, 1, dummy_i32, 0, 0)
+    flags = dict(HAS_DM=dm is not None, N_RANGES=n_ranges, HAS_BITS=has_bits)
+    return dm_args + cr_args + pb_args, flags
+
+
+def _bias_args(bias, Hq, Hkv, dummy):
+    if bias is None:
+        return (dummy, 0, 0, 0, 0, 1)
+    return (bias, _bstride(bias, 0), _bstride(bias, 1), _bstride(bias, 2), _bstride(bias, 3),
+            _head_div(bias.shape[1], Hq, Hkv, "bias"))
+
+
+def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if Hq % Hkv != 0:
+        raise ValueError(f"triton: Hq={Hq} not a multiple of Hkv={Hkv}")
+    device = query.device
+    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
+    dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
+    lists = _all_lists(mask, Lq, Lk, block_q, block_k, device)
+    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
+    kv = _list_args(lists[0], lists[1], nQB, Hq, Hkv, "kv_count/kv_index", dummy_i32)
+    kf = _list_args(lists[2], lists[3], nQB, Hq, Hkv, "kv_full_count/kv_full_index", dummy_i32)
+    qc = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
+    qf = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index", dummy_i32)
+    preds, flags = _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8)
+    bias_args = _bias_args(bias, Hq, Hkv, dummy_i32)
+    softcap = float(softcap)
+    if softcap > 0:
+        qk_scale, cap_log2 = scale / softcap, softcap * LOG2E
+    else:
+        qk_scale, cap_log2 = scale * LOG2E, 0.0
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    flags.update(HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, EVEN_D=BLOCK_D == D)
+    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D,
+                kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags, bias=bias_args,
+                qk_scale=qk_scale, cap_log2=cap_log2, dummy=dummy_i32)
+
+
+def _strides(t):
+    return tuple(t.stride())
+
+
+def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
+    B, Hq, Lq, D = query.shape
+    Lk = key.shape[2]
+    out = torch.empty((B, Hq, Lq, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=query.device)
+    if Lq == 0 or Lk == 0 or B * Hq == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
+    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k)
+    grid = (triton.cdiv(Lq, BM), B * Hq)
+    _attn_fwd[grid](
+        query, key, value, out, lse, c["bias"][0],
+        *_strides(query), *_strides(key), *_strides(value), *_strides(out),
+        *c["bias"][1:], *c["kv"], *c["kf"], *c["preds"],
+        Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"],
+        **c["flags"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
+             scale, softcap, deterministic, bias_requires_grad):
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    device = query.device
+    want_dbias = bias is not None and bias_requires_grad
+    dq = torch.empty((B, Hq, Lq, D), dtype=query.dtype, device=device)
+    dk = torch.empty((B, Hkv, Lk, D), dtype=key.dtype, device=device)
+    dv = torch.empty((B, Hkv, Lk, value.shape[-1]), dtype=value.dtype, device=device)
+    if Lq == 0 or Lk == 0 or B * Hq == 0:
+        dbias = torch.zeros_like(bias) if want_dbias else query.new_empty((0,))
+        return dq.zero_(), dk.zero_(), dv.zero_(), dbias
+    c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
+
+    delta = (grad_out.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float()
+    delta = delta.contiguous()
+    lse2 = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E).contiguous()
+
+    # dbias plan (see module docstring of the op): which pass produces it, and where.
+    db_mode, db_colsum, finish = DB_NONE, False, None
+    db_ptr, db_strides, db_hdiv = c["dummy"], (0, 0, 0, 0), 1
+    dbq_ptr = c["dummy"]
+    if want_dbias:
+        Bb, Hb, Lqb, Lkb = bias.shape
+
+        def reduce_to_bias(t4):
+            from .reference import from_groups_sum
+            return from_groups_sum(t4.unflatten(1, (Hkv, G)), bias.shape).to(bias.dtype)
+
+        if Lkb == 1:                      # sum over keys inside the dQ pass
+            db_colsum = True
+            scratch = torch.zeros((B, Hq, Lq), dtype=torch.float32, device=device)
+            dbq_ptr = scratch
+            finish = lambda: reduce_to_bias(scratch[..., None])
+        elif Lqb == 1:                    # sum over queries inside the dK/dV pass
+            db_mode = DB_ROWSUM
+            scratch = torch.zeros((B, Hq, Lk), dtype=torch.float32, device=device)
+            db_ptr, db_strides = scratch, (Hq * Lk, Lk, 0, 1)
+            finish = lambda: reduce_to_bias(scratch[:, :, None, :])
+        elif Bb == B and Hb == Hq:        # one writer per element: store directly
+            db_mode = DB_STORE
+            dbias_full = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
+            db_ptr, db_strides = dbias_full, _strides(dbias_full)
+            finish = lambda: dbias_full
+        elif deterministic:               # per-(b, h) float32 scratch + fixed-order torch sum
+            db_mode = DB_STORE
+            scratch = torch.zeros((B, Hq, Lq, Lk), dtype=torch.float32, device=device)
+            db_ptr, db_strides = scratch, _strides(scratch)
+            finish = lambda: reduce_to_bias(scratch)
+        else:                             # float32 atomics into the broadcast shape
+            db_mode = DB_ATOMIC
+            acc32 = torch.zeros(bias.shape, dtype=torch.float32, device=device)
+            db_ptr = acc32
+            db_strides = (_bstride(acc32, 0), _bstride(acc32, 1), acc32.stride(2), acc32.stride(3))
+            db_hdiv = _head_div(Hb, Hq, Hkv, "bias")
+            finish = lambda: acc32.to(bias.dtype)
+
+    common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+                   *c["bias"][1:])
+    # dK / dV pass
+    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k)
+    grid = (triton.cdiv(Lk, BN), B * Hkv)
+    _attn_bwd_dkdv[grid](
+        query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv,
+        *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
+        Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, scale, c["qk_scale"],
+        c["cap_log2"], **c["flags"], DB_MODE=db_mode, EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
+    # dQ pass
+    BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k)
+    grid = (triton.cdiv(Lq, BM), B * Hq)
+    _attn_bwd_dq[grid](
+        query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq,
+        *common_args, *c["kv"], *c["kf"], *c["preds"],
+        Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN, scale, c["qk_scale"], c["cap_log2"],
+        **c["flags"], DB_COLSUM=db_colsum, EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
+    dbias = finish() if want_dbias else query.new_empty((0,))
+    return dq, dk, dv, dbias
