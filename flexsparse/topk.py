@@ -1,0 +1,110 @@
+"""Top-k key selection per query (Flash-DMA's dynamic mask) -> index lists for index mode.
+
+`topk_indices(scores, k, causal=...)` keeps, for every query row, the k keys with the
+largest score and returns their positions as int32 (..., Lq, k), -1 where fewer than k
+keys are allowed (causal, Lk < k, or -inf / NaN scores). Rows are processed in chunks,
+so beyond the input itself only O(chunk_rows x Lk) memory is used; `scores` can also be
+a callable `scores(r0, r1) -> (..., r1 - r0, Lk)` that produces each chunk on the fly
+(then `num_queries` gives Lq), so no (Lq, Lk) tensor ever exists.
+
+The result feeds `flexsparse.masks.indices(...)`; its leading dims are the score's
+(B|1, H|1) when scores are (B|1, H|1, Lq, Lk).
+"""
+import math
+from typing import Callable, Optional, Union
+
+import torch
+
+# Elements of one score chunk (all leading dims x rows x Lk) when chunk_rows is not given.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]], k: int,
+                 causal: bool = False, chunk_rows: Optional[int] = None, *,
+                 num_queries: Optional[int] = None, sort: bool = True) -> torch.Tensor:
+    """Positions of the top-k keys per query row, int32 (..., Lq, k), -1 padded.
+
+    scores: tensor (..., Lq, Lk), or callable (r0, r1) -> tensor (..., r1 - r0, Lk)
+        (then `num_queries` = Lq is required). Higher score = kept.
+    k: keys kept per query (>= 0). Rows with fewer than k allowed keys are -1 padded.
+    causal: key j is allowed for query i only if j <= i + (Lk - Lq) (bottom-right
+        aligned, as the other causal masks).
+    chunk_rows: query rows per chunk (default: about 2^24 score elements per chunk).
+    sort: if True, each row's kept positions are ascending, -1 entries last; otherwise in
+        descending score order (-1 entries last too).
+    Entries whose score is -inf or NaN are never kept.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"k: must be a non-negative int, got {k!r}")
+    if callable(scores) and not isinstance(scores, torch.Tensor):
+        if num_queries is None:
+            raise ValueError("num_queries: required when scores is a callable")
+        Lq = int(num_queries)
+        get = scores
+        probe = None
+    else:
+        if not isinstance(scores, torch.Tensor):
+            raise TypeError(f"scores: must be a tensor or a callable, got {type(scores).__name__}")
+        if scores.dim() < 2:
+            raise ValueError(f"scores: must be at least 2-D (..., Lq, Lk), got {tuple(scores.shape)}")
+        Lq = scores.shape[-2]
+        if num_queries is not None and num_queries != Lq:
+            raise ValueError(f"num_queries: {num_queries} does not match scores' Lq={Lq}")
+        get = lambda r0, r1: scores[..., r0:r1, :]
+        probe = scores
+    if Lq < 0:
+        raise ValueError(f"num_queries: must be >= 0, got {Lq}")
+
+    out = None
+    r0 = 0
+    step = chunk_rows
+    if step is not None and (not isinstance(step, int) or step <= 0):
+        raise ValueError(f"chunk_rows: must be a positive int, got {chunk_rows!r}")
+    if probe is not None and step is None:
+        lead = math.prod(probe.shape[:-2])
+        step = max(1, CHUNK_ELEMENTS // max(1, lead * probe.shape[-1]))
+    while r0 < Lq or out is None:
+        if step is None:  # callable: size the chunks from the first one (one row)
+            first = get(0, min(1, Lq))
+            lead = math.prod(first.shape[:-2])
+            step = max(1, CHUNK_ELEMENTS // max(1, lead * first.shape[-1]))
+        r1 = min(Lq, r0 + step)
+        s = get(r0, r1)
+        if not isinstance(s, torch.Tensor) or s.dim() < 2 or s.shape[-2] != r1 - r0:
+            raise ValueError(f"scores: chunk ({r0}, {r1}) must be a tensor (..., {r1 - r0}, Lk), "
+                             f"got {getattr(s, 'shape', type(s).__name__)}")
+        part = _topk_chunk(s, k, causal, r0, Lq, sort)
+        if out is None:
+            out = torch.empty(part.shape[:-2] + (Lq, k), dtype=torch.int32, device=part.device)
+        elif part.shape[:-2] != out.shape[:-2]:
+            raise ValueError(f"scores: chunk ({r0}, {r1}) has leading dims {tuple(part.shape[:-2])}, "
+                             f"earlier chunks {tuple(out.shape[:-2])}")
+        out[..., r0:r1, :] = part
+        r0 = r1
+        if Lq == 0:
+            break
+    return out
+
+
+def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: bool):
+    rows, Lk = s.shape[-2], s.shape[-1]
+    if not s.dtype.is_floating_point:
+        s = s.float()
+    neg = torch.tensor(-math.inf, dtype=s.dtype, device=s.device)
+    bad = torch.isnan(s)
+    if causal:
+        i = torch.arange(r0, r0 + rows, device=s.device)[:, None]
+        j = torch.arange(Lk, device=s.device)[None, :]
+        bad = bad | (j > i + (Lk - Lq))
+    s = torch.where(bad, neg, s)
+    kk = min(k, Lk)
+    vals, ind = torch.topk(s, kk, dim=-1, largest=True, sorted=True)
+    ind = torch.where(vals == -math.inf, torch.full_like(ind, -1), ind)
+    if sort and kk > 0:
+        ind = torch.where(ind < 0, torch.full_like(ind, Lk), ind).sort(dim=-1).values
+        ind = torch.where(ind >= Lk, torch.full_like(ind, -1), ind)
+    ind = ind.to(torch.int32)
+    if kk < k:
+        pad = torch.full(ind.shape[:-1] + (k - kk,), -1, dtype=torch.int32, device=s.device)
+        ind = torch.cat([ind, pad], dim=-1)
+    return ind
