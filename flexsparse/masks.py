@@ -634,8 +634,7 @@ class _And(Mask):
             raise NotImplementedError("mask: and_ of two index masks is not supported")
         merged = []
         if cols:
-            merged.append(_ColumnRanges(lambda s: [x for m in cols for x in m.build(s)],
-                                        repr(self)))
+            merged.append(and_(*cols))
         others = merged + rest
         if idx:
             return _filter_indices(idx[0]._parts(sz), others, sz)
@@ -655,8 +654,9 @@ class _And(Mask):
             dm = d if dm is None else _and_dense(dm, d, sz)
         cr = None
         if crs:
-            crs = torch.broadcast_tensors(*_aligned_heads(crs, sz)) if len(crs) > 1 else crs
-            cr = torch.cat([c for c in crs], -1).contiguous()
+            crs = _aligned_heads(crs, sz)
+            lead = torch.broadcast_shapes(*[c.shape[:2] for c in crs])
+            cr = torch.cat([c.expand(*lead, *c.shape[2:]) for c in crs], -1).contiguous()
         out = _Parts(state=state, dense_mask=dm, col_ranges=cr)
         if bits:
             out.partial_bits_index = bits[0].partial_bits_index
@@ -729,9 +729,6 @@ class _Or(Mask):
         self.children = children
 
     def _parts(self, sz):
-        if all(isinstance(m, _ColumnRanges) for m in self.children):
-            return _ColumnRanges(lambda s: _or_slots([m.slots(s) for m in self.children], s),
-                                 repr(self))._parts(sz)
         descs = [m._parts(sz).to_descriptor(sz) for m in self.children]
 
         def visible(r0, r1):
@@ -770,13 +767,23 @@ def _or_slots(slot_lists, sz: Sizes):
 def and_(*masks: Mask) -> Mask:
     """Visible where every mask is visible."""
     masks = _check_masks("and_", masks)
-    return masks[0] if len(masks) == 1 else _And(_flatten_children(_And, masks))
+    if len(masks) == 1:
+        return masks[0]
+    text = "and_(" + ", ".join(repr(m) for m in masks) + ")"
+    if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: union
+        return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text)
+    return _And(_flatten_children(_And, masks))
 
 
 def or_(*masks: Mask) -> Mask:
     """Visible where any mask is visible."""
     masks = _check_masks("or_", masks)
-    return masks[0] if len(masks) == 1 else _Or(_flatten_children(_Or, masks))
+    if len(masks) == 1:
+        return masks[0]
+    text = "or_(" + ", ".join(repr(m) for m in masks) + ")"
+    if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: intersection
+        return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text)
+    return _Or(_flatten_children(_Or, masks))
 
 
 def _check_masks(name, masks):

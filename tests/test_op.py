@@ -1,0 +1,155 @@
+"""The custom op as PyTorch sees it: opcheck, torch.compile without graph breaks, bad inputs."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.library import opcheck
+
+import flexsparse
+from flexsparse import masks as M
+
+
+def _op_args(mask, requires_grad, dtype=torch.float32, bias_shape=(1, 4, 9, 11), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 9, 11, 8
+    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype, requires_grad=requires_grad)
+    bias = torch.randn(*bias_shape, generator=g, dtype=dtype, requires_grad=requires_grad) \
+        if bias_shape else None
+    desc = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=(4, 4))
+    return (q, k, v, bias, *desc.mask_tensors(), 4, 4, 0.3, 0.0, "reference", False)
+
+
+def _masks():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "full": M.full(),
+        "causal": M.causal(),
+        "dense": M.dense(torch.rand(2, 1, 9, 11, generator=g) > 0.5),
+        "bits": M.or_(M.causal(), M.dense(torch.rand(1, 1, 9, 11, generator=g) > 0.7)),
+        "indices": M.indices(torch.randint(-1, 11, (1, 2, 9, 3), generator=g)),
+    }
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("name", list(_masks()))
+def test_opcheck_attention(name, requires_grad):
+    opcheck(torch.ops.flexsparse.attention.default, _op_args(_masks()[name], requires_grad))
+
+
+@pytest.mark.parametrize("bias_requires_grad", [False, True])
+@pytest.mark.parametrize("name", ["causal", "indices"])
+def test_opcheck_attention_backward(name, bias_requires_grad):
+    args = _op_args(_masks()[name], False)
+    q, k, v, bias = args[:4]
+    out, lse = torch.ops.flexsparse.attention(*args)
+    g = torch.Generator().manual_seed(2)
+    go = torch.randn(out.shape, generator=g)
+    gl = torch.randn(lse.shape, generator=g)
+    opcheck(torch.ops.flexsparse.attention_backward.default,
+            (go, gl, q, k, v, out, lse, bias, *args[4:], bias_requires_grad))
+    opcheck(torch.ops.flexsparse.attention_backward.default,
+            (go, None, q, k, v, out, lse, None, *args[4:], False))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, D=16, H=4, Hkv=2):
+        super().__init__()
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.qkv = torch.nn.Linear(D * 2, (H + 2 * Hkv) * D)
+
+    def forward(self, x, bias):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).view(B, L, -1, self.D).transpose(1, 2).split(
+            [self.H, self.Hkv, self.Hkv], dim=1)
+        mask = M.and_(M.causal(), M.sliding_window(5))
+        return flexsparse.attention(q, k, v, mask, bias=bias, block_size=(16, 16)).sum()
+
+
+def test_compile_one_frame_no_recompiles():
+    torch._dynamo.reset()
+    model = TinyAttention()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for L in (24, 40, 57):
+        x = torch.randn(2, L, 32)
+        bias = torch.randn(1, 4, L, L, requires_grad=True)
+        loss = compiled(x, bias)
+        loss.backward()
+        ref_bias = bias.detach().clone().requires_grad_()
+        ref = model(x, ref_bias)
+        ref.backward()
+        torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(bias.grad, ref_bias.grad, atol=1e-4, rtol=1e-4)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_compile_inductor_with_precompiled_descriptor():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def f(q, k, v, desc):
+        return flexsparse.attention(q, k, v, desc) * 2
+
+    for L in (20, 33, 48):
+        q = torch.randn(1, 2, L, 8)
+        desc = M.document([L // 2, L - L // 2]).compile(1, 2, 2, L, L, block_size=(8, 8))
+        torch.testing.assert_close(f(q, q, q, desc), flexsparse.attention(q, q, q, desc) * 2)
+    assert counter.frame_count == 1
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def _qkv(B=1, Hq=2, Hkv=2, Lq=5, Lk=6, D=4, dtype=torch.float32):
+    return (torch.randn(B, Hq, Lq, D, dtype=dtype), torch.randn(B, Hkv, Lk, D, dtype=dtype),
+            torch.randn(B, Hkv, Lk, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("make,exc,needle", [
+    (lambda q, k, v: (q[0], k, v, {}), ValueError, "query"),
+    (lambda q, k, v: (q, k.half(), v, {}), TypeError, "key"),
+    (lambda q, k, v: (q.int(), k, v, {}), TypeError, "query"),
+    (lambda q, k, v: (q, k[:, :, :, :3], v, {}), ValueError, "head dim"),
+    (lambda q, k, v: (q, k, v[:, :, :4], {}), ValueError, "value"),
+    (lambda q, k, v: (q, torch.cat([k] * 2, 0), torch.cat([v] * 2, 0), {}), ValueError, "batch"),
+    (lambda q, k, v: (q, torch.cat([k] * 3, 1)[:, :3], torch.cat([v] * 3, 1)[:, :3], {}), ValueError, "multiple"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.randn(1, 2, 5, 4)}), ValueError, "bias"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.randn(2, 5, 6)}), ValueError, "bias"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.ones(1, 1, 5, 6, dtype=torch.int64)}), TypeError, "bias"),
+    (lambda q, k, v: (q, k, v, {"mask": torch.ones(1, 1, 5, 7, dtype=torch.bool)}), ValueError, "mask"),
+    (lambda q, k, v: (q, k, v, {"mask": torch.ones(1, 1, 5, 6)}), TypeError, "mask"),
+    (lambda q, k, v: (q, k, v, {"mask": torch.ones(1, 3, 5, 6, dtype=torch.bool)}), ValueError, "head dim"),
+    (lambda q, k, v: (q, k, v, {"mask": "causal"}), TypeError, "mask"),
+    (lambda q, k, v: (q, k, v, {"mask": M.indices(torch.full((1, 2, 5, 2), 6))}), ValueError, "attn_indices"),
+    (lambda q, k, v: (q, k, v, {"mask": M.indices(torch.full((1, 2, 5, 2), -2))}), ValueError, "attn_indices"),
+    (lambda q, k, v: (q, k, v, {"mask": M.indices(torch.zeros(1, 2, 4, 2, dtype=torch.int64))}), ValueError, "attn_indices"),
+    (lambda q, k, v: (q, k, v, {"mask": M.column_ranges(torch.zeros(1, 1, 5, 2, dtype=torch.int32), True)}),
+     ValueError, "startend_row_indices"),
+    (lambda q, k, v: (q, k, v, {"mask": M.block_sparse(torch.ones(1, 1, 3, 2, dtype=torch.bool), 4)}),
+     ValueError, "layout"),
+    (lambda q, k, v: (q, k, v, {"softcap": -1.0}), ValueError, "softcap"),
+    (lambda q, k, v: (q, k, v, {"backend": "magic"}), ValueError, "backend"),
+    (lambda q, k, v: (q, k, v, {"mask": M.document([2, 2])}), ValueError, "lengths"),
+])
+def test_bad_inputs(make, exc, needle):
+    q, k, v, kwargs = make(*_qkv())
+    with pytest.raises(exc, match=needle):
+        flexsparse.attention(q, k, v, **kwargs)
+
+
+def test_bad_mask_arguments():
+    with pytest.raises(ValueError, match="startend_row_indices"):
+        M.column_ranges(torch.zeros(1, 1, 6, 1, dtype=torch.int32), causal=False)
+    with pytest.raises(TypeError, match="startend_row_indices"):
+        M.column_ranges(torch.zeros(1, 1, 6, 2), causal=False)
+    with pytest.raises(ValueError, match="left"):
+        M.sliding_window(-1)
+    with pytest.raises(TypeError, match="attn_indices"):
+        M.indices(torch.zeros(1, 1, 5, 2))
+    with pytest.raises(TypeError, match="and_"):
+        M.and_(M.causal(), "window")
+    q, k, v = _qkv()
+    desc = M.causal().compile(1, 2, 2, 5, 7)
+    with pytest.raises(ValueError, match="descriptor"):
+        flexsparse.attention(q, k, v, desc)
