@@ -797,3 +797,13 @@ def _check_masks(name, masks):
             raise TypeError(f"{name}: expected flexsparse masks, got {type(m).__name__}")
         out.append(m)
     return out
+
+
+def topk(scores, k: int, causal: bool = False, **kwargs) -> Mask:
+    """Flash-DMA's dynamic mask: per query, the k keys with the largest score, as index lists.
+
+    `scores`: (B|1, H|1, Lq, Lk) tensor (e.g. the bias) or a callable (r0, r1) -> rows of it
+    (then pass num_queries=Lq). Processed in row chunks. See `flexsparse.topk.topk_indices`.
+    """
+    from .topk import topk_indices
+    return indices(topk_indices(scores, k, causal=causal, **kwargs), validate=False)

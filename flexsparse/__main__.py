@@ -1,0 +1,114 @@
+"""`python -m flexsparse demo|info|bench`.
+
+demo: runs several mask kinds forward and backward on the best available device with
+backend="auto", checks each against the float64 reference and prints a table.
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+import flexsparse
+from flexsparse import masks as M
+from flexsparse.ops import backends
+
+
+def _demo_masks(L, B, device):
+    g = torch.Generator().manual_seed(0)
+    third = L // 3
+    layout = torch.rand(1, 1, -(-L // 128), -(-L // 128), generator=g) > 0.5
+    layout |= torch.eye(layout.shape[-1], dtype=torch.bool)
+    idx = torch.randint(-1, L, (B, 2, L, 32), generator=g)
+    return [
+        ("full", None),
+        ("causal", M.causal()),
+        ("sliding_window(256)", M.sliding_window(256)),
+        ("document(3 docs)", M.document([third, third, L - 2 * third])),
+        ("prefix_lm(L/4)", M.prefix_lm(L // 4)),
+        ("shared_question", M.shared_question(L // 4, [L // 4, L // 4, L - 3 * (L // 4)])),
+        ("block_sparse(50%)", M.block_sparse(layout.to(device))),
+        ("dense bool", M.dense((torch.rand(B, 1, L, L, generator=g) > 0.3).to(device))),
+        ("causal | global(16)", M.or_(M.causal(), M.column_ranges(_global_cols(L, 16, device), False))),
+        ("indices(W=32)", M.indices(idx.to(device))),
+    ]
+
+
+def _global_cols(L, n, device):
+    """Columns < n seen by every row; other columns masked for rows >= n (FlashMask form)."""
+    j = torch.arange(L)
+    lts = torch.where(j < n, L, n)
+    return torch.stack([lts, torch.zeros_like(lts)], -1).view(1, 1, L, 2).to(torch.int32).to(device)
+
+
+def demo(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    B, Hq, Hkv, L, D = (2, 8, 2, 1024, 64) if device.type == "cuda" else (1, 4, 2, 384, 32)
+    L = args.length or L
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, h, L, D, generator=g).to(device, dtype) for h in (Hq, Hkv, Hkv))
+    bias = (0.5 * torch.randn(1, Hq, L, L, generator=g)).to(device, dtype)
+    print(f"flexsparse {flexsparse.__version__} on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
+          f"{dtype}, B={B} Hq={Hq} Hkv={Hkv} L={L} D={D}, bias (1, Hq, L, L) with gradient; "
+          f"backends: {backends.available()}")
+    rows, failed = [], 0
+    for name, mask in _demo_masks(L, B, device):
+        desc = flexsparse.compile_mask(mask, B, Hq, Hkv, L, L, device=device)
+        mt = desc.mask_tensors()
+        chosen = backends.choose(q, k, v, bias, mt)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        t0 = time.perf_counter()
+        out = flexsparse.attention(*leaves[:3], desc, bias=leaves[3])
+        go = torch.randn(out.shape, generator=g).to(device, dtype)
+        grads = torch.autograd.grad(out, leaves, go)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+        ref = flexsparse.attention(*ref_leaves[:3], desc, bias=ref_leaves[3], backend="reference")
+        ref_grads = torch.autograd.grad(ref, ref_leaves, go.double())
+        # errors relative to the float64 reference, as in FlashAttention's tests
+        fwd_err = _rel(out, ref)
+        bwd_err = max(_rel(a, b) for a, b in zip(grads, ref_grads))
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        ok = fwd_err < tol and bwd_err < tol
+        failed += not ok
+        density = desc.num_visible(B) / (B * Hq * L * L)
+        rows.append((name, f"{density:.3f}", chosen, f"{fwd_err:.1e}", f"{bwd_err:.1e}",
+                     f"{ms:.1f}", "ok" if ok else "FAIL"))
+    head = ("mask", "density", "backend", "fwd rel err", "bwd rel err", "fwd+bwd ms", "check")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head, tuple("-" * w for w in widths)] + rows:
+        print("| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |")
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def info(args):
+    print(f"flexsparse {flexsparse.__version__}, torch {torch.__version__}, "
+          f"cuda {torch.cuda.is_available()}, backends {backends.available()}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m flexsparse")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("demo", help="run several masks forward+backward and check them")
+    p.add_argument("--length", type=int, default=None)
+    sub.add_parser("info", help="versions and available backends")
+    sub.add_parser("bench", help="same as python -m flexsparse.bench", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        from flexsparse import bench
+        return bench.main(rest)
+    return {"demo": demo, "info": info}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
