@@ -721,11 +721,15 @@ def _strides(t):
     return tuple(t.stride())
 
 
+# Allocation of every output the kernels must fill completely (tests poison it).
+_empty = torch.empty
+
+
 def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]
-    out = torch.empty((B, Hq, Lq, value.shape[-1]), dtype=query.dtype, device=query.device)
-    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=query.device)
+    out = _empty((B, Hq, Lq, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = _empty((B, Hq, Lq), dtype=torch.float32, device=query.device)
     if Lq == 0 or Lk == 0 or B * Hq == 0:
         out.zero_()
         lse.fill_(-math.inf)
@@ -750,9 +754,9 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     G = Hq // Hkv
     device = query.device
     want_dbias = bias is not None and bias_requires_grad
-    dq = torch.empty((B, Hq, Lq, D), dtype=query.dtype, device=device)
-    dk = torch.empty((B, Hkv, Lk, D), dtype=key.dtype, device=device)
-    dv = torch.empty((B, Hkv, Lk, value.shape[-1]), dtype=value.dtype, device=device)
+    dq = _empty((B, Hq, Lq, D), dtype=query.dtype, device=device)
+    dk = _empty((B, Hkv, Lk, D), dtype=key.dtype, device=device)
+    dv = _empty((B, Hkv, Lk, value.shape[-1]), dtype=value.dtype, device=device)
     if Lq == 0 or Lk == 0 or B * Hq == 0:
         dbias = torch.zeros_like(bias) if want_dbias else query.new_empty((0,))
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias

@@ -1,0 +1,290 @@
+"""Triton block-descriptor kernels under TRITON_INTERPRET=1 (CPU), against the reference backend.
+
+Tiny shapes, float32 (tight tolerance: the interpreter's float32 dot is exact float32) and a
+few float16 cases (bfloat16 tl.dot is not meaningful in the interpreter). Every output the
+kernels allocate is poisoned with NaN first, so an element a kernel forgets to write fails.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton interpreter tests need TRITON_INTERPRET=1 (tests/conftest.py sets it)",
+                allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+import flexsparse  # noqa: E402
+from flexsparse import masks as M  # noqa: E402
+from flexsparse.ops import triton_block  # noqa: E402
+from flexsparse.ops.schema import MaskTensors  # noqa: E402
+
+DEV = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    def nan_empty(*shape, dtype=None, device=None, **kw):
+        t = torch.empty(*shape, dtype=dtype, device=device, **kw)
+        return t.fill_(math.nan) if t.dtype.is_floating_point else t.fill_(-12345)
+    monkeypatch.setattr(triton_block, "_empty", nan_empty)
+    monkeypatch.setattr(triton_block, "CONFIG_OVERRIDE", {})
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def run(backend, q, k, v, mask, bias=None, *, softcap=None, block=(32, 32), deterministic=False,
+        bias_grad=True, dtype=None, seed=0):
+    """out, lse and grads of a loss that uses both out and lse."""
+    dtype = dtype or q.dtype
+    q, k, v = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    b = None
+    if bias is not None:
+        b = bias.detach().to(dtype if dtype != torch.float64 else torch.float64)
+        b.requires_grad_(bias_grad)
+    out, lse = flexsparse.attention(q, k, v, mask, bias=b, softcap=softcap, return_lse=True,
+                                    backend=backend, block_size=block,
+                                    deterministic=deterministic)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g).to(lse.dtype)
+    lse_f = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    loss = (out * dout).sum() + (lse_f * dlse).sum()
+    leaves = [q, k, v] + ([b] if (b is not None and bias_grad) else [])
+    grads = torch.autograd.grad(loss, leaves)
+    return (out, lse) + tuple(grads)
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def check(q, k, v, mask, bias=None, *, dtype=torch.float32, atol=None, rtol=None, **kw):
+    got = run("triton", q, k, v, mask, bias, dtype=dtype, **kw)
+    ref = run("reference", q.double(), k.double(), v.double(), mask,
+              None if bias is None else bias.double(), dtype=torch.float64, **kw)
+    if atol is None:
+        atol, rtol = (3e-4, 1e-3) if dtype == torch.float32 else (2e-2, 2e-2)
+    for name, a, r in zip(NAMES, got, ref):
+        assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+        assert not torch.isnan(a).any(), f"{name}: NaN (unwritten element or bad math)"
+        a = a.double()
+        if name == "lse":
+            fin = torch.isfinite(r)
+            assert torch.equal(torch.isfinite(a), fin), "lse: -inf pattern differs"
+            a, r = a[fin], r[fin]
+        torch.testing.assert_close(a, r, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    return got
+
+
+def qkv(B, Hq, Hkv, Lq, Lk, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return rand(B, Hq, Lq, D, gen=g), rand(B, Hkv, Lk, D, gen=g), rand(B, Hkv, Lk, D, gen=g)
+
+
+# ----------------------------------------------------------------------------- mask kinds
+
+def _masks(B, Hkv, L):
+    g = torch.Generator().manual_seed(7)
+    cr = torch.randint(0, L + 1, (B, Hkv, L, 2), generator=g).sort(-1).values
+    dense = torch.rand(B, 1, L, L, generator=g) < 0.6
+    nb = -(-L // 32)
+    layout = torch.rand(1, Hkv, nb, nb, generator=g) < 0.5
+    layout |= torch.eye(nb, dtype=torch.bool)
+    layout16 = torch.rand(1, 1, -(-L // 16), -(-L // 16), generator=g) < 0.4
+    return {
+        "full": None,
+        "causal": M.causal(),
+        "sliding": M.sliding_window(20),
+        "sliding_lr": M.sliding_window(9, 13),
+        "document": M.document([30, 45, 0, 22]),
+        "document_noncausal": M.document([50, 47], causal=False),
+        "prefix_lm": M.prefix_lm(40),
+        "shared_question": M.shared_question(25, [30, 20, 22]),
+        "column_ranges": M.column_ranges(cr, causal=True),
+        "dense": M.dense(dense),
+        "block_sparse": M.block_sparse(layout, 32),
+        "bits (block_sparse 16 on 32 blocks)": M.block_sparse(layout16, 16),
+        "bits (or_ causal|dense)": M.or_(M.sliding_window(5), M.dense(dense)),
+        "and_ dense & causal": M.and_(M.dense(dense), M.causal()),
+        "and_ bits & dense & window": M.and_(M.or_(M.causal(), M.dense(~dense)),
+                                             M.dense(dense), M.sliding_window(40)),
+    }
+
+
+MASK_NAMES = list(_masks(2, 2, 97))
+
+
+@pytest.mark.parametrize("name", MASK_NAMES)
+def test_mask_kinds(name):
+    B, Hq, Hkv, L, D = 2, 4, 2, 97, 32
+    mask = _masks(B, Hkv, L)[name]
+    check(*qkv(B, Hq, Hkv, L, L, D), mask)
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "bits (or_ causal|dense)", "dense"])
+def test_sub_tiles(name, monkeypatch):
+    """Kernel tiles smaller than the descriptor blocks (sub-tile loops), rectangular blocks."""
+    monkeypatch.setattr(triton_block, "CONFIG_OVERRIDE",
+                        {"fwd": (16, 32, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (32, 16, 4, 1)})
+    B, Hq, Hkv, L, D = 1, 2, 1, 97, 32
+    mask = _masks(B, Hkv, L)[name]
+    check(*qkv(B, Hq, Hkv, L, L, D, seed=3), mask, block=(32, 64))
+
+
+@pytest.mark.parametrize("Lq,Lk", [(45, 83), (83, 45), (1, 70), (70, 1), (64, 64)])
+@pytest.mark.parametrize("kind", ["full", "causal"])
+def test_odd_lengths(Lq, Lk, kind):
+    mask = None if kind == "full" else M.causal()
+    check(*qkv(1, 2, 2, Lq, Lk, 32, seed=Lq + Lk), mask)
+
+
+@pytest.mark.parametrize("D", [16, 40, 64])
+def test_head_dims(D):
+    check(*qkv(1, 2, 1, 50, 50, D, seed=D), M.causal())
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 1), (6, 2), (3, 3)])
+def test_gqa(Hq, Hkv):
+    g = torch.Generator().manual_seed(Hq)
+    # head-dependent masks: column ranges per kv head, dense mask per query head
+    cr = torch.randint(0, 61, (1, Hkv, 60, 2), generator=g).sort(-1).values
+    check(*qkv(2, Hq, Hkv, 60, 60, 32, seed=Hq), M.column_ranges(cr, causal=False))
+    dm = torch.rand(2, Hq, 60, 60, generator=g) < 0.5
+    check(*qkv(2, Hq, Hkv, 60, 60, 32, seed=Hq + 1), M.dense(dm))
+
+
+def test_batch_dependent_descriptor():
+    lens = torch.tensor([[20, 30, 20], [70, 0, 0]])
+    check(*qkv(2, 2, 1, 70, 70, 32, seed=11), M.document(lens))
+
+
+def test_noncontiguous_inputs():
+    g = torch.Generator().manual_seed(5)
+    q = rand(2, 60, 4, 32, gen=g).transpose(1, 2)
+    k = rand(2, 60, 2, 32, gen=g).transpose(1, 2)
+    v = rand(2, 2, 32, 60, gen=g).transpose(2, 3)
+    check(q, k, v, M.sliding_window(15))
+
+
+# ----------------------------------------------------------------------------- bias
+
+BIAS_SHAPES = {
+    "full": (2, 4, 70, 75), "batch1": (1, 4, 70, 75), "hkv": (2, 2, 70, 75),
+    "shared": (1, 1, 70, 75), "row": (2, 4, 1, 75), "col": (2, 1, 70, 1),
+    "scalar": (1, 1, 1, 1), "col_hkv": (1, 2, 70, 1), "row_b1": (1, 2, 1, 75),
+}
+
+
+@pytest.mark.parametrize("shape", list(BIAS_SHAPES))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bias_broadcast(shape, deterministic):
+    B, Hq, Hkv, Lq, Lk = 2, 4, 2, 70, 75
+    g = torch.Generator().manual_seed(len(shape))
+    bias = rand(*BIAS_SHAPES[shape], gen=g)
+    check(*qkv(B, Hq, Hkv, Lq, Lk, 32, seed=2), M.causal(), bias, deterministic=deterministic)
+
+
+def test_bias_no_grad_and_softcap():
+    g = torch.Generator().manual_seed(9)
+    bias = rand(1, 4, 60, 60, gen=g)
+    got = check(*qkv(1, 4, 2, 60, 60, 32), M.causal(), bias, bias_grad=False, softcap=2.0)
+    assert len(got) == 5
+
+
+@pytest.mark.parametrize("name", ["full", "document", "bits (or_ causal|dense)"])
+def test_softcap(name):
+    mask = _masks(1, 1, 97)[name]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = qkv(1, 2, 1, 97, 97, 32, seed=4)
+    check(q * 3, k, v, mask, rand(1, 2, 97, 97, gen=g), softcap=5.0)
+
+
+def test_deterministic_bitwise():
+    B, Hq, Hkv, L = 2, 4, 2, 80
+    g = torch.Generator().manual_seed(1)
+    bias = rand(1, 2, L, L, gen=g)
+    inputs = qkv(B, Hq, Hkv, L, L, 32)
+    a = run("triton", *inputs, M.causal(), bias, deterministic=True)
+    b = run("triton", *inputs, M.causal(), bias, deterministic=True)
+    for name, x, y in zip(NAMES, a, b):
+        assert torch.equal(x, y), f"{name} differs between two deterministic runs"
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+def test_fully_masked_rows():
+    B, Hq, Hkv, L = 1, 2, 1, 70
+    dm = torch.rand(B, Hq, L, L, generator=torch.Generator().manual_seed(2)) < 0.5
+    dm[:, :, 10:40] = False            # whole query block 0..31 partly, rows 10..39 empty
+    dm[:, 1, :, :] = False             # head 1 sees nothing at all
+    got = check(*qkv(B, Hq, Hkv, L, L, 32), M.dense(dm), rand(B, Hq, L, L))
+    out, lse, dq = got[:3]
+    assert torch.all(out[:, :, 10:40] == 0) and torch.all(out[:, 1] == 0)
+    assert torch.all(lse[:, :, 10:40] == -math.inf) and torch.all(lse[:, 1] == -math.inf)
+    assert torch.all(dq[:, :, 10:40] == 0)
+    assert torch.all(got[5][:, 1] == 0)  # dbias of the fully masked head
+
+
+def test_minus_inf_bias_rows():
+    """A row whose visible scores are all -inf (through the bias) is fully masked too."""
+    bias = torch.zeros(1, 1, 40, 1)
+    bias[:, :, 5:9] = -math.inf
+    q, k, v = qkv(1, 2, 1, 40, 40, 32)
+    out, lse, dq, dk, dv, db = run("triton", q, k, v, M.causal(), bias)
+    assert torch.all(out[:, :, 5:9] == 0) and torch.all(lse[:, :, 5:9] == -math.inf)
+    for t in (out, dq, dk, dv, db):
+        assert not torch.isnan(t).any()
+
+
+def test_skipped_blocks_only():
+    """A mask with nothing visible at all: zero outputs, -inf lse, zero grads."""
+    dm = torch.zeros(1, 1, 50, 50, dtype=torch.bool)
+    out, lse, dq, dk, dv = run("triton", *qkv(1, 2, 1, 50, 50, 32), M.dense(dm))
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+    assert all(torch.all(t == 0) for t in (dq, dk, dv))
+
+
+def test_missing_transposed_lists():
+    """Straight through the op: no q lists (and no descriptor at all) still works."""
+    B, H, L, D = 1, 2, 50, 32
+    q, k, v = qkv(B, H, H, L, L, D)
+    desc = M.causal().compile(B, H, H, L, L, device=DEV, block_size=(32, 32))
+    mt = desc.mask_tensors()
+    ref = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "reference", False)
+    part = mt._replace(q_count=None, q_index=None, q_full_count=None, q_full_index=None)
+    got = torch.ops.flexsparse.attention(q, k, v, None, *part, 32, 32, 0.2, 0.0, "triton", False)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, atol=3e-5, rtol=1e-4)
+    full = MaskTensors()
+    got = torch.ops.flexsparse.attention(q, k, v, None, *full, 32, 32, 0.2, 0.0, "triton", False)
+    dfull = M.full().compile(B, H, H, L, L, device=DEV, block_size=(32, 32)).mask_tensors()
+    ref = torch.ops.flexsparse.attention(q, k, v, None, *dfull, 32, 32, 0.2, 0.0, "reference",
+                                         False)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, atol=3e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- float16
+
+@pytest.mark.parametrize("name", ["causal", "document", "dense", "bits (or_ causal|dense)"])
+def test_float16(name):
+    B, Hq, Hkv, L = 1, 4, 2, 97
+    mask = _masks(B, Hkv, L)[name]
+    g = torch.Generator().manual_seed(8)
+    check(*qkv(B, Hq, Hkv, L, L, 64, seed=8), mask, rand(1, Hkv, L, L, gen=g),
+          dtype=torch.float16)
+
+
+def test_not_supported_reasons():
+    q = torch.randn(1, 2, 8, 32)
+    k = torch.randn(1, 2, 8, 32)
+    reasons = triton_block.not_supported_reasons(q, k, torch.randn(1, 2, 8, 16), None,
+                                                 MaskTensors())
+    assert any("Dv" in r for r in reasons)
+    reasons = triton_block.not_supported_reasons(q.double(), k.double(), k.double(), None,
+                                                 MaskTensors())
+    assert any("dtype" in r for r in reasons)
+    assert triton_block.not_supported_reasons(q, k, k, None, MaskTensors()) == []
