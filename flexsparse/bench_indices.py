@@ -1,0 +1,298 @@
+"""Index-attention benchmark: the Triton index kernels vs a plain-PyTorch gather baseline.
+
+    python -m flexsparse.bench_indices [--out PATH] [--sweep] [--quick]
+
+Rows: B=1, Hq=16, Hkv=4, D=Dv=128, bfloat16, uniform random key indices (sorted per row,
+no -1), W in (64, 256, 1024), L = Lq = Lk in (8K, 32K). Times are medians of
+triton.testing.do_bench, forward and forward+backward, through torch.ops.flexsparse.*
+(the op the public API calls). Effective TFLOP/s counts 4*D flops per visible (query head,
+key) entry forward and 2.5x that backward. K/V bandwidth = bytes of gathered K/V rows,
+Lq*Hkv*W*(D+Dv)*2, divided by the forward time (the H100's measured copy ceiling is about
+3.0 TB/s; gathers that hit in L2 can exceed it).
+
+Baseline ("gather"): per chunk of query rows, index_select K/V rows, einsum, masked fp32
+softmax, einsum; the best of eager and torch.compile'd, in the same run. Chunks keep the
+gathered K/V under ~2 GB; with more than one chunk the backward uses activation
+checkpointing per chunk (without it the gathered K/V of all chunks would not fit).
+"""
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+B, HQ, HKV, D = 1, 16, 4, 128
+LENGTHS = (8192, 32768)
+WIDTHS = (64, 256, 1024)
+HBM_CEILING_TBS = 3.0
+GATHER_CHUNK_BYTES = 2 << 30
+
+
+def _ops():
+    import flexsparse  # noqa: F401  (registers torch.ops.flexsparse)
+    from flexsparse.ops import MaskTensors
+    from flexsparse.ops import triton_indices as ti
+    return MaskTensors, ti
+
+
+def make_inputs(L, W, device="cuda", dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn((B, HQ, L, D), device=device, dtype=dtype, generator=g)
+    k = torch.randn((B, HKV, L, D), device=device, dtype=dtype, generator=g)
+    v = torch.randn((B, HKV, L, D), device=device, dtype=dtype, generator=g)
+    idx = torch.randint(0, L, (B, HKV, L, W), device=device, dtype=torch.int32, generator=g)
+    idx = idx.sort(dim=-1).values.contiguous()
+    return q, k, v, idx
+
+
+# ------------------------------------------------------------------ the kernels via the op
+
+def flex_fwd_fn(q, k, v, idx, scale):
+    MaskTensors, _ = _ops()
+    mt = MaskTensors(attn_indices=idx)
+
+    def fn():
+        return torch.ops.flexsparse.attention(q, k, v, None, *mt, 128, 128, scale, 0.0,
+                                              "triton", False)[0]
+    return fn
+
+
+def flex_fwd_bwd_fn(q, k, v, idx, scale, deterministic=False):
+    MaskTensors, _ = _ops()
+    mt = MaskTensors(attn_indices=idx)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def fn():
+        out = torch.ops.flexsparse.attention(qg, kg, vg, None, *mt, 128, 128, scale, 0.0,
+                                             "triton", deterministic)[0]
+        out.backward(do)
+    return fn, (qg, kg, vg)
+
+
+# ------------------------------------------------------------------ gather baseline
+
+def _gather_chunk(q5, kf, vf, ix, base, scale):
+    """q5 (B, Hkv, G, R, D); kf/vf (B*Hkv*Lk, D); ix (B, Hkv, R, W); base (B, Hkv, 1, 1)."""
+    Bq, Hkv, G, R, Dq = q5.shape
+    W = ix.shape[-1]
+    valid = ix >= 0
+    flat = (ix.clamp_min(0).to(torch.int64) + base).reshape(-1)
+    ks = kf.index_select(0, flat).view(Bq, Hkv, R, W, kf.shape[-1])
+    vs = vf.index_select(0, flat).view(Bq, Hkv, R, W, vf.shape[-1])
+    s = torch.einsum("bhgrd,bhrwd->bhgrw", q5, ks).float() * scale
+    s = s.masked_fill(~valid[:, :, None], -math.inf)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhgrw,bhrwd->bhgrd", p.to(q5.dtype), vs)
+
+
+_COMPILED = {}
+
+
+def gather_attention(q, k, v, idx, scale, compiled=False, checkpoint=None):
+    Bq, Hq, Lq, Dq = q.shape
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = Hq // Hkv
+    W = idx.shape[-1]
+    fn = _gather_chunk
+    if compiled:
+        if "fn" not in _COMPILED:
+            _COMPILED["fn"] = torch.compile(_gather_chunk, dynamic=True)
+        fn = _COMPILED["fn"]
+    per_row = Bq * Hkv * W * (Dq + Dv) * q.element_size()
+    chunk = max(1, min(Lq, GATHER_CHUNK_BYTES // max(1, per_row)))
+    chunk = 1 << (chunk.bit_length() - 1)
+    n_chunks = -(-Lq // chunk)
+    if checkpoint is None:
+        checkpoint = n_chunks > 1 and torch.is_grad_enabled() and q.requires_grad
+    kf = k.reshape(Bq * Hkv * Lk, Dq)
+    vf = v.reshape(Bq * Hkv * Lk, Dv)
+    base = (torch.arange(Bq * Hkv, device=q.device) * Lk).view(Bq, Hkv, 1, 1)
+    q5 = q.unflatten(1, (Hkv, G))
+    outs = []
+    for r0 in range(0, Lq, chunk):
+        r1 = min(Lq, r0 + chunk)
+        args = (q5[:, :, :, r0:r1], kf, vf, idx[:, :, r0:r1], base, scale)
+        if checkpoint:
+            o = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        else:
+            o = fn(*args)
+        outs.append(o)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.flatten(1, 2)
+
+
+# ------------------------------------------------------------------ timing
+
+def _bench(fn, grad_to_none=None):
+    import triton
+    return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grad_to_none,
+                                   return_mode="median")
+
+
+def _time_gather(q, k, v, idx, scale, compile_ok):
+    """(fwd ms, fwd+bwd ms, which) for the best of eager and compiled."""
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+    res = {}
+    for compiled in ((False, True) if compile_ok else (False,)):
+        name = "compile" if compiled else "eager"
+        try:
+            with torch.no_grad():
+                fwd = _bench(lambda: gather_attention(q, k, v, idx, scale, compiled))
+
+            def fb():
+                gather_attention(qg, kg, vg, idx, scale, compiled).backward(do)
+            fb_ms = _bench(fb, grad_to_none=[qg, kg, vg])
+            res[name] = (fwd, fb_ms)
+        except Exception as err:  # OOM or compile failure: report the other
+            print(f"# gather baseline {name} failed: {type(err).__name__}: {err}"[:300],
+                  file=sys.stderr)
+            torch.cuda.empty_cache()
+    if not res:
+        return math.nan, math.nan, "none"
+    fwd_name = min(res, key=lambda n: res[n][0])
+    fb_name = min(res, key=lambda n: res[n][1])
+    return res[fwd_name][0], res[fb_name][1], f"{fwd_name}/{fb_name}"
+
+
+def rows(lengths=LENGTHS, widths=WIDTHS, compile_baseline=True, baseline=True,
+         budget_s=None, log=print):
+    """One dict per (L, W): timings, TFLOP/s, K/V bandwidth, speedups."""
+    _, ti = _ops()
+    t_start = time.time()
+    out = []
+    for L in lengths:
+        for W in widths:
+            torch.cuda.empty_cache()
+            q, k, v, idx = make_inputs(L, W)
+            scale = 1.0 / math.sqrt(D)
+            visible = int((idx >= 0).sum().item()) * (HQ // HKV)
+            flops_fwd = 4.0 * D * visible
+            kv_bytes = L * HKV * W * (D + D) * q.element_size()
+            fwd = _bench(flex_fwd_fn(q, k, v, idx, scale))
+            fb_fn, grads = flex_fwd_bwd_fn(q, k, v, idx, scale)
+            fb = _bench(fb_fn, grad_to_none=list(grads))
+            del grads, fb_fn
+            row = dict(L=L, W=W, fwd_ms=fwd, fwd_tflops=flops_fwd / fwd * 1e-9,
+                       kv_tbs=kv_bytes / fwd * 1e-9,
+                       kv_frac=kv_bytes / fwd * 1e-9 / HBM_CEILING_TBS,
+                       fwd_bwd_ms=fb, fwd_bwd_tflops=3.5 * flops_fwd / fb * 1e-9)
+            over = budget_s is not None and time.time() - t_start > budget_s
+            if baseline and not over:
+                g_fwd, g_fb, which = _time_gather(q, k, v, idx, scale, compile_baseline)
+                row.update(gather_fwd_ms=g_fwd, gather_fwd_bwd_ms=g_fb, gather_kind=which,
+                           fwd_speedup=g_fwd / fwd, fwd_bwd_speedup=g_fb / fb)
+            out.append(row)
+            log(_format_row(row))
+            del q, k, v, idx
+    return out
+
+
+def _f(x, fmt):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+HEADER = ("| L | W | fwd ms | fwd TFLOP/s | K/V TB/s (% of 3.0) | gather fwd ms | fwd speedup "
+          "| fwd+bwd ms | fwd+bwd TFLOP/s | gather fwd+bwd ms | fwd+bwd speedup | gather kind |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _format_row(r):
+    return (f"| {r['L'] // 1024}K | {r['W']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} "
+            f"| {_f(r['kv_tbs'], '.2f')} ({_f(100 * r['kv_frac'], '.0f')}%) "
+            f"| {_f(r.get('gather_fwd_ms'), '.2f')} | {_f(r.get('fwd_speedup'), '.1f')}x "
+            f"| {_f(r['fwd_bwd_ms'], '.3f')} | {_f(r['fwd_bwd_tflops'], '.1f')} "
+            f"| {_f(r.get('gather_fwd_bwd_ms'), '.2f')} | {_f(r.get('fwd_bwd_speedup'), '.1f')}x "
+            f"| {r.get('gather_kind', 'skipped')} |")
+
+
+def format_table(rs):
+    title = (f"Index attention, B={B} Hq={HQ} Hkv={HKV} D=Dv={D} bf16, random sorted indices "
+             f"({torch.cuda.get_device_name()})")
+    return "\n".join([title, "", HEADER] + [_format_row(r) for r in rs])
+
+
+# ------------------------------------------------------------------ config sweep
+
+FWD_CANDIDATES = [dict(block_w=bw, num_warps=nw, num_stages=ns)
+                  for bw, nw, ns in ((32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 4, 3), (64, 8, 2),
+                                     (128, 4, 2), (128, 8, 2), (128, 8, 3))]
+BWD_CANDIDATES = [dict(block_w=bw, num_warps=nw, num_stages=ns)
+                  for bw, nw, ns in ((16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 2), (64, 4, 1),
+                                     (64, 8, 1), (64, 8, 2))]
+
+
+def sweep(L=8192, widths=WIDTHS, log=print):
+    """Time forward and backward alone for the candidate configs; restore the defaults."""
+    MaskTensors, ti = _ops()
+    for W in widths:
+        q, k, v, idx = make_inputs(L, W)
+        mt = MaskTensors(attn_indices=idx)
+        scale = 1.0 / math.sqrt(D)
+        out, lse = ti.forward(q, k, v, None, mt, scale, 0.0)
+        do = torch.randn_like(out)
+        saved = dict(ti.FWD_CONFIG)
+        for cfg in FWD_CANDIDATES:
+            ti.FWD_CONFIG.clear()
+            ti.FWD_CONFIG.update(cfg)
+            try:
+                ms = _bench(lambda: ti.forward(q, k, v, None, mt, scale, 0.0))
+                log(f"sweep fwd L={L} W={W} {cfg}: {ms:.3f} ms")
+            except Exception as err:
+                log(f"sweep fwd L={L} W={W} {cfg}: failed {type(err).__name__}: {str(err)[:200]}")
+        ti.FWD_CONFIG.clear()
+        ti.FWD_CONFIG.update(saved)
+        saved = dict(ti.BWD_CONFIG)
+        for cfg in BWD_CANDIDATES:
+            ti.BWD_CONFIG.clear()
+            ti.BWD_CONFIG.update(cfg)
+            try:
+                ms = _bench(lambda: ti.backward(do, None, q, k, v, out, lse, None, mt, scale, 0.0,
+                                                False, False))
+                log(f"sweep bwd L={L} W={W} {cfg}: {ms:.3f} ms")
+            except Exception as err:
+                log(f"sweep bwd L={L} W={W} {cfg}: failed {type(err).__name__}: {str(err)[:200]}")
+        ti.BWD_CONFIG.clear()
+        ti.BWD_CONFIG.update(saved)
+        try:
+            ms = _bench(lambda: ti.backward(do, None, q, k, v, out, lse, None, mt, scale, 0.0,
+                                            True, False))
+            log(f"sweep bwd deterministic (default config) L={L} W={W}: {ms:.3f} ms")
+        except Exception as err:
+            log(f"sweep bwd deterministic L={L} W={W}: failed {type(err).__name__}: {str(err)[:200]}")
+        del q, k, v, idx, out, lse, do
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("--sweep", action="store_true", help="first time candidate kernel configs")
+    ap.add_argument("--quick", action="store_true", help="L=8K only")
+    ap.add_argument("--no-compile", action="store_true", help="eager gather baseline only")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the baseline for rows started after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_indices: needs a CUDA device", file=sys.stderr)
+        return 1
+    if args.sweep:
+        sweep()
+    print(HEADER, flush=True)
+    rs = rows(lengths=LENGTHS[:1] if args.quick else LENGTHS,
+              compile_baseline=not args.no_compile, baseline=not args.no_baseline,
+              budget_s=args.budget_s, log=lambda s: print(s, flush=True))
+    table = format_table(rs)
+    print()
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
