@@ -105,6 +105,11 @@ class BlockDescriptor:
         Lq, _ = self.seq_lengths
         return groups_to_heads(self.visible_rows(0, Lq), self.num_heads)
 
+    def to_block_mask(self, **kwargs):
+        """This descriptor as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`)."""
+        from .flex import to_block_mask
+        return to_block_mask(self, **kwargs)
+
     def num_visible(self, batch: int = 1) -> int:
         """Visible (query, key) pairs summed over batch and query heads, computed in row chunks."""
         Lq, Lk = self.seq_lengths

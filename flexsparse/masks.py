@@ -84,7 +84,12 @@ class Mask:
         if bq <= 0 or bk <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, torch.device(device or self._default_device()))
-        return self._parts(sz).to_descriptor(sz)
+        return self._descriptor(sz)
+
+    def to_block_mask(self, B: Optional[int], H: Optional[int], Lq: int, Lk: int, **kwargs):
+        """This mask as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`)."""
+        from .flex import to_block_mask
+        return to_block_mask(self, B, H, Lq, Lk, **kwargs)
 
     def to_dense(self, B: int, H: int, Lq: int, Lk: int, *, num_kv_heads: Optional[int] = None,
                  device=None) -> torch.Tensor:
@@ -109,6 +114,9 @@ class Mask:
     # hooks
     def _parts(self, sz: Sizes) -> _Parts:
         raise NotImplementedError
+
+    def _descriptor(self, sz: Sizes) -> BlockDescriptor:
+        return self._parts(sz).to_descriptor(sz)
 
     def _default_device(self):
         return "cpu"
@@ -313,6 +321,16 @@ class _ColumnRanges(Mask):
             return _Full()._parts(sz)
         cr = _stack_slots(slots, sz)
         return _Parts(state=col_ranges_block_state(cr, sz), col_ranges=cr)
+
+    def _descriptor(self, sz):
+        # Eager: O(visited blocks) lists without the dense block grid (flexsparse/blocklists.py).
+        slots = None if _is_compiling() else self.slots(sz)
+        if not slots:
+            return self._parts(sz).to_descriptor(sz)
+        from .blocklists import column_range_descriptor
+        return column_range_descriptor(_stack_slots(slots, sz), seq_lengths=(sz.Lq, sz.Lk),
+                                       block_size=(sz.block_q, sz.block_k),
+                                       num_heads=(sz.Hq, sz.Hkv))
 
     def _default_device(self):
         return self.device or "cpu"
@@ -807,3 +825,16 @@ def topk(scores, k: int, causal: bool = False, **kwargs) -> Mask:
     """
     from .topk import topk_indices
     return indices(topk_indices(scores, k, causal=causal, **kwargs), validate=False)
+
+
+# FlexAttention interop (flexsparse/flex.py), imported lazily to avoid an import cycle.
+def from_block_mask(block_mask, **kwargs) -> Mask:
+    """An exact flexsparse mask from a FlexAttention BlockMask (see `flexsparse.flex`)."""
+    from .flex import from_block_mask as _f
+    return _f(block_mask, **kwargs)
+
+
+def from_mask_mod(mask_mod, B, H, Lq, Lk, block_size=128, device=None, **kwargs) -> Mask:
+    """A flexsparse mask from a FlexAttention mask_mod, never holding an (Lq, Lk) tensor."""
+    from .flex import from_mask_mod as _f
+    return _f(mask_mod, B, H, Lq, Lk, block_size=block_size, device=device, **kwargs)

@@ -1,0 +1,154 @@
+"""Block lists from sparse entries, and the O(N) builder for column-range masks.
+
+`BlockDescriptor.from_block_state` starts from a dense (Bd, Hd, nQB, nKB) state: simple,
+static-shaped (works under torch.compile), but O(nQB x nKB) in time and memory. The
+builders here start from the list of *visited* blocks ("entries": batch/head, query
+block, key block, full or partial) and never build the dense grid, so their cost is
+O(entries): O(N) for banded masks (sliding windows, documents of bounded length, ...).
+They are eager-only (the number of entries is data dependent) and sync once or twice
+with the device to size their outputs.
+
+Column ranges (`column_range_descriptor`): per key block, the query blocks that a
+masked interval covers entirely form one contiguous range per interval; the visited
+query blocks of a key block are the gaps between those ranges (at most m + 1 runs for m
+intervals). Only those blocks are enumerated and classified, with the same per-key-block
+interval statistics as `masks.col_ranges_block_state`, so the result is the same block
+grid that function gives, without the grid.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from .descriptor import BlockDescriptor
+
+_BIG = 1 << 40
+
+
+def lists_from_entries(row: torch.Tensor, col: torch.Tensor, n_rows: int, n_cols: int, *,
+                       presorted: bool = False, width: Optional[int] = None
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Padded ascending lists from (row, col) pairs, each pair at most once.
+
+    row, col: int64 (E,). Returns count int32 (n_rows,) and index int32 (n_rows, W),
+    W = max(1, max count) unless `width` is given; padding entries are 0.
+    `presorted`: pairs are already sorted by (row, col).
+    """
+    device = row.device
+    E = row.numel()
+    if E and not presorted:
+        key, _ = torch.sort(row * n_cols + col)
+        row, col = key // n_cols, key % n_cols
+    count = torch.bincount(row, minlength=n_rows) if E else torch.zeros(
+        n_rows, dtype=torch.int64, device=device)
+    if width is None:
+        width = int(count.max()) if (E and n_rows) else 0
+    width = max(1, width)
+    index = torch.zeros((n_rows, width), dtype=torch.int32, device=device)
+    if E:
+        start = torch.cumsum(count, 0) - count
+        pos = torch.arange(E, device=device) - start[row]
+        index[row, pos] = col.to(torch.int32)
+    return count.to(torch.int32), index
+
+
+def descriptor_from_entries(bh_shape, nQB: int, nKB: int, bh: torch.Tensor, qb: torch.Tensor,
+                            kb: torch.Tensor, full: torch.Tensor, *, seq_lengths, block_size,
+                            num_heads, order: Optional[str] = None, **predicates
+                            ) -> BlockDescriptor:
+    """A BlockDescriptor from its visited blocks.
+
+    bh: flat batch*head index in [0, Bd*Hd) (bh_shape = (Bd, Hd)); qb, kb: block indices;
+    full: bool, False = partial. Entries must be unique. `order`: "q" if the entries are
+    sorted by (bh, kb, qb) (the transposed lists need no sort), "kv" if sorted by
+    (bh, qb, kb), None if unsorted.
+    """
+    Bd, Hd = bh_shape
+    bh, qb, kb = bh.to(torch.int64), qb.to(torch.int64), kb.to(torch.int64)
+    out = {}
+    for kind, sel in (("full", full), ("partial", ~full)):
+        b_, q_, k_ = bh[sel], qb[sel], kb[sel]
+        kv_c, kv_i = lists_from_entries(b_ * nQB + q_, k_, Bd * Hd * nQB, nKB,
+                                        presorted=(order == "kv"))
+        q_c, q_i = lists_from_entries(b_ * nKB + k_, q_, Bd * Hd * nKB, nQB,
+                                      presorted=(order == "q"))
+        out[kind] = (kv_c.view(Bd, Hd, nQB), kv_i.view(Bd, Hd, nQB, -1),
+                     q_c.view(Bd, Hd, nKB), q_i.view(Bd, Hd, nKB, -1))
+    (kv_c, kv_i, q_c, q_i), (kvf_c, kvf_i, qf_c, qf_i) = out["partial"], out["full"]
+    return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
+                           kv_c, kv_i, kvf_c, kvf_i, q_c, q_i, qf_c, qf_i, **predicates)
+
+
+# ------------------------------------------------------------------ column ranges
+
+def _key_block_stats(cr: torch.Tensor, nKB: int, bk: int):
+    """Per key block and interval: cover stats (s_cov, e_cov) and miss stats (s_miss, e_miss).
+
+    cr (Bc, Hc, Lk, 2m) -> four int64 (Bc*Hc*nKB, m). Same rules as
+    masks.col_ranges_block_state: padded columns are neutral, empty intervals neither
+    cover nor touch anything.
+    """
+    Bc, Hc, Lk, two_m = cr.shape
+    m = two_m // 2
+    pad = nKB * bk - Lk
+    s = cr[..., 0::2].to(torch.int64)                    # (Bc, Hc, Lk, m)
+    e = cr[..., 1::2].to(torch.int64)
+    nonempty = s < e
+
+    def pool(x, fill, op):
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad), value=fill)
+        x = x.view(Bc * Hc * nKB, bk, m)
+        return x.amax(1) if op == "max" else x.amin(1)
+
+    s_cov = pool(s, 0, "max")
+    e_cov = pool(torch.where(nonempty, e, 0), _BIG, "min")
+    s_miss = pool(torch.where(nonempty, s, _BIG), _BIG, "min")
+    e_miss = pool(torch.where(nonempty, e, -_BIG), -_BIG, "max")
+    return s_cov, e_cov, s_miss, e_miss
+
+
+def column_range_entries(cr: torch.Tensor, Lq: int, block_q: int, block_k: int):
+    """Visited blocks of a column-range mask: (bh, qb, kb, full), sorted by (bh, kb, qb)."""
+    Bc, Hc, Lk, two_m = cr.shape
+    m = two_m // 2
+    device = cr.device
+    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
+    s_cov, e_cov, s_miss, e_miss = _key_block_stats(cr, nKB, block_k)
+    # Query blocks skipped because interval r covers all their rows: [a, b) per (kb, r).
+    a = ((s_cov + block_q - 1) // block_q).clamp(0, nQB)
+    b = torch.where(e_cov >= Lq, nQB, e_cov // block_q).clamp(0, nQB)
+    empty = b <= a
+    a = torch.where(empty, 0, a)
+    b = torch.where(empty, 0, b)
+    a, order = torch.sort(a, dim=-1)
+    b = torch.gather(b, -1, order)
+    covered_to = torch.cummax(b, dim=-1).values           # end of the union so far
+    zero = torch.zeros_like(a[:, :1])
+    run_start = torch.cat([zero, covered_to], -1)                          # (R, m+1)
+    run_end = torch.cat([a, torch.full_like(zero, nQB)], -1)
+    run_end = torch.maximum(run_end, run_start)
+    counts = (run_end - run_start).flatten()
+    E = int(counts.sum())
+    runs = torch.arange(counts.numel(), device=device)
+    rep = torch.repeat_interleave(runs, counts, output_size=E)
+    offsets = torch.cumsum(counts, 0) - counts
+    qb = run_start.flatten()[rep] + (torch.arange(E, device=device) - offsets[rep])
+    key_row = rep // (m + 1)                                # bh * nKB + kb
+    kb = key_row % nKB
+    bh = key_row // nKB
+    r0 = qb * block_q
+    r1 = torch.clamp(r0 + block_q, max=Lq)
+    full = ((s_miss[key_row] >= r1[:, None]) | (e_miss[key_row] <= r0[:, None])).all(-1)
+    return bh, qb, kb, full
+
+
+def column_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, num_heads
+                            ) -> BlockDescriptor:
+    """O(entries) BlockDescriptor of a normalized column-range tensor (Bc, Hc, Lk, 2m)."""
+    Lq, Lk = seq_lengths
+    bq, bk = block_size
+    Bc, Hc = cr.shape[:2]
+    nQB, nKB = -(-Lq // bq), -(-Lk // bk)
+    bh, qb, kb, full = column_range_entries(cr, Lq, bq, bk)
+    return descriptor_from_entries((Bc, Hc), nQB, nKB, bh, qb, kb, full, order="q",
+                                   seq_lengths=seq_lengths, block_size=block_size,
+                                   num_heads=num_heads, col_ranges=cr)
