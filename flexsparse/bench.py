@@ -1,0 +1,366 @@
+"""Benchmark: flexsparse (Triton backend) vs FlexAttention vs SDPA, in the same run.
+
+    python -m flexsparse.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
+                               [--no-flex] [--no-sdpa] [--no-indices] [--sweep]
+
+bf16, H=16 (Hq = Hkv), B*L = 16K tokens. Times are medians of triton.testing.do_bench,
+forward and forward+backward (backward = fwd+bwd - fwd). The flexsparse descriptor and the
+FlexAttention BlockMask are built outside the timed region. Effective TFLOP/s count only
+visible score entries: 4*D flops per entry forward, 2.5x that backward.
+
+Rows: full, causal, sliding window 1024, document (12 docs), prefix-LM (L/4),
+shared-question (question L/4 + 4 answers), random block-sparse 20% (128x128 blocks +
+diagonal) at L = 8K and 16K, hd128 (full and causal also hd64), and causal + full
+(B, H, L, L) bias with dbias at 4K. Index-attention rows come from
+`flexsparse.bench_indices` (if present), in a table of their own.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+H = 16
+TOKENS = 16384
+DTYPE = torch.bfloat16
+
+# (mask kind, L, D)
+ROWS = [(kind, L, 128) for kind in ("full", "causal", "sliding", "document", "prefix_lm",
+                                    "shared_question", "block_sparse")
+        for L in (8192, 16384)]
+ROWS += [("full", 8192, 64), ("causal", 8192, 64), ("causal_bias", 4096, 128)]
+QUICK = [("full", 8192, 128), ("causal", 8192, 128), ("sliding", 8192, 128),
+         ("document", 8192, 128), ("causal_bias", 4096, 128)]
+
+
+# ---------------------------------------------------------------- the masks, both ways
+
+def _doc_lengths(L, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(L - 1, generator=g)[:n - 1].add(1).sort().values.tolist()
+    bounds = [0] + cuts + [L]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def make_case(kind, B, L, device="cuda"):
+    """(flexsparse mask, flex mask_mod or None, flex mask needs per-head BlockMask,
+    SDPA is_causal or None when SDPA cannot express it, has_bias)."""
+    from flexsparse import masks as M
+
+    def causal_mod(b, h, q, kv):
+        return q >= kv
+
+    if kind == "full":
+        return M.full(), None, False, False, False
+    if kind in ("causal", "causal_bias"):
+        return M.causal(), causal_mod, False, True, kind == "causal_bias"
+    if kind == "sliding":
+        W = 1024
+
+        def mod(b, h, q, kv):
+            return (q >= kv) & (q - kv <= W)
+        return M.sliding_window(W), mod, False, None, False
+    if kind == "document":
+        lengths = _doc_lengths(L, 12, seed=L)
+        doc = torch.repeat_interleave(torch.arange(12), torch.tensor(lengths)).to(device)
+
+        def mod(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (q >= kv)
+        return M.document(lengths), mod, False, None, False
+    if kind == "prefix_lm":
+        P = L // 4
+
+        def mod(b, h, q, kv):
+            return (kv < P) | (q >= kv)
+        return M.prefix_lm(P), mod, False, None, False
+    if kind == "shared_question":
+        Q = L // 4
+        answers = _doc_lengths(L - Q, 4, seed=L + 1)
+        seg = torch.repeat_interleave(torch.arange(5) - 1,
+                                      torch.tensor([Q] + answers)).to(device)
+
+        def mod(b, h, q, kv):
+            return (q >= kv) & ((seg[kv] == -1) | (seg[kv] == seg[q]))
+        return M.shared_question(Q, answers), mod, False, None, False
+    if kind == "block_sparse":
+        nb = L // 128
+        g = torch.Generator(device=device).manual_seed(L)
+        layout = torch.rand(1, H, nb, nb, device=device, generator=g) < 0.2
+        layout |= torch.eye(nb, dtype=torch.bool, device=device)
+        lay = layout[0]
+
+        def mod(b, h, q, kv):
+            return lay[h, q // 128, kv // 128]
+        return M.block_sparse(layout, 128), mod, True, None, False
+    raise ValueError(f"unknown row kind {kind!r}")
+
+
+# ---------------------------------------------------------------- timing
+
+def _bench(fn, grad_to_none=None):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grad_to_none,
+                                   return_mode="median")
+
+
+def _time_pair(fwd_fn, fb_fn, grads):
+    fwd = _bench(fwd_fn)
+    fb = _bench(fb_fn, grad_to_none=grads)
+    return fwd, fb
+
+
+def time_row(kind, L, D, *, flex=True, sdpa=True, log=print):
+    import flexsparse
+    B = max(1, TOKENS // L)
+    torch.manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=DTYPE)  # noqa: E731
+    q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
+    do = mk(B, H, L, D)
+    fs_mask, mask_mod, per_head, sdpa_causal, has_bias = make_case(kind, B, L)
+    bias = mk(B, H, L, L) if has_bias else None
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    bias_g = bias.detach().clone().requires_grad_() if has_bias else None
+    grads = leaves + ([bias_g] if has_bias else [])
+
+    desc = fs_mask.compile(B, H, H, L, L, device="cuda")
+    visible = desc.num_visible(batch=B)
+    flops_fwd = 4.0 * D * visible
+    row = dict(kind=kind, L=L, D=D, B=B, visible=visible, flops_fwd=flops_fwd)
+
+    def ours_fwd():
+        return flexsparse.attention(q, k, v, desc, bias=bias, backend="triton")
+
+    def ours_fb():
+        flexsparse.attention(*leaves, desc, bias=bias_g, backend="triton").backward(do)
+
+    def record(name, fn_pair):
+        try:
+            fwd, fb = fn_pair()
+            row[f"{name}_fwd_ms"], row[f"{name}_fb_ms"] = fwd, fb
+            row[f"{name}_fwd"] = flops_fwd / fwd * 1e-9
+            row[f"{name}_bwd"] = 2.5 * flops_fwd / max(fb - fwd, 1e-6) * 1e-9
+        except Exception as err:  # report, keep going
+            log(f"  {name} {kind} L={L} D={D}: failed: {type(err).__name__}: {str(err)[:300]}")
+        torch.cuda.empty_cache()
+
+    record("ours", lambda: _time_pair(ours_fwd, ours_fb, grads))
+
+    if flex:
+        def flex_pair():
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            fa = torch.compile(flex_attention, dynamic=False)
+            bm = None
+            if mask_mod is not None:
+                bm = create_block_mask(mask_mod, None, H if per_head else None,
+                                       L, L, device="cuda")
+            score_mod = None
+            if has_bias:
+                def score_mod(score, b, h, qi, kv):
+                    return score + bias_g[b, h, qi, kv]
+                fwd_score_mod = lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]  # noqa
+            else:
+                fwd_score_mod = None
+            fwd = lambda: fa(q, k, v, score_mod=fwd_score_mod, block_mask=bm)  # noqa: E731
+
+            def fb():
+                fa(*leaves, score_mod=score_mod, block_mask=bm).backward(do)
+            return _time_pair(fwd, fb, grads)
+        record("flex", flex_pair)
+
+    if sdpa and sdpa_causal is not None and not has_bias:
+        def sdpa_pair():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            F = torch.nn.functional
+
+            def fwd():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal)
+
+            def fb():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    F.scaled_dot_product_attention(*leaves, is_causal=sdpa_causal).backward(do)
+            return _time_pair(fwd, fb, grads)
+        record("sdpa", sdpa_pair)
+
+    if "ours_fwd" in row and "flex_fwd" in row:
+        row["ratio_fwd"] = row["ours_fwd"] / row["flex_fwd"]
+        row["ratio_bwd"] = row["ours_bwd"] / row["flex_bwd"]
+    del q, k, v, do, leaves, bias, bias_g, grads, desc
+    torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------- table
+
+LABELS = {"full": "full", "causal": "causal", "sliding": "sliding window 1024",
+          "document": "document (12 docs)", "prefix_lm": "prefix-LM (L/4)",
+          "shared_question": "shared-question (L/4 + 4 answers)",
+          "block_sparse": "block-sparse 20% + diag", "causal_bias": "causal + full bias (dbias)"}
+
+HEADER = ("| mask | L | D | B | ours fwd | ours bwd | flex fwd | flex bwd | SDPA fwd | SDPA bwd "
+          "| ours/flex fwd | ours/flex bwd |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _f(x, fmt=".0f"):
+    return "n/a" if x is None else format(x, fmt)
+
+
+def format_row(r):
+    return (f"| {LABELS.get(r['kind'], r['kind'])} | {r['L'] // 1024}K | {r['D']} | {r['B']} "
+            f"| {_f(r.get('ours_fwd'))} | {_f(r.get('ours_bwd'))} "
+            f"| {_f(r.get('flex_fwd'))} | {_f(r.get('flex_bwd'))} "
+            f"| {_f(r.get('sdpa_fwd'))} | {_f(r.get('sdpa_bwd'))} "
+            f"| {_f(r.get('ratio_fwd'), '.2f')} | {_f(r.get('ratio_bwd'), '.2f')} |")
+
+
+def format_table(rows):
+    title = (f"Effective TFLOP/s (visible entries only), bf16, H={H}, B*L={TOKENS // 1024}K "
+             f"tokens, median of do_bench ({torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__})")
+    return "\n".join([title, "", HEADER] + [format_row(r) for r in rows])
+
+
+# ---------------------------------------------------------------- config sweep (ours)
+
+SWEEP = {
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+            (64, 64, 4, 3), (128, 64, 8, 4)],
+    "dkdv": [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3),
+             (128, 128, 8, 2), (32, 128, 8, 3)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+           (128, 32, 4, 3), (64, 128, 8, 2)],
+}
+
+
+def sweep(cases, log=print):
+    """Time each pass of our kernels alone for candidate (BM, BN, warps, stages)."""
+    from flexsparse.ops import triton_block as tb
+    for kind, L, D in cases:
+        B = max(1, TOKENS // L)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=DTYPE)  # noqa: E731
+        q, k, v, do = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
+        fs_mask, *_ = make_case(kind, B, L)
+        desc = fs_mask.compile(B, H, H, L, L, device="cuda")
+        mt = desc.mask_tensors()
+        scale = 1 / math.sqrt(D)
+        flops = 4.0 * D * desc.num_visible(batch=B)
+        out, lse = tb.forward(q, k, v, None, mt, 128, 128, scale, 0.0, False)
+        for which, cands in SWEEP.items():
+            for cfg in cands:
+                tb.CONFIG_OVERRIDE.clear()
+                tb.CONFIG_OVERRIDE[which] = cfg
+                try:
+                    if which == "fwd":
+                        ms = _bench(lambda: tb.forward(q, k, v, None, mt, 128, 128, scale, 0.0,
+                                                       False))
+                        tf = flops / ms * 1e-9
+                    else:
+                        ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, None, mt,
+                                                        128, 128, scale, 0.0, False, False))
+                        tf = 2.5 * flops / ms * 1e-9
+                    log(f"sweep {kind} L={L} D={D} {which} {cfg}: {ms:.3f} ms {tf:.0f} TFLOP/s"
+                        + (" (whole backward)" if which != "fwd" else ""))
+                except Exception as err:
+                    log(f"sweep {kind} L={L} D={D} {which} {cfg}: failed {type(err).__name__}: "
+                        f"{str(err)[:200]}")
+        tb.CONFIG_OVERRIDE.clear()
+        del q, k, v, do, out, lse
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- main
+
+def select_rows(spec, quick):
+    rows = QUICK if quick else ROWS
+    if not spec:
+        return rows
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, rest = item.partition("@")
+        parts = rest.split("@") if rest else []
+        L = int(parts[0]) if parts else None
+        D = int(parts[1]) if len(parts) > 1 else None
+        hits = [r for r in ROWS if r[0] == name and (L is None or r[1] == L)
+                and (D is None or r[2] == D)]
+        if not hits and L is not None:
+            hits = [(name, L, D or 128)]
+        if not hits:
+            raise SystemExit(f"bench: no row matches {item!r}")
+        out.extend(h for h in hits if h not in out)
+    return out
+
+
+def run_indices(args, out_path, log=print):
+    try:
+        from flexsparse import bench_indices
+    except ImportError:
+        return None
+    if not hasattr(bench_indices, "rows"):
+        return None
+    import inspect
+    kw = {}
+    params = inspect.signature(bench_indices.rows).parameters
+    if args.quick and "lengths" in params and hasattr(bench_indices, "LENGTHS"):
+        kw["lengths"] = tuple(bench_indices.LENGTHS)[:1]
+    if "log" in params:
+        kw["log"] = log
+    rs = bench_indices.rows(**kw)
+    table = (bench_indices.format_table(rs) if hasattr(bench_indices, "format_table")
+             else "\n".join(str(r) for r in rs))
+    if out_path:
+        path = os.path.join(os.path.dirname(os.path.abspath(out_path)), "bench_indices.md")
+        with open(path, "w") as f:
+            f.write(table + "\n")
+    return table
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="also write the markdown table here")
+    ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} rows at L <= 8K")
+    ap.add_argument("--rows", default="",
+                    help="comma list of kind[@L[@D]], kinds: " + ", ".join(LABELS))
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip SDPA")
+    ap.add_argument("--no-indices", action="store_true", help="skip the index-attention rows")
+    ap.add_argument("--sweep", action="store_true",
+                    help="first time candidate tile configs of our kernels on the selected rows")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flexsparse.bench: needs a CUDA GPU (none found); nothing to do.")
+        return 0
+    import torch._dynamo as dynamo
+    dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+    rows = select_rows(args.rows, args.quick)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.sweep:
+        sweep(rows, log=log)
+    results = []
+    print(HEADER, flush=True)
+    t0 = time.time()
+    for kind, L, D in rows:
+        r = time_row(kind, L, D, flex=not args.no_flex, sdpa=not args.no_sdpa, log=log)
+        results.append(r)
+        log(format_row(r) + f"  [{time.time() - t0:.0f}s]")
+    table = format_table(results)
+    print()
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    if not args.no_indices and not args.rows:
+        idx_table = run_indices(args, args.out, log=log)
+        if idx_table:
+            print()
+            print(idx_table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
