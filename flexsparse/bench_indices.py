@@ -270,6 +270,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--sweep", action="store_true", help="first time candidate kernel configs")
+    ap.add_argument("--sweep-only", action="store_true", help="only time candidate configs")
     ap.add_argument("--quick", action="store_true", help="L=8K only")
     ap.add_argument("--no-compile", action="store_true", help="eager gather baseline only")
     ap.add_argument("--no-baseline", action="store_true")
@@ -279,8 +280,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_indices: needs a CUDA device", file=sys.stderr)
         return 1
-    if args.sweep:
-        sweep()
+    if args.sweep or args.sweep_only:
+        sweep(log=lambda s: print(s, flush=True))
+        if args.sweep_only:
+            return 0
     print(HEADER, flush=True)
     rs = rows(lengths=LENGTHS[:1] if args.quick else LENGTHS,
               compile_baseline=not args.no_compile, baseline=not args.no_baseline,

@@ -145,6 +145,15 @@ if triton is not None:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _lt(offs, n, EVEN: tl.constexpr):
+        # Column mask; all-true when the head dim is a power of two, so that the gathers
+        # and atomics along it stay vectorized.
+        if EVEN:
+            return tl.full(offs.shape, 1, tl.int1)
+        else:
+            return offs < n
+
+    @triton.jit
     def _fwd_kernel(
         Q, K, V, IDX, BIAS, OUT, LSE,
         sqb, sqh, sqg, sqm, sqd,
@@ -157,6 +166,7 @@ if triton is not None:
         G, Lk, W, D, DV,
         scale, softcap,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
         BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         IEEE: tl.constexpr,
     ):
@@ -169,8 +179,8 @@ if triton is not None:
         offs_dv = tl.arange(0, DV_PAD)
         offs_w0 = tl.arange(0, BLOCK_W)
         g_ok = offs_g < G
-        d_ok = offs_d < D
-        dv_ok = offs_dv < DV
+        d_ok = _lt(offs_d, D, EVEN_D)
+        dv_ok = _lt(offs_dv, DV, EVEN_DV)
 
         q = tl.load(Q + b * sqb + h * sqh + i * sqm + offs_g[:, None] * sqg + offs_d[None, :] * sqd,
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
@@ -242,6 +252,7 @@ if triton is not None:
         G, Lk, W, D, DV,
         scale, softcap,
         G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
         BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
         HAS_DLSE: tl.constexpr, ATOMIC_KV: tl.constexpr, WRITE_DS: tl.constexpr,
         WRITE_DELTA: tl.constexpr, IEEE: tl.constexpr,
@@ -255,8 +266,8 @@ if triton is not None:
         offs_dv = tl.arange(0, DV_PAD)
         offs_w0 = tl.arange(0, BLOCK_W)
         g_ok = offs_g < G
-        d_ok = offs_d < D
-        dv_ok = offs_dv < DV
+        d_ok = _lt(offs_d, D, EVEN_D)
+        dv_ok = _lt(offs_dv, DV, EVEN_DV)
         gd_ok = g_ok[:, None] & d_ok[None, :]
         gdv_ok = g_ok[:, None] & dv_ok[None, :]
 
@@ -352,6 +363,7 @@ if triton is not None:
         G, D, DV,
         scale, softcap,
         G_P2: tl.constexpr, BLOCK_E: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ):
         # One key row j of one (kv head, batch): sum over the (query, head) pairs that list
@@ -361,8 +373,8 @@ if triton is not None:
         b = tl.program_id(2).to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         offs_dv = tl.arange(0, DV_PAD)
-        d_ok = offs_d < D
-        dv_ok = offs_dv < DV
+        d_ok = _lt(offs_d, D, EVEN_D)
+        dv_ok = _lt(offs_dv, DV, EVEN_DV)
         offs_r = tl.arange(0, BLOCK_E * G_P2)
         e_loc = offs_r // G_P2
         g = (offs_r % G_P2).to(tl.int64)
@@ -497,7 +509,7 @@ def forward(query, key, value, bias, mask, scale, softcap):
         *o5.stride(), *l4.stride(),
         G, Lk, W, D, Dv,
         float(scale), float(softcap),
-        G_PAD=G_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK_W=block_w,
+        G_PAD=G_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, EVEN_D=D == D_PAD, EVEN_DV=Dv == DV_PAD, BLOCK_W=block_w,
         HAS_BIAS=has_bias, HAS_SOFTCAP=softcap > 0, IEEE=query.dtype == torch.float32,
         **_launch_opts(num_warps, num_stages))
     return out, lse
@@ -627,7 +639,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, scale,
         *dk_acc.stride(), *dv_acc.stride(), *dsx.stride(), *delta.stride(),
         G, Lk, W, D, Dv,
         float(scale), float(softcap),
-        G_PAD=G_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, BLOCK_W=block_w,
+        G_PAD=G_PAD, D_PAD=D_PAD, DV_PAD=DV_PAD, EVEN_D=D == D_PAD, EVEN_DV=Dv == DV_PAD, BLOCK_W=block_w,
         HAS_BIAS=has_bias, HAS_SOFTCAP=softcap > 0, HAS_DLSE=has_dlse,
         ATOMIC_KV=atomic, WRITE_DS=want_dbias, WRITE_DELTA=not atomic,
         IEEE=query.dtype == torch.float32,
@@ -651,7 +663,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, scale,
             *dk.stride(), *dv.stride(),
             G, D, Dv,
             float(scale), float(softcap),
-            G_P2=G_P2, BLOCK_E=block_e, D_PAD=D_PAD, DV_PAD=DV_PAD,
+            G_P2=G_P2, BLOCK_E=block_e, D_PAD=D_PAD, DV_PAD=DV_PAD, EVEN_D=D == D_PAD, EVEN_DV=Dv == DV_PAD,
             HAS_BIAS=has_bias, HAS_SOFTCAP=softcap > 0,
             **_launch_opts(nw, 1))
 
