@@ -210,6 +210,56 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
 # ============================================================================ backward
 
 @triton.jit
+def _bwd_preprocess(O, DO, LSE, GLSE, DEL, LSE2,
+                    sob, soh, som, sod, sdob, sdoh, sdom, sdod,
+                    Hq, Lq, D,
+                    HAS_GLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta = rowsum(dO * O) - grad_lse; lse2 = lse * log2(e), with -inf -> +inf (p = 0)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (i[:, None] < Lq) & (offs_d[None, :] < D)
+    o = tl.load(O + b * sob + h * soh + i[:, None] * som + offs_d[None, :] * sod, mask=ok,
+                other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + i[:, None] * sdom + offs_d[None, :] * sdod, mask=ok,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    r = (b * Hq + h) * Lq + i
+    if HAS_GLSE:
+        delta -= tl.load(GLSE + r, mask=i < Lq, other=0.0)
+    lse = tl.load(LSE + r, mask=i < Lq, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DEL + r, delta, mask=i < Lq)
+    tl.store(LSE2 + r, lse2, mask=i < Lq)
+
+
+@triton.jit
+def _zero_skipped(DBh, sdbq, sdbk, j, offs_m, QIp, pc, QIf, fc, nQB, Lq, Lk, block_q,
+                  SUB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write zeros to the dbias tiles of the query blocks that this key tile skips
+    (both lists are ascending: a merge walk)."""
+    zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32).to(DBh.dtype.element_ty)
+    pp = pc * 0
+    fp = fc * 0
+    for qb in range(nQB):
+        nxt_p = tl.load(QIp + pp, mask=pp < pc, other=-1)
+        nxt_f = tl.load(QIf + fp, mask=fp < fc, other=-1)
+        hit_p = nxt_p == qb
+        hit_f = nxt_f == qb
+        miss = (nxt_p != qb) & (nxt_f != qb)
+        if miss:
+            for t in range(SUB):
+                i = qb * block_q + t * BLOCK_M + offs_m
+                tl.store(DBh + i[None, :] * sdbq + j[:, None] * sdbk, zero,
+                         mask=(i[None, :] < Lq) & (j[:, None] < Lk))
+        pp += hit_p.to(tl.int32)
+        fp += hit_f.to(tl.int32)
+
+
+@triton.jit
 def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   Qh, sqm, sqd, DOh, sdm, sdd, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
                   idx_ptr, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k, qk_scale, cap_log2,
@@ -284,9 +334,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
                    DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                    CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                    PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                   Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+                   Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                    N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                   ZERO_SKIPPED: tl.constexpr,
                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -343,6 +394,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
             BLOCK_M)
         if DB_MODE == 3:
             tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
+        if ZERO_SKIPPED:
+            _zero_skipped(DBh, sdbq, sdbk, j, offs_m,
+                          QI + (b * qc_sb + (h // qc_hdiv) * qc_sh + kb).to(tl.int64) * qc_W,
+                          tl.load(QC + b * qc_sb + (h // qc_hdiv) * qc_sh + kb),
+                          QFI + row.to(tl.int64) * qf_W, tl.load(QFC + row), nQB, Lq, Lk,
+                          block_q, SUB, BLOCK_M, BLOCK_N)
     dk = dk * scale
     # dK, dV outputs are contiguous (B, Hkv, Lk, D)
     o = (b64 * Hkv + hk64) * Lk * D + j[:, None] * D + offs_d[None, :]
@@ -762,14 +819,17 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
 
-    delta = (grad_out.float() * out.float()).sum(-1)
-    if grad_lse is not None:
-        delta = delta - grad_lse.float()
-    delta = delta.contiguous()
-    lse2 = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E).contiguous()
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=device)
+    lse2 = torch.empty((B, Hq, Lq), dtype=torch.float32, device=device)
+    glse = grad_lse.float().contiguous() if grad_lse is not None else c["dummy"]
+    PRE_M = 64
+    _bwd_preprocess[(triton.cdiv(Lq, PRE_M), B * Hq)](
+        out, grad_out, lse.float().contiguous(), glse, delta, lse2,
+        *_strides(out), *_strides(grad_out), Hq, Lq, D,
+        HAS_GLSE=grad_lse is not None, BLOCK_M=PRE_M, BLOCK_D=c["BLOCK_D"])
 
     # dbias plan (see module docstring of the op): which pass produces it, and where.
-    db_mode, db_colsum, finish = DB_NONE, False, None
+    db_mode, db_colsum, finish, zero_skipped = DB_NONE, False, None, False
     db_ptr, db_strides, db_hdiv = c["dummy"], (0, 0, 0, 0), 1
     dbq_ptr = c["dummy"]
     if want_dbias:
@@ -790,13 +850,13 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
             db_ptr, db_strides = scratch, (Hq * Lk, Lk, 0, 1)
             finish = lambda: reduce_to_bias(scratch[:, :, None, :])
         elif Bb == B and Hb == Hq:        # one writer per element: store directly
-            db_mode = DB_STORE
-            dbias_full = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
+            db_mode, zero_skipped = DB_STORE, True   # the kernel zeroes the skipped tiles
+            dbias_full = _empty(bias.shape, dtype=bias.dtype, device=device)
             db_ptr, db_strides = dbias_full, _strides(dbias_full)
             finish = lambda: dbias_full
         elif deterministic:               # per-(b, h) float32 scratch + fixed-order torch sum
-            db_mode = DB_STORE
-            scratch = torch.zeros((B, Hq, Lq, Lk), dtype=torch.float32, device=device)
+            db_mode, zero_skipped = DB_STORE, True
+            scratch = _empty((B, Hq, Lq, Lk), dtype=torch.float32, device=device)
             db_ptr, db_strides = scratch, _strides(scratch)
             finish = lambda: reduce_to_bias(scratch)
         else:                             # float32 atomics into the broadcast shape
@@ -815,8 +875,9 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     _attn_bwd_dkdv[grid](
         query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv,
         *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
-        Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, scale, c["qk_scale"],
-        c["cap_log2"], **c["flags"], DB_MODE=db_mode, EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+        Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
+        c["qk_scale"], c["cap_log2"], **c["flags"], DB_MODE=db_mode,
+        ZERO_SKIPPED=zero_skipped, EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
     # dQ pass
     BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k)
