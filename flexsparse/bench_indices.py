@@ -131,36 +131,44 @@ def _bench(fn, grad_to_none=None):
                                    return_mode="median")
 
 
-def _time_gather(q, k, v, idx, scale, compile_ok):
-    """(fwd ms, fwd+bwd ms, which) for the best of eager and compiled."""
+def _time_gather(q, k, v, idx, scale, compiled):
+    """(fwd ms, fwd+bwd ms) of the gather baseline, eager or torch.compile'd; NaN on failure."""
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
-    res = {}
-    for compiled in ((False, True) if compile_ok else (False,)):
-        name = "compile" if compiled else "eager"
-        try:
-            with torch.no_grad():
-                fwd = _bench(lambda: gather_attention(q, k, v, idx, scale, compiled))
+    name = "compiled" if compiled else "eager"
+    try:
+        with torch.no_grad():
+            fwd = _bench(lambda: gather_attention(q, k, v, idx, scale, compiled))
 
-            def fb():
-                gather_attention(qg, kg, vg, idx, scale, compiled).backward(do)
-            fb_ms = _bench(fb, grad_to_none=[qg, kg, vg])
-            res[name] = (fwd, fb_ms)
-        except Exception as err:  # OOM or compile failure: report the other
-            print(f"# gather baseline {name} failed: {type(err).__name__}: {err}"[:300],
-                  file=sys.stderr)
-            torch.cuda.empty_cache()
-    if not res:
-        return math.nan, math.nan, "none"
-    fwd_name = min(res, key=lambda n: res[n][0])
-    fb_name = min(res, key=lambda n: res[n][1])
-    return res[fwd_name][0], res[fb_name][1], f"{fwd_name}/{fb_name}"
+        def fb():
+            gather_attention(qg, kg, vg, idx, scale, compiled).backward(do)
+        return fwd, _bench(fb, grad_to_none=[qg, kg, vg])
+    except Exception as err:  # OOM or compile failure: reported as n/a
+        print(f"# gather baseline {name} failed: {type(err).__name__}: {err}"[:300], file=sys.stderr)
+        torch.cuda.empty_cache()
+        return math.nan, math.nan
+
+
+def _finish(row):
+    """Best baseline (eager or compiled, per column) and the speedups against it."""
+    for col in ("fwd", "fwd_bwd"):
+        cands = [(row.get(f"gather_{kind}_{col}_ms", math.nan), kind) for kind in ("eager", "compiled")]
+        cands = [c for c in cands if not math.isnan(c[0])]
+        if cands:
+            best, kind = min(cands)
+            row[f"gather_{col}_ms"] = best
+            row[f"gather_{col}_kind"] = kind
+            row[f"{col}_speedup"] = best / row[f"{col}_ms"]
+    return row
 
 
 def rows(lengths=LENGTHS, widths=WIDTHS, compile_baseline=True, baseline=True,
-         budget_s=None, log=print):
-    """One dict per (L, W): timings, TFLOP/s, K/V bandwidth, speedups."""
-    _, ti = _ops()
+         budget_s=None, log=print, on_update=None):
+    """One dict per (L, W): timings, TFLOP/s, K/V bandwidth, speedups.
+
+    Pass 1 times the kernels and the eager baseline for every row; pass 2 adds the
+    torch.compile'd baseline row by row while `budget_s` (seconds since the start) lasts.
+    """
     t_start = time.time()
     out = []
     for L in lengths:
@@ -179,13 +187,29 @@ def rows(lengths=LENGTHS, widths=WIDTHS, compile_baseline=True, baseline=True,
                        kv_tbs=kv_bytes / fwd * 1e-9,
                        kv_frac=kv_bytes / fwd * 1e-9 / HBM_CEILING_TBS,
                        fwd_bwd_ms=fb, fwd_bwd_tflops=3.5 * flops_fwd / fb * 1e-9)
-            over = budget_s is not None and time.time() - t_start > budget_s
-            if baseline and not over:
-                g_fwd, g_fb, which = _time_gather(q, k, v, idx, scale, compile_baseline)
-                row.update(gather_fwd_ms=g_fwd, gather_fwd_bwd_ms=g_fb, gather_kind=which,
-                           fwd_speedup=g_fwd / fwd, fwd_bwd_speedup=g_fb / fb)
-            out.append(row)
+            if baseline:
+                row["gather_eager_fwd_ms"], row["gather_eager_fwd_bwd_ms"] = \
+                    _time_gather(q, k, v, idx, scale, compiled=False)
+            out.append(_finish(row))
             log(_format_row(row))
+            if on_update:
+                on_update(out)
+            del q, k, v, idx
+    if baseline and compile_baseline:
+        import warnings
+        warnings.filterwarnings("ignore", message=".*[Oo]nline softmax.*")
+        for row in out:
+            if budget_s is not None and time.time() - t_start > budget_s:
+                log(f"# budget of {budget_s:.0f}s spent: no compiled baseline for L={row['L']} W={row['W']}")
+                continue
+            torch.cuda.empty_cache()
+            q, k, v, idx = make_inputs(row["L"], row["W"])
+            row["gather_compiled_fwd_ms"], row["gather_compiled_fwd_bwd_ms"] = \
+                _time_gather(q, k, v, idx, 1.0 / math.sqrt(D), compiled=True)
+            _finish(row)
+            log(_format_row(row))
+            if on_update:
+                on_update(out)
             del q, k, v, idx
     return out
 
@@ -194,23 +218,26 @@ def _f(x, fmt):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-HEADER = ("| L | W | fwd ms | fwd TFLOP/s | K/V TB/s (% of 3.0) | gather fwd ms | fwd speedup "
-          "| fwd+bwd ms | fwd+bwd TFLOP/s | gather fwd+bwd ms | fwd+bwd speedup | gather kind |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| L | W | fwd ms | fwd TFLOP/s | K/V TB/s (% of 3.0) | gather fwd ms eager / compiled "
+          "| fwd speedup | fwd+bwd ms | fwd+bwd TFLOP/s | gather fwd+bwd ms eager / compiled "
+          "| fwd+bwd speedup |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _format_row(r):
+    g = lambda key: _f(r.get(key), ".2f")
     return (f"| {r['L'] // 1024}K | {r['W']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} "
             f"| {_f(r['kv_tbs'], '.2f')} ({_f(100 * r['kv_frac'], '.0f')}%) "
-            f"| {_f(r.get('gather_fwd_ms'), '.2f')} | {_f(r.get('fwd_speedup'), '.1f')}x "
+            f"| {g('gather_eager_fwd_ms')} / {g('gather_compiled_fwd_ms')} "
+            f"| {_f(r.get('fwd_speedup'), '.1f')}x "
             f"| {_f(r['fwd_bwd_ms'], '.3f')} | {_f(r['fwd_bwd_tflops'], '.1f')} "
-            f"| {_f(r.get('gather_fwd_bwd_ms'), '.2f')} | {_f(r.get('fwd_bwd_speedup'), '.1f')}x "
-            f"| {r.get('gather_kind', 'skipped')} |")
+            f"| {g('gather_eager_fwd_bwd_ms')} / {g('gather_compiled_fwd_bwd_ms')} "
+            f"| {_f(r.get('fwd_bwd_speedup'), '.1f')}x |")
 
 
 def format_table(rs):
     title = (f"Index attention, B={B} Hq={HQ} Hkv={HKV} D=Dv={D} bf16, random sorted indices "
-             f"({torch.cuda.get_device_name()})")
+             f"({torch.cuda.get_device_name()}); speedup vs the faster gather baseline")
     return "\n".join([title, "", HEADER] + [_format_row(r) for r in rs])
 
 
@@ -275,7 +302,7 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="eager gather baseline only")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="skip the baseline for rows started after this many seconds")
+                    help="no compiled baseline for rows reached after this many seconds")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_indices: needs a CUDA device", file=sys.stderr)
@@ -285,15 +312,17 @@ def main(argv=None):
         if args.sweep_only:
             return 0
     print(HEADER, flush=True)
+    def write(rs):
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(format_table(rs) + "\n")
+
     rs = rows(lengths=LENGTHS[:1] if args.quick else LENGTHS,
               compile_baseline=not args.no_compile, baseline=not args.no_baseline,
-              budget_s=args.budget_s, log=lambda s: print(s, flush=True))
-    table = format_table(rs)
+              budget_s=args.budget_s, log=lambda s: print(s, flush=True), on_update=write)
     print()
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    print(format_table(rs))
+    write(rs)
     return 0
 
 

@@ -457,7 +457,7 @@ def _bwd_config(D_PAD, DV_PAD, W):
     bw = 16 if big else 32
     bw = min(bw, max(16, _next_pow2(W)))
     return (_cfg(BWD_CONFIG, "block_w", bw), _cfg(BWD_CONFIG, "num_warps", 4),
-            _cfg(BWD_CONFIG, "num_stages", 1))
+            _cfg(BWD_CONFIG, "num_stages", 2))
 
 
 def _bwd_kv_config(D_PAD, DV_PAD, G_P2):

@@ -20,7 +20,10 @@ python3 -c "import flexsparse.ops.triton_indices as t; print('import ok', t.__fi
 T_TESTS=${T_TESTS:-125} T_BENCH=${T_BENCH:-165} T_SWEEP=${T_SWEEP:-55}
 timeout "$T_TESTS" python3 tests/gpu/test_triton_indices_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^PASS" | tail -40
 echo "tests rc=${PIPESTATUS[0]}"
-timeout "$T_BENCH" python3 -m flexsparse.bench_indices --out "$OUT/bench_indices.md" --budget-s 110 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -12
+timeout "$T_BENCH" python3 -m flexsparse.bench_indices --out "$OUT/bench_indices.md" --budget-s "${BUDGET:-110}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v -i "warn\|online softmax\|split the reduction\|important use case\|^$" | tail -25
 echo "bench rc=${PIPESTATUS[0]}"
-timeout "$T_SWEEP" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tee "$OUT/sweep.log" | tail -60
-echo "sweep rc=${PIPESTATUS[0]}"
+if [ "$T_SWEEP" -gt 0 ]; then
+  timeout "$T_SWEEP" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tee "$OUT/sweep.log" | tail -60
+  echo "sweep rc=${PIPESTATUS[0]}"
+fi
+echo "================ table"; cat "$OUT/bench_indices.md" 2>/dev/null

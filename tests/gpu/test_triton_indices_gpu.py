@@ -25,9 +25,11 @@ HAVE_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != 
 
 def _param(name, values):
     def deco(fn):
+        # remembered for the direct runner, and a pytest mark when pytest is there
+        params = getattr(fn, "_params", []) + [(name, values)]
         if pytest is not None:
-            return pytest.mark.parametrize(name, values)(fn)
-        fn._params = getattr(fn, "_params", []) + [(name, values)]
+            fn = pytest.mark.parametrize(name, values)(fn)
+        fn._params = params
         return fn
     return deco
 
