@@ -118,13 +118,14 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, log=print):
     mk = lambda *s: torch.randn(*s, device="cuda", dtype=DTYPE)  # noqa: E731
     q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
     do = mk(B, H, L, D)
-    fs_mask, mask_mod, per_head, sdpa_causal, has_bias = make_case(kind, B, L)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    fs_mask, mask_mod, per_head, sdpa_causal, has_bias = make_case(kind, B, L, device=dev)
     bias = mk(B, H, L, L) if has_bias else None
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     bias_g = bias.detach().clone().requires_grad_() if has_bias else None
     grads = leaves + ([bias_g] if has_bias else [])
 
-    desc = fs_mask.compile(B, H, H, L, L, device="cuda")
+    desc = fs_mask.compile(B, H, H, L, L, device=dev)
     visible = desc.num_visible(batch=B)
     flops_fwd = 4.0 * D * visible
     row = dict(kind=kind, L=L, D=D, B=B, visible=visible, flops_fwd=flops_fwd)
@@ -154,7 +155,7 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, log=print):
             bm = None
             if mask_mod is not None:
                 bm = create_block_mask(mask_mod, None, H if per_head else None,
-                                       L, L, device="cuda")
+                                       L, L, device=dev)
             score_mod = None
             if has_bias:
                 def score_mod(score, b, h, qi, kv):
@@ -242,8 +243,9 @@ def sweep(cases, log=print):
         B = max(1, TOKENS // L)
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=DTYPE)  # noqa: E731
         q, k, v, do = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
-        fs_mask, *_ = make_case(kind, B, L)
-        desc = fs_mask.compile(B, H, H, L, L, device="cuda")
+        dev = torch.device("cuda", torch.cuda.current_device())
+        fs_mask, *_ = make_case(kind, B, L, device=dev)
+        desc = fs_mask.compile(B, H, H, L, L, device=dev)
         mt = desc.mask_tensors()
         scale = 1 / math.sqrt(D)
         flops = 4.0 * D * desc.num_visible(batch=B)
@@ -268,6 +270,41 @@ def sweep(cases, log=print):
                         f"{str(err)[:200]}")
         tb.CONFIG_OVERRIDE.clear()
         del q, k, v, do, out, lse
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- per-kernel profile
+
+def profile(cases, log=print):
+    """CUDA time per kernel of our forward + backward (torch.profiler), per row."""
+    import flexsparse
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for kind, L, D in cases:
+        B = max(1, TOKENS // L)
+        fs_mask, _, _, _, has_bias = make_case(kind, B, L, device=dev)
+        desc = fs_mask.compile(B, H, H, L, L, device=dev)
+        mk = lambda *s: torch.randn(*s, device=dev, dtype=DTYPE, requires_grad=True)  # noqa
+        q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
+        bias = mk(B, H, L, L) if has_bias else None
+        do = torch.randn(B, H, L, D, device=dev, dtype=DTYPE)
+
+        def step():
+            flexsparse.attention(q, k, v, desc, bias=bias, backend="triton").backward(do)
+        step()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        log(f"profile {kind} L={L} D={D} (3 fwd+bwd steps)")
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                log(prof.key_averages().table(sort_by=key, row_limit=10))
+                break
+            except Exception:
+                continue
+        del q, k, v, bias, do, desc
         torch.cuda.empty_cache()
 
 
@@ -329,6 +366,8 @@ def main(argv=None):
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--no-sdpa", action="store_true", help="skip SDPA")
     ap.add_argument("--no-indices", action="store_true", help="skip the index-attention rows")
+    ap.add_argument("--profile", action="store_true",
+                    help="print per-kernel CUDA times of our fwd+bwd for the selected rows, then exit")
     ap.add_argument("--sweep", action="store_true",
                     help="first time candidate tile configs of our kernels on the selected rows")
     args = ap.parse_args(argv)
@@ -339,6 +378,9 @@ def main(argv=None):
     dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
     rows = select_rows(args.rows, args.quick)
     log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.profile:
+        profile(rows, log=log)
+        return 0
     if args.sweep:
         sweep(rows, log=log)
     results = []

@@ -55,18 +55,60 @@ def _load_tile(ptrs, r_ok, c_ok, NEED_R: tl.constexpr, NEED_C: tl.constexpr):
 
 
 @triton.jit
+def _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j, Lk,
+                 N_RANGES: tl.constexpr, ACTIVE: tl.constexpr):
+    """Column ranges of key columns j (up to MAX_HOISTED_RANGES = 4 intervals) as vectors,
+    loaded ahead of use: hoisted out of the dK/dV loop, prefetched one iteration early in
+    the forward and dQ loops (the pipeliner only prefetches dot operands)."""
+    z = j * 0
+    s0 = z
+    e0 = z
+    s1 = z
+    e1 = z
+    s2 = z
+    e2 = z
+    s3 = z
+    e3 = z
+    if ACTIVE and N_RANGES > 0 and N_RANGES <= 4:
+        ok = j < Lk
+        base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
+        s0 = tl.load(base, mask=ok, other=0)
+        e0 = tl.load(base + 1, mask=ok, other=0)
+        if N_RANGES > 1:
+            s1 = tl.load(base + 2, mask=ok, other=0)
+            e1 = tl.load(base + 3, mask=ok, other=0)
+        if N_RANGES > 2:
+            s2 = tl.load(base + 4, mask=ok, other=0)
+            e2 = tl.load(base + 5, mask=ok, other=0)
+        if N_RANGES > 3:
+            s3 = tl.load(base + 6, mask=ok, other=0)
+            e3 = tl.load(base + 7, mask=ok, other=0)
+    return s0, e0, s1, e1, s2, e2, s3, e3
+
+
+@triton.jit
 def _visible(i, j, Lq, Lk, qb, kb, block_q, block_k, b, h,
              DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
              CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+             s0, e0, s1, e1, s2, e2, s3, e3,
              HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr):
-    """Element visibility inside a partial block; i, j broadcastable index tiles."""
+    """Element visibility inside a partial block; i, j broadcastable index tiles.
+    s0..e3: the prefetched column ranges (shaped like j) when 1 <= N_RANGES <= 4."""
     vis = (i < Lq) & (j < Lk)
     if HAS_DM:
         d = tl.load(DM + b * dm_sb + (h // dm_hdiv) * dm_sh + i * dm_sq + j * dm_sk,
                     mask=vis, other=0)
         vis = vis & (d != 0)
-    if N_RANGES > 0:
+    if N_RANGES > 0 and N_RANGES <= 4:
+        vis = vis & ((i < s0) | (i >= e0))
+        if N_RANGES > 1:
+            vis = vis & ((i < s1) | (i >= e1))
+        if N_RANGES > 2:
+            vis = vis & ((i < s2) | (i >= e2))
+        if N_RANGES > 3:
+            vis = vis & ((i < s3) | (i >= e3))
+    if N_RANGES > 4:
         base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
         j_ok = j < Lk
         for r in tl.static_range(N_RANGES):
@@ -96,10 +138,19 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
     d_ok = offs_d[:, None] < D
+    kb0 = tl.load(idx_ptr, mask=n_iters > 0, other=0)
+    s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
+                                                  kb0 * block_k + offs_n, Lk, N_RANGES, PARTIAL)
     for it in range(n_iters):
         kb = tl.load(idx_ptr + it // SUB)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
+        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
+            itn = it + 1
+            kbn = tl.load(idx_ptr + itn // SUB, mask=itn < n_iters, other=0)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _cr_prefetch(
+                CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
+                kbn * block_k + (itn % SUB) * BLOCK_N + offs_n, Lk, N_RANGES, PARTIAL)
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
                         not EVEN_N, not EVEN_D)
         qk = tl.dot(q, kT)
@@ -116,8 +167,12 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                           s0[None, :], e0[None, :], s1[None, :], e1[None, :],
+                           s2[None, :], e2[None, :], s3[None, :], e3[None, :],
                            HAS_DM, N_RANGES, HAS_BITS)
             s = tl.where(vis, s, float("-inf"))
+        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
+            s0, e0, s1, e1, s2, e2, s3, e3 = n0, n1, n2, n3, n4, n5, n6, n7
         elif not EVEN_N:
             s = tl.where(j_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -266,6 +321,7 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                   CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                  s0, e0, s1, e1, s2, e2, s3, e3,
                   PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
                   HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                   DB_MODE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
@@ -302,6 +358,8 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                           s0[:, None], e0[:, None], s1[:, None], e1[:, None],
+                           s2[:, None], e2[:, None], s3[:, None], e3[:, None],
                            HAS_DM, N_RANGES, HAS_BITS)
             pT = tl.where(vis, pT, 0.0)
         do = _load_tile(DOh + i[:, None] * sdm + offs_d[None, :] * sdd, i_ok[:, None], d_ok,
@@ -370,6 +428,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
         Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
         DBh = DB + b64 * sdbb + (h // db_hdiv).to(tl.int64) * sdbh
         dbacc = tl.zeros([BLOCK_N], tl.float32)
+        s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j,
+                                                      Lk, N_RANGES, True)
         row = b * qc_sb + (h // qc_hdiv) * qc_sh + kb
         n_iters = tl.load(QC + row) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
@@ -379,6 +439,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
             qk_scale, cap_log2,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            s0, e0, s1, e1, s2, e2, s3, e3,
             True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
             BLOCK_M)
         row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
@@ -390,6 +451,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
             qk_scale, cap_log2,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            s0, e0, s1, e1, s2, e2, s3, e3,
             False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
             BLOCK_M)
         if DB_MODE == 3:
@@ -423,10 +485,19 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     d_okT = offs_d[:, None] < D
+    kb0 = tl.load(idx_ptr, mask=n_iters > 0, other=0)
+    s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
+                                                  kb0 * block_k + offs_n, Lk, N_RANGES, PARTIAL)
     for it in range(n_iters):
         kb = tl.load(idx_ptr + it // SUB)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
+        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
+            itn = it + 1
+            kbn = tl.load(idx_ptr + itn // SUB, mask=itn < n_iters, other=0)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _cr_prefetch(
+                CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
+                kbn * block_k + (itn % SUB) * BLOCK_N + offs_n, Lk, N_RANGES, PARTIAL)
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
                         not EVEN_N, not EVEN_D)
         vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
@@ -447,8 +518,12 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                           s0[None, :], e0[None, :], s1[None, :], e1[None, :],
+                           s2[None, :], e2[None, :], s3[None, :], e3[None, :],
                            HAS_DM, N_RANGES, HAS_BITS)
             p = tl.where(vis, p, 0.0)
+        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
+            s0, e0, s1, e1, s2, e2, s3, e3 = n0, n1, n2, n3, n4, n5, n6, n7
         elif not EVEN_N:
             p = tl.where(j_ok, p, 0.0)
         dp = tl.dot(do, vT)
@@ -462,10 +537,29 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
+def _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
+                         idx_ptr, n_iters, SUB, Lq, Lk, D, block_k,
+                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ += dS @ K with dS read back from what the dK/dV pass stored (full-bias dbias)."""
+    d_okT = offs_d[:, None] < D
+    for it in range(n_iters):
+        kb = tl.load(idx_ptr + it // SUB)
+        j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+        j_ok = j[None, :] < Lk
+        kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
+                        not EVEN_N, not EVEN_D)
+        ds = tl.load(DSh + i[:, None] * sdsq + j[None, :] * sdsk,
+                     mask=(i[:, None] < Lq) & j_ok, other=0.0)
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                  sdob, sdoh, sdom, sdod,
                  sbb, sbh, sbq, sbk, b_hdiv,
+                 sdsb, sdsh, sdsq, sdsk,
                  KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W,
                  KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
@@ -474,6 +568,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
                  Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                  N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                 DQ_FROM_DS: tl.constexpr,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -492,21 +587,66 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
     d_ok = offs_d[None, :] < D
+    rbase = (b64 * Hq + h64) * Lq
+    Kh = K + b64 * skb + hk64 * skh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if DQ_FROM_DS:
+        DSh = DS + b64 * sdsb + h64 * sdsh
+        row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
+        dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
+                                  KVI + row.to(tl.int64) * kv_W, tl.load(KVC + row) * SUB,
+                                  SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N)
+        row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
+        dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
+                                  KFI + row.to(tl.int64) * kf_W, tl.load(KFC + row) * SUB,
+                                  SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N)
+    else:
+        dq = _bwd_dq_recompute(
+            dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, h64, hk64, i, i_ok, qb,
+            offs_n, offs_d, d_ok,
+            sqb, sqh, sqm, sqd, svb, svh, svn, svd, skn, skd, sdob, sdoh, sdom, sdod,
+            sbb, sbh, sbq, sbk, b_hdiv,
+            KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W, KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N, EVEN_D,
+            BLOCK_M, BLOCK_N)
+    dq = dq * scale
+    o = rbase * D + i[:, None] * D + offs_d[None, :]
+    if EVEN_M and EVEN_D:
+        tl.store(DQ + o, dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + o, dq.to(DQ.dtype.element_ty), mask=i_ok[:, None] & d_ok)
+
+
+@triton.jit
+def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, h64, hk64, i,
+                      i_ok, qb, offs_n, offs_d, d_ok,
+                      sqb, sqh, sqm, sqd, svb, svh, svn, svd, skn, skd,
+                      sdob, sdoh, sdom, sdod, sbb, sbh, sbq, sbk, b_hdiv,
+                      KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W, KFC, KFI, kf_sb, kf_sh, kf_hdiv,
+                      kf_W,
+                      DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                      PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                      Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
+                      HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+                      N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dQ pass proper: recompute P and dS per key tile (and the key-summed dbias)."""
     q = _load_tile(Q + b64 * sqb + h64 * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
                    i_ok[:, None], d_ok, not EVEN_M, not EVEN_D)
     do = _load_tile(DO + b64 * sdob + h64 * sdoh + i[:, None] * sdom + offs_d[None, :] * sdod,
                     i_ok[:, None], d_ok, not EVEN_M, not EVEN_D)
-    rbase = (b64 * Hq + h64) * Lq
     if EVEN_M:
         lse2 = tl.load(LSE2 + rbase + i)
         delta = tl.load(DEL + rbase + i)
     else:
         lse2 = tl.load(LSE2 + rbase + i, mask=i_ok, other=float("inf"))
         delta = tl.load(DEL + rbase + i, mask=i_ok, other=0.0)
-    Kh = K + b64 * skb + hk64 * skh
     Vh = V + b64 * svb + hk64 * svh
     Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dbacc = tl.zeros([BLOCK_M], tl.float32)
 
     row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
@@ -529,14 +669,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
         False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N)
-    dq = dq * scale
-    o = rbase * D + i[:, None] * D + offs_d[None, :]
-    if EVEN_M and EVEN_D:
-        tl.store(DQ + o, dq.to(DQ.dtype.element_ty))
-    else:
-        tl.store(DQ + o, dq.to(DQ.dtype.element_ty), mask=i_ok[:, None] & d_ok)
     if DB_COLSUM:
         tl.store(DBQ + rbase + i, dbacc, mask=i_ok)
+    return dq
 
 
 # ============================================================================ launchers
@@ -547,14 +682,16 @@ MAX_HEAD_DIM = 256
 # Per-pass tile configs (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by padded head dim.
 # BLOCK_M / BLOCK_N are shrunk to divide the descriptor block when needed.
 _GPU_CONFIGS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)},
-    "dkdv": {64: (64, 128, 8, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 1)},
-    "dq": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)},
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
+    "dkdv": {64: (64, 64, 4, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 1)},
+    "dq": {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)},
 }
 # Under TRITON_INTERPRET=1 (CPU tests) bigger tiles mean fewer interpreted ops.
 _INTERPRET_TILE = 32
 # Tests and tuning sweeps may force configs: {"fwd": (BM, BN, warps, stages), ...}.
 CONFIG_OVERRIDE = {}
+# dQ from the stored dS when a full-shape dbias is computed (see backward()).
+DQ_FROM_DS_ENABLED = True
 
 
 def _interpreting() -> bool:
@@ -782,6 +919,18 @@ def _strides(t):
 _empty = torch.empty
 
 
+def _launch(kernel, grid, args, kwargs, warps, stages):
+    """Launch; if the config does not fit (shared memory / registers), retry with fewer
+    pipeline stages, so that rarely used flag combinations still run."""
+    while True:
+        try:
+            return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+
+
 def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]
@@ -794,13 +943,13 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
     c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
     BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k)
     grid = (triton.cdiv(Lq, BM), B * Hq)
-    _attn_fwd[grid](
+    _launch(_attn_fwd, grid, (
         query, key, value, out, lse, c["bias"][0],
         *_strides(query), *_strides(key), *_strides(value), *_strides(out),
         *c["bias"][1:], *c["kv"], *c["kf"], *c["preds"],
-        Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"],
-        **c["flags"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
+        Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"]),
+        dict(**c["flags"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+             BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     return out, lse
 
 
@@ -872,21 +1021,26 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     # dK / dV pass
     BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k)
     grid = (triton.cdiv(Lk, BN), B * Hkv)
-    _attn_bwd_dkdv[grid](
+    _launch(_attn_bwd_dkdv, grid, (
         query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv,
         *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
-        c["qk_scale"], c["cap_log2"], **c["flags"], DB_MODE=db_mode,
-        ZERO_SKIPPED=zero_skipped, EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
+        c["qk_scale"], c["cap_log2"]),
+        dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped, EVEN_M=Lq % BM == 0,
+             EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     # dQ pass
     BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k)
     grid = (triton.cdiv(Lq, BM), B * Hq)
-    _attn_bwd_dq[grid](
-        query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq,
-        *common_args, *c["kv"], *c["kf"], *c["preds"],
-        Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN, scale, c["qk_scale"], c["cap_log2"],
-        **c["flags"], DB_COLSUM=db_colsum, EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"], num_warps=warps, num_stages=stages)
+    # With dS stored per (b, h, i, j) by the dK/dV pass (full-shape dbias, no softcap), the
+    # dQ pass is one matmul per tile, dQ = dS @ K, instead of recomputing P and dS.
+    dq_from_ds = (db_mode == DB_STORE and float(softcap) <= 0 and DQ_FROM_DS_ENABLED
+                  and db_ptr.dtype in (query.dtype, torch.float32))
+    ds_ptr, ds_strides = (db_ptr, db_strides) if dq_from_ds else (c["dummy"], (0, 0, 0, 0))
+    _launch(_attn_bwd_dq, grid, (
+        query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq, ds_ptr,
+        *common_args, *ds_strides, *c["kv"], *c["kf"], *c["preds"],
+        Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN, scale, c["qk_scale"], c["cap_log2"]),
+        dict(**c["flags"], DB_COLSUM=db_colsum, DQ_FROM_DS=dq_from_ds, EVEN_M=Lq % BM == 0,
+             EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     dbias = finish() if want_dbias else query.new_empty((0,))
     return dq, dk, dv, dbias

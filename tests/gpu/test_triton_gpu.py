@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import flexsparse  # noqa: E402
 from flexsparse import masks as M  # noqa: E402
 
-DEV = "cuda"
+DEV = torch.device("cuda", torch.cuda.current_device())  # masks compare devices exactly
 FLOOR = 1e-5
 
 

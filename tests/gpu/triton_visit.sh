@@ -46,3 +46,8 @@ if [ -n "$SWEEP_ROWS" ]; then
     --no-sdpa --no-indices > "$OUT/sweep.log" 2>&1
   echo "sweep rc=$?"; grep -E "^sweep" "$OUT/sweep.log" | tail -40
 fi
+if [ -n "${PROFILE_ROWS:-}" ]; then
+  timeout "${T_PROFILE:-60}" python3 -m flexsparse.bench --profile --rows "$PROFILE_ROWS" \
+    > "$OUT/profile.log" 2>&1
+  echo "profile rc=$?"; grep -vE "^-+$" "$OUT/profile.log" | cut -c1-160 | tail -60
+fi
