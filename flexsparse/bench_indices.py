@@ -14,6 +14,13 @@ Baseline ("gather"): per chunk of query rows, index_select K/V rows, einsum, mas
 softmax, einsum; the best of eager and torch.compile'd, in the same run. Chunks keep the
 gathered K/V under ~2 GB; with more than one chunk the backward uses activation
 checkpointing per chunk (without it the gathered K/V of all chunks would not fit).
+
+Measured on one H100 80GB HBM3 (torch 2.11, Triton 3.6), this file at commit bc8a046:
+forward 0.25 / 0.66 / 2.36 ms at L=8K and 0.97 / 2.63 / 9.39 ms at L=32K for W=64/256/1024,
+i.e. 4.3-7.3 TB/s of gathered K/V (one kv head's K/V stays in L2, so this exceeds the HBM
+copy ceiling); 7.5-12x faster than the compiled gather baseline (13-21x than eager).
+Forward+backward 6.3-9.4x vs compiled gather; the backward is bound by the fp32 atomics
+into dK/dV (~2.8 TB/s of atomic payload).
 """
 import argparse
 import math

@@ -314,3 +314,22 @@ def test_topk_feeds_kernel():
     idx = topk_indices(bias, 4, causal=True)
     assert idx.shape == (B, Hkv, Lq, 4)
     _check(q, k, v, idx, bias=bias)
+
+
+def test_degenerate_sizes():
+    # W = 0: nothing visible anywhere; Lq = 0: empty outputs. No kernel launch needed.
+    q, k, v, idx = _make(1, 2, 1, 3, 5, 16, 16, 4, torch.float32)
+    bias = torch.randn((1, 2, 3, 5))
+    for ix, qq in ((idx[..., :0], q), (idx[:, :, :0], q[:, :, :0])):
+        mask = MaskTensors(attn_indices=ix)
+        out, lse = ti.forward(qq, k, v, bias if qq.shape[2] == 3 else None, mask, 0.25, 0.0)
+        assert out.shape == qq.shape and lse.shape == qq.shape[:3]
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+        do = torch.randn_like(out)
+        b = bias if qq.shape[2] == 3 else None
+        dq, dk, dv, db = ti.backward(do, None, qq, k, v, out, lse, b, mask, 0.25, 0.0, False,
+                                     b is not None)
+        for t, ref in ((dq, qq), (dk, k), (dv, v)):
+            assert t.shape == ref.shape and torch.equal(t, torch.zeros_like(t))
+        if b is not None:
+            assert db.shape == b.shape and torch.equal(db, torch.zeros_like(db))
