@@ -57,9 +57,9 @@ def _load_tile(ptrs, r_ok, c_ok, NEED_R: tl.constexpr, NEED_C: tl.constexpr):
 @triton.jit
 def _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j, Lk,
                  N_RANGES: tl.constexpr, ACTIVE: tl.constexpr):
-    """Column ranges of key columns j (up to MAX_HOISTED_RANGES = 4 intervals) as vectors,
-    loaded ahead of use: hoisted out of the dK/dV loop, prefetched one iteration early in
-    the forward and dQ loops (the pipeliner only prefetches dot operands)."""
+    """Column ranges of key columns j (up to 4 intervals) as vectors: hoisted out of the
+    dK/dV loop (j is fixed there); loaded per tile in the forward and dQ loops (prefetching
+    them one iteration ahead by hand made the H100 loop about 2x slower)."""
     z = j * 0
     s0 = z
     e0 = z
@@ -138,19 +138,10 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
     d_ok = offs_d[:, None] < D
-    kb0 = tl.load(idx_ptr, mask=n_iters > 0, other=0)
-    s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
-                                                  kb0 * block_k + offs_n, Lk, N_RANGES, PARTIAL)
     for it in range(n_iters):
         kb = tl.load(idx_ptr + it // SUB)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
-        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
-            itn = it + 1
-            kbn = tl.load(idx_ptr + itn // SUB, mask=itn < n_iters, other=0)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _cr_prefetch(
-                CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
-                kbn * block_k + (itn % SUB) * BLOCK_N + offs_n, Lk, N_RANGES, PARTIAL)
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
                         not EVEN_N, not EVEN_D)
         qk = tl.dot(q, kT)
@@ -163,6 +154,8 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                            mask=(i[:, None] < Lq) & j_ok, other=0.0)
             s += bias.to(tl.float32) * 1.4426950408889634
         if PARTIAL:
+            s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
+                                                          h, j, Lk, N_RANGES, True)
             vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
@@ -171,8 +164,7 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                            s2[None, :], e2[None, :], s3[None, :], e3[None, :],
                            HAS_DM, N_RANGES, HAS_BITS)
             s = tl.where(vis, s, float("-inf"))
-        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
-            s0, e0, s1, e1, s2, e2, s3, e3 = n0, n1, n2, n3, n4, n5, n6, n7
+
         elif not EVEN_N:
             s = tl.where(j_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -485,19 +477,10 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     d_okT = offs_d[:, None] < D
-    kb0 = tl.load(idx_ptr, mask=n_iters > 0, other=0)
-    s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
-                                                  kb0 * block_k + offs_n, Lk, N_RANGES, PARTIAL)
     for it in range(n_iters):
         kb = tl.load(idx_ptr + it // SUB)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
-        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
-            itn = it + 1
-            kbn = tl.load(idx_ptr + itn // SUB, mask=itn < n_iters, other=0)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _cr_prefetch(
-                CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h,
-                kbn * block_k + (itn % SUB) * BLOCK_N + offs_n, Lk, N_RANGES, PARTIAL)
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
                         not EVEN_N, not EVEN_D)
         vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
@@ -514,6 +497,8 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
             s += bias.to(tl.float32) * 1.4426950408889634
         p = tl.math.exp2(s - lse2[:, None])
         if PARTIAL:
+            s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
+                                                          h, j, Lk, N_RANGES, True)
             vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
@@ -522,8 +507,7 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                            s2[None, :], e2[None, :], s3[None, :], e3[None, :],
                            HAS_DM, N_RANGES, HAS_BITS)
             p = tl.where(vis, p, 0.0)
-        if PARTIAL and N_RANGES > 0 and N_RANGES <= 4:
-            s0, e0, s1, e1, s2, e2, s3, e3 = n0, n1, n2, n3, n4, n5, n6, n7
+
         elif not EVEN_N:
             p = tl.where(j_ok, p, 0.0)
         dp = tl.dot(do, vT)
@@ -755,7 +739,29 @@ def _pow2_divisor(pref: int, block: int) -> int:
     return t
 
 
-def _config(kind, D_pad, block_q, block_k):
+# Descriptors where partial blocks are a large share of the visited ones (documents, sliding
+# windows) measured faster with 64-wide key tiles in the forward and dQ passes (H100).
+_PARTIAL_HEAVY_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}, "dq": {128: (128, 64, 8, 2)}}
+_HEAVY_CACHE = {}
+
+
+def _partial_heavy(kv_count, kv_full_count) -> bool:
+    """More than ~1/6 of the visited blocks partial? Cached per count tensors (one host sync
+    the first time a descriptor is seen; never while a CUDA graph is being captured)."""
+    key = (kv_count.data_ptr(), kv_count._version, kv_full_count.data_ptr(),
+           kv_full_count._version, tuple(kv_count.shape))
+    hit = _HEAVY_CACHE.get(key)
+    if hit is None:
+        if kv_count.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        hit = int(kv_count.sum()) * 5 > int(kv_full_count.sum())
+        if len(_HEAVY_CACHE) > 1024:
+            _HEAVY_CACHE.clear()
+        _HEAVY_CACHE[key] = hit
+    return hit
+
+
+def _config(kind, D_pad, block_q, block_k, heavy=False):
     if kind in CONFIG_OVERRIDE:
         bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
     elif _interpreting():
@@ -763,6 +769,8 @@ def _config(kind, D_pad, block_q, block_k):
     else:
         key = 64 if D_pad <= 64 else (128 if D_pad <= 128 else 256)
         bm, bn, warps, stages = _GPU_CONFIGS[kind][key]
+        if heavy and key in _PARTIAL_HEAVY_CONFIGS.get(kind, {}):
+            bm, bn, warps, stages = _PARTIAL_HEAVY_CONFIGS[kind][key]
     return _pow2_divisor(bm, block_q), _pow2_divisor(bn, block_k), warps, stages
 
 
@@ -906,7 +914,10 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
         qk_scale, cap_log2 = scale * LOG2E, 0.0
     BLOCK_D = max(16, triton.next_power_of_2(D))
     flags.update(HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, EVEN_D=BLOCK_D == D)
-    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D,
+    heavy = (not _interpreting() and (mask.dense_mask is not None or mask.col_ranges is not None
+                                      or mask.partial_bits_index is not None)
+             and _partial_heavy(kv[0], kf[0]))
+    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D, heavy=heavy,
                 kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags, bias=bias_args,
                 qk_scale=qk_scale, cap_log2=cap_log2, dummy=dummy_i32)
 
@@ -941,7 +952,7 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
         lse.fill_(-math.inf)
         return out, lse
     c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
-    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k)
+    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k, c["heavy"])
     grid = (triton.cdiv(Lq, BM), B * Hq)
     _launch(_attn_fwd, grid, (
         query, key, value, out, lse, c["bias"][0],
@@ -1029,7 +1040,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
         dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped, EVEN_M=Lq % BM == 0,
              EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     # dQ pass
-    BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k)
+    BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k, c["heavy"])
     grid = (triton.cdiv(Lq, BM), B * Hq)
     # With dS stored per (b, h, i, j) by the dK/dV pass (full-shape dbias, no softcap), the
     # dQ pass is one matmul per tile, dQ = dS @ K, instead of recomputing P and dS.
