@@ -22,6 +22,11 @@ import torch
 from .descriptor import BlockDescriptor
 
 _BIG = 1 << 40
+# Up to this many blocks (nQB x nKB) the lists keep the full widths nKB / nQB, as
+# from_block_state does: tiny, and the shapes then depend on the lengths only, so a
+# descriptor passed into torch.compile(dynamic=True) does not recompile when the data
+# changes. Past it the widths are the longest list (O(N) for banded masks).
+FULL_WIDTH_BLOCKS = 1 << 16
 
 
 def lists_from_entries(row: torch.Tensor, col: torch.Tensor, n_rows: int, n_cols: int, *,
@@ -64,13 +69,14 @@ def descriptor_from_entries(bh_shape, nQB: int, nKB: int, bh: torch.Tensor, qb: 
     """
     Bd, Hd = bh_shape
     bh, qb, kb = bh.to(torch.int64), qb.to(torch.int64), kb.to(torch.int64)
+    small = nQB * nKB <= FULL_WIDTH_BLOCKS
     out = {}
     for kind, sel in (("full", full), ("partial", ~full)):
         b_, q_, k_ = bh[sel], qb[sel], kb[sel]
         kv_c, kv_i = lists_from_entries(b_ * nQB + q_, k_, Bd * Hd * nQB, nKB,
-                                        presorted=(order == "kv"))
+                                        presorted=(order == "kv"), width=nKB if small else None)
         q_c, q_i = lists_from_entries(b_ * nKB + k_, q_, Bd * Hd * nKB, nQB,
-                                      presorted=(order == "q"))
+                                      presorted=(order == "q"), width=nQB if small else None)
         out[kind] = (kv_c.view(Bd, Hd, nQB), kv_i.view(Bd, Hd, nQB, -1),
                      q_c.view(Bd, Hd, nKB), q_i.view(Bd, Hd, nKB, -1))
     (kv_c, kv_i, q_c, q_i), (kvf_c, kvf_i, qf_c, qf_i) = out["partial"], out["full"]
