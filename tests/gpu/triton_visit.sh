@@ -32,7 +32,7 @@ PY
 fi
 python3 -c "import flexsparse, flexsparse.ops.triton_backend as t; print('flexsparse ok', t.__file__)" 2>&1 | tail -3
 if [ "$T_TEST" != "0" ]; then
-  timeout "$T_TEST" python3 -m pytest -x -q -p no:cacheprovider --import-mode=importlib \
+  timeout "$T_TEST" python3 -m pytest -q -p no:cacheprovider --import-mode=importlib \
     -s ${PYTEST_K:+-k "$PYTEST_K"} tests/gpu/test_triton_gpu.py > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; grep -cE "^\.?out " "$OUT/gpu_tests.log"; grep -E "passed|failed|Error|error" "$OUT/gpu_tests.log" | tail -15
 fi
