@@ -220,14 +220,14 @@ def section_flexsparse(args, device):
         try:
             mask = flexsparse_masks(L, device)[name]
             q, k, v = make_qkv(L, device)
-            desc = mask.compile(1, 16, 16, L, L, device=device)
+            desc = mask.compile(1, q.shape[1], k.shape[1], L, L, device=device)
             from flexsparse.ops import backends
             mt = desc.mask_tensors()
             be = backends.choose(q, k, v, None, mt)
             ms, mem = run_attention(
                 lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="auto"), q, k, v,
                 backward, args.repeats_attn)
-            visible = visible_pairs(name, L) * 16
+            visible = visible_pairs(name, L) * q.shape[1]
             flops = 4 * visible * 128 * (3.5 if backward else 1.0)
             add("flexsparse", f"{name} {what}", L, time_ms=f"{ms:.2f}", peak_MiB=f"{mem:.0f}",
                 TFLOPs=f"{flops / ms / 1e9:.1f}", backend=be)
@@ -369,13 +369,14 @@ def main():
     ap.add_argument("--repeats-attn", type=int, default=3)
     ap.add_argument("--skip-flex", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         text = "# flexsparse scale\n\nn/a (no CUDA device)\n"
         open(args.out, "w").write(text)
         print(text)
         return 0
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     try:
         import triton
