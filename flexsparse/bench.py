@@ -153,9 +153,12 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, log=print):
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             fa = torch.compile(flex_attention, dynamic=False)
             bm = None
-            if mask_mod is not None:
-                bm = create_block_mask(mask_mod, None, H if per_head else None,
-                                       L, L, device=dev)
+            if per_head:
+                # create_block_mask evaluates (H, L, L) at once (32 GiB at 16K): build the
+                # same BlockMask (every listed block full) from the layout's lists instead.
+                bm = desc.to_block_mask()
+            elif mask_mod is not None:
+                bm = create_block_mask(mask_mod, None, None, L, L, device=dev)
             score_mod = None
             if has_bias:
                 def score_mod(score, b, h, qi, kv):

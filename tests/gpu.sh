@@ -20,18 +20,27 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 if want tests; then
-  timeout 420 python3 -m pytest -x -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  timeout 120 python3 -m flexsparse demo 2>&1 | tee "$OUT/demo.txt"
+  xdist=""; python3 -c "import xdist" 2>/dev/null && xdist="-n ${JOBS:-8}"
+  timeout "${T_TESTS:-330}" python3 -m pytest -q -p no:cacheprovider $xdist tests/gpu \
+    > "$OUT/gpu_tests.log" 2>&1
+  rc=$?; echo "gpu tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -15
+  timeout 150 python3 -m flexsparse demo 2>&1 | tee "$OUT/demo.txt" | grep -v Warning
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
-  timeout 420 python3 -m flexsparse.bench --out "$OUT/bench.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -5
+  timeout "${T_BENCH:-240}" python3 -m flexsparse.bench --no-indices --out "$OUT/bench.md" \
+    ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; grep -E "failed" "$OUT/bench.log" | tail -5
+  timeout "${T_BENCH_IDX:-150}" python3 -m flexsparse.bench_indices --budget-s "${BUDGET_IDX:-80}" \
+    --out "$OUT/bench_indices.md" > "$OUT/bench_indices.log" 2>&1
+  echo "bench_indices rc=$?"
 fi
 if want scale && [ -f tests/gpu/scale.py ]; then
-  timeout 300 python3 tests/gpu/scale.py --out "$OUT/scale.md" 2>&1 | tee "$OUT/scale.log" | tail -5
+  timeout "${T_SCALE:-200}" python3 tests/gpu/scale.py --budget "${BUDGET_SCALE:-180}" \
+    --out "$OUT/scale.md" > "$OUT/scale.log" 2>&1
+  echo "scale rc=$?"
 fi
 echo "================ tables"
 for f in "$OUT"/bench.md "$OUT"/bench_indices.md "$OUT"/scale.md; do [ -f "$f" ] && { echo "## $(basename "$f")"; cat "$f"; }; done
-grep -E "passed|failed|error" "$OUT/gpu_tests.log" 2>/dev/null | tail -3
 exit $status
