@@ -63,7 +63,7 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
         if mask.num_heads[1] != Hkv or mask.num_heads[0] != Hq:
             raise ValueError(f"mask: descriptor was compiled for (Hq, Hkv)={mask.num_heads}, "
                              f"inputs have ({Hq}, {Hkv})")
-        if mask.device != device:
+        if mask.device != masks_mod.canonical_device(device):
             raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
         return mask
     if mask is None:

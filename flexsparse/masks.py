@@ -68,6 +68,14 @@ class _Parts:
             partial_bits_index=self.partial_bits_index, partial_bits=self.partial_bits)
 
 
+def canonical_device(device) -> torch.device:
+    """`cuda` -> `cuda:<current>`, so that devices compare equal to tensors' devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -83,7 +91,7 @@ class Mask:
         bq, bk = block_size
         if bq <= 0 or bk <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
-        sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, torch.device(device or self._default_device()))
+        sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         return self._descriptor(sz)
 
     def to_block_mask(self, B: Optional[int], H: Optional[int], Lq: int, Lk: int, **kwargs):
