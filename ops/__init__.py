@@ -3,15 +3,16 @@
 Installed as `flexsparse.ops` (setuptools package_dir); never import it as a top-level
 `ops` module, which would register the schemas twice.
 """
+import importlib.util
+
 from . import schema, backends, reference
 from .schema import MASK_TENSOR_NAMES, MaskTensors
 
 backends.register(reference)
 
-try:  # Triton backend: on CUDA, or on CPU under TRITON_INTERPRET=1 for tests.
+# Triton backend: on CUDA, or on CPU under TRITON_INTERPRET=1 for tests.
+if importlib.util.find_spec("triton") is not None:
     from . import triton_backend
     backends.register(triton_backend)
-except ImportError:
-    triton_backend = None
 
 __all__ = ["schema", "backends", "reference", "MASK_TENSOR_NAMES", "MaskTensors"]

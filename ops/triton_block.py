@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_compat import interpreting
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -678,39 +680,12 @@ CONFIG_OVERRIDE = {}
 DQ_FROM_DS_ENABLED = True
 
 
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _interpreter_numpy_compat():
-    """Triton 3.6's interpreter turns a loaded scalar into a Python int with
-    `int(ndarray of shape (1,))`, which NumPy >= 2.4 rejects (`for it in range(n)` with n
-    loaded from memory fails). Patch its tensor.__index__ to take the single element."""
-    try:
-        from triton.runtime import interpreter as _interp
-    except ImportError:
-        return
-    original = getattr(_interp, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_flexsparse_compat", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._flexsparse_compat = True
-    _interp._patch_lang_tensor = patched
-
-
-if _interpreting():
-    _interpreter_numpy_compat()
 
 
 def not_supported_reasons(query, key, value, bias, mask) -> list:
     reasons = []
     # CPU tensors run under the interpreter (tests); backends.choose never picks us for CPU.
-    if not query.is_cuda and not _interpreting():
+    if not query.is_cuda and not interpreting():
         reasons.append("triton: CPU tensors (CUDA only; CPU runs under TRITON_INTERPRET=1)")
     if query.dtype not in _SUPPORTED_DTYPES:
         reasons.append(f"triton: dtype {query.dtype} (supported: float16, bfloat16, float32)")
@@ -765,7 +740,7 @@ def _partial_heavy(kv_count, kv_full_count) -> bool:
 def _config(kind, D_pad, block_q, block_k, heavy=False):
     if kind in CONFIG_OVERRIDE:
         bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
-    elif _interpreting():
+    elif interpreting():
         bm, bn, warps, stages = _INTERPRET_TILE, _INTERPRET_TILE, 4, 1
     else:
         key = 64 if D_pad <= 64 else (128 if D_pad <= 128 else 256)
@@ -915,7 +890,7 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
         qk_scale, cap_log2 = scale * LOG2E, 0.0
     BLOCK_D = max(16, triton.next_power_of_2(D))
     flags.update(HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, EVEN_D=BLOCK_D == D)
-    heavy = (not _interpreting() and (mask.dense_mask is not None or mask.col_ranges is not None
+    heavy = (not interpreting() and (mask.dense_mask is not None or mask.col_ranges is not None
                                       or mask.partial_bits_index is not None)
              and _partial_heavy(kv[0], kf[0]))
     return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D, heavy=heavy,

@@ -22,7 +22,6 @@ torch's deterministic mode when `deterministic`).
 """
 import contextlib
 import math
-import os
 
 import torch
 
@@ -32,6 +31,8 @@ try:
 except ImportError:  # pragma: no cover - the backend module guards this import too
     triton = None
     tl = None
+
+from .triton_compat import interpreting
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -52,32 +53,6 @@ def _empty(shape, dtype, device):
     return t
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _interpreter_numpy2_compat():
-    """Triton 3.6's interpreter turns scalar tensors into ints with `int(array_of_shape_1)`,
-    which numpy >= 2.4 rejects, so `range(0, W, BLOCK)` with a runtime W fails under
-    TRITON_INTERPRET=1. Re-patch `__index__` to take the single element. Interpreter only."""
-    try:
-        from triton.runtime import interpreter as _itp
-    except ImportError:
-        return
-    orig = getattr(_itp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_flexsparse_compat", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._flexsparse_compat = True
-    _itp._patch_lang_tensor = patched
-
-
-if triton is not None and _interpret():
-    _interpreter_numpy2_compat()
 
 
 def _next_pow2(x: int) -> int:
@@ -97,7 +72,7 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     if others:
         reasons.append(f"triton_indices: index mode takes no other mask tensors, got {others}")
     dev = query.device.type
-    if dev != "cuda" and not (dev == "cpu" and _interpret()):
+    if dev != "cuda" and not (dev == "cpu" and interpreting()):
         reasons.append(f"triton_indices: needs CUDA tensors (or CPU under TRITON_INTERPRET=1), "
                        f"got {query.device}")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -471,7 +446,7 @@ def _pads(G, D, Dv):
 
 
 def _launch_opts(num_warps, num_stages):
-    if _interpret():
+    if interpreting():
         return {}
     return {"num_warps": num_warps, "num_stages": num_stages}
 
