@@ -76,6 +76,18 @@ def canonical_device(device) -> torch.device:
     return device
 
 
+# Eager compile results of value-only masks (causal, windows, documents from lists, ...),
+# keyed by (repr, sizes): a training loop that passes masks.causal() every step builds the
+# descriptor once. Bounded because long-context descriptors can be large.
+CACHE_SIZE = 8
+_CACHE = {}
+
+
+def clear_cache() -> None:
+    """Drop all cached descriptors."""
+    _CACHE.clear()
+
+
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -92,7 +104,17 @@ class Mask:
         if bq <= 0 or bk <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
-        return self._descriptor(sz)
+        key = None if _is_compiling() else self._cache_key()
+        if key is None:
+            return self._descriptor(sz)
+        key = (key, sz)
+        desc = _CACHE.pop(key, None)
+        if desc is None:
+            desc = self._descriptor(sz)
+        _CACHE[key] = desc                      # most recently used last
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        return desc
 
     def to_block_mask(self, B: Optional[int], H: Optional[int], Lq: int, Lk: int, **kwargs):
         """This mask as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`)."""
@@ -132,6 +154,11 @@ class Mask:
     def _kv_heads_hint(self, H: int) -> int:
         return H
 
+    def _cache_key(self):
+        """A value that identifies this mask's meaning, or None when it holds user tensors
+        (which could change in place): only value-keyed masks share compiled descriptors."""
+        return None
+
 
 # =============================================================== full / dense / blocks
 
@@ -142,6 +169,9 @@ class _Full(Mask):
 
     def __repr__(self):
         return "full()"
+
+    def _cache_key(self):
+        return repr(self)
 
 
 def full() -> Mask:
@@ -317,8 +347,12 @@ class _ColumnRanges(Mask):
     """Masked row intervals per key column; `build(sz)` returns [(kind, (Bc,Hc,Lk,2) int64)]."""
 
     def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
-                 device=None, kv_heads_hint=None):
+                 device=None, kv_heads_hint=None, cacheable=True):
         self.build, self.text, self.device, self.kv_hint = build, text, device, kv_heads_hint
+        self.cacheable = cacheable   # False when `text` does not pin down the values
+
+    def _cache_key(self):
+        return self.text if self.cacheable else None
 
     def slots(self, sz: Sizes):
         return _simplify(self.build(sz), sz)
@@ -460,7 +494,7 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
 
 
 def _as_lengths(lengths, name) -> torch.Tensor:
-    t = torch.as_tensor(lengths)
+    t = torch.as_tensor(lengths).detach().clone()     # a copy: the mask is a value
     if t.dtype.is_floating_point or t.dtype == torch.bool:
         raise TypeError(f"{name}: must be integers, got {t.dtype}")
     if t.dim() not in (1, 2):
@@ -509,7 +543,7 @@ def document(lengths, causal: bool = True) -> Mask:
 def prefix_lm(prefix_len) -> Mask:
     """Key j is visible iff j < prefix_len or causal. prefix_len: int or (B,) tensor."""
     is_int = isinstance(prefix_len, int)
-    p = torch.as_tensor(prefix_len, dtype=torch.int64)
+    p = torch.as_tensor(prefix_len, dtype=torch.int64).detach().clone()
     if p.dim() > 1:
         raise ValueError(f"prefix_len: must be an int or a (B,) tensor, got shape {tuple(p.shape)}")
 
@@ -585,7 +619,7 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
             slots.append((UPPER, _interval(torch.zeros_like(_cols(sz)), _cols(sz) - sz.offset)))
         return slots
     return _ColumnRanges(build, f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
-                         device=t.device, kv_heads_hint=t.shape[1])
+                         device=t.device, kv_heads_hint=t.shape[1], cacheable=False)
 
 
 # =============================================================== index lists
@@ -651,6 +685,10 @@ def _flatten_children(cls, masks):
 class _And(Mask):
     def __init__(self, children):
         self.children = children
+
+    def _cache_key(self):
+        keys = [m._cache_key() for m in self.children]
+        return None if None in keys else repr(self)
 
     def _parts(self, sz):
         cols = [m for m in self.children if isinstance(m, _ColumnRanges)]
@@ -754,6 +792,10 @@ class _Or(Mask):
     def __init__(self, children):
         self.children = children
 
+    def _cache_key(self):
+        keys = [m._cache_key() for m in self.children]
+        return None if None in keys else repr(self)
+
     def _parts(self, sz):
         descs = [m._parts(sz).to_descriptor(sz) for m in self.children]
 
@@ -797,7 +839,8 @@ def and_(*masks: Mask) -> Mask:
         return masks[0]
     text = "and_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: union
-        return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text)
+        return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text,
+                             cacheable=all(m.cacheable for m in masks))
     return _And(_flatten_children(_And, masks))
 
 
@@ -808,7 +851,8 @@ def or_(*masks: Mask) -> Mask:
         return masks[0]
     text = "or_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: intersection
-        return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text)
+        return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text,
+                             cacheable=all(m.cacheable for m in masks))
     return _Or(_flatten_children(_Or, masks))
 
 

@@ -175,3 +175,36 @@ def test_block_size_one_matches_spec():
     d = M.sliding_window(2, 1).compile(1, 1, 1, 9, 9, block_size=(1, 1))
     exp = naive.predicate_dense(naive.sliding(9, 9, 2, 1), 1, 1, 9, 9)
     assert torch.equal(d.block_state() == FULL, exp)
+
+
+# ---------------------------------------------------------------- descriptor cache
+
+def test_value_masks_share_compiled_descriptors():
+    M.clear_cache()
+    a = M.causal().compile(1, 2, 2, 300, 300)
+    assert M.causal().compile(1, 2, 2, 300, 300) is a          # another causal() object, same value
+    assert M.causal().compile(1, 2, 2, 301, 301) is not a      # other sizes
+    assert M.causal().compile(1, 2, 2, 300, 300, block_size=(64, 64)) is not a
+    combo = M.and_(M.sliding_window(5), M.prefix_lm(3))
+    assert combo.compile(1, 1, 1, 40, 40) is M.and_(M.sliding_window(5), M.prefix_lm(3)).compile(1, 1, 1, 40, 40)
+    for n in range(M.CACHE_SIZE + 2):                          # bounded
+        M.sliding_window(n).compile(1, 1, 1, 40, 40)
+    assert len(M._CACHE) <= M.CACHE_SIZE
+
+
+def test_masks_with_user_tensors_are_not_cached_and_value_masks_copy():
+    M.clear_cache()
+    lengths = torch.tensor([10, 30])
+    doc = M.document(lengths)
+    before = doc.to_dense(1, 1, 40, 40)
+    lengths[0], lengths[1] = 20, 20                            # the mask keeps its own copy
+    assert torch.equal(doc.to_dense(1, 1, 40, 40), before)
+    dm = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    d = M.dense(dm)
+    first = d.compile(1, 1, 1, 8, 8)
+    dm[..., 3] = False                                          # in-place change is seen
+    second = d.compile(1, 1, 1, 8, 8)
+    assert second is not first and not bool(second.to_dense()[..., 3].any())
+    cr = M.column_ranges(torch.zeros(1, 1, 8, 2, dtype=torch.int32), causal=False)
+    assert cr.compile(1, 1, 1, 8, 8) is not cr.compile(1, 1, 1, 8, 8)
+    assert M.and_(M.causal(), d).compile(1, 1, 1, 8, 8) is not M.and_(M.causal(), d).compile(1, 1, 1, 8, 8)
