@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all ...]   (default: all)
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile ...]
+# (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,20 @@ if want scale && [ -f tests/gpu/scale.py ]; then
   timeout "${T_SCALE:-200}" python3 tests/gpu/scale.py --budget "${BUDGET_SCALE:-180}" \
     --out "$OUT/scale.md" > "$OUT/scale.log" 2>&1
   echo "scale rc=$?"
+fi
+# Tuning aids, not part of "all": per-pass tile sweeps and per-kernel profiles.
+#   SWEEP_ROWS=sliding@8192,document@8192 bash tests/gpu.sh sweep
+#   PROFILE_ROWS=document@8192 bash tests/gpu.sh profile
+if [[ " $parts " == *" sweep "* ]]; then
+  timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench --sweep --rows "${SWEEP_ROWS:-causal@8192}" \
+    --no-flex --no-sdpa --no-indices 2>&1 | grep -E "^sweep" | tee "$OUT/sweep.log"
+  timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tail -40 \
+    | tee "$OUT/sweep_indices.log"
+fi
+if [[ " $parts " == *" profile "* ]]; then
+  timeout "${T_PROFILE:-120}" python3 -m flexsparse.bench --profile --rows "${PROFILE_ROWS:-causal@8192}" \
+    --no-flex --no-sdpa --no-indices > "$OUT/profile.log" 2>&1
+  grep -vE "^-+$" "$OUT/profile.log" | cut -c1-160 | tail -40
 fi
 echo "================ tables"
 for f in "$OUT"/bench.md "$OUT"/bench_indices.md "$OUT"/scale.md; do [ -f "$f" ] && { echo "## $(basename "$f")"; cat "$f"; }; done
