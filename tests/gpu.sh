@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|sanitize ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -57,6 +57,14 @@ if [[ " $parts " == *" profile "* ]]; then
   timeout "${T_PROFILE:-120}" python3 -m flexsparse.bench --profile --rows "${PROFILE_ROWS:-causal@8192}" \
     --no-flex --no-sdpa --no-indices > "$OUT/profile.log" 2>&1
   grep -vE "^-+$" "$OUT/profile.log" | cut -c1-160 | tail -40
+fi
+# Out-of-bounds check of the kernels on odd sizes: compute-sanitizer memcheck (slow; a few tests).
+if [[ " $parts " == *" sanitize "* ]]; then
+  timeout "${T_SANITIZE:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -x -p no:cacheprovider tests/gpu/test_triton_gpu.py tests/gpu/test_triton_indices_gpu.py \
+    -k "odd_lengths or fully_masked or noncontiguous" > "$OUT/sanitize.log" 2>&1
+  rc=$?; echo "compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -8
 fi
 echo "================ tables"
 for f in "$OUT"/bench.md "$OUT"/bench_indices.md "$OUT"/scale.md; do [ -f "$f" ] && { echo "## $(basename "$f")"; cat "$f"; }; done
