@@ -682,13 +682,29 @@ def _flatten_children(cls, masks):
     return out
 
 
-class _And(Mask):
+class _Combination(Mask):
+    """and_/or_ of masks that do not reduce to one column-range mask."""
+    NAME = ""
+
     def __init__(self, children):
         self.children = children
 
     def _cache_key(self):
         keys = [m._cache_key() for m in self.children]
         return None if None in keys else repr(self)
+
+    def _default_device(self):
+        return self.children[0]._default_device()
+
+    def _kv_heads_hint(self, H):
+        return min(m._kv_heads_hint(H) for m in self.children)
+
+    def __repr__(self):
+        return f"{self.NAME}(" + ", ".join(repr(m) for m in self.children) + ")"
+
+
+class _And(_Combination):
+    NAME = "and_"
 
     def _parts(self, sz):
         cols = [m for m in self.children if isinstance(m, _ColumnRanges)]
@@ -726,16 +742,6 @@ class _And(Mask):
             out.partial_bits_index = bits[0].partial_bits_index
             out.partial_bits = bits[0].partial_bits
         return out
-
-    def _default_device(self):
-        return self.children[0]._default_device()
-
-    def _kv_heads_hint(self, H):
-        hints = [m._kv_heads_hint(H) for m in self.children]
-        return min(hints)
-
-    def __repr__(self):
-        return "and_(" + ", ".join(repr(m) for m in self.children) + ")"
 
 
 def _and_state(a, b, sz):
@@ -788,13 +794,8 @@ def _filter_indices(idx_parts: _Parts, others: List[Mask], sz: Sizes) -> _Parts:
     return _Parts(attn_indices=torch.cat(out, dim=2).contiguous())
 
 
-class _Or(Mask):
-    def __init__(self, children):
-        self.children = children
-
-    def _cache_key(self):
-        keys = [m._cache_key() for m in self.children]
-        return None if None in keys else repr(self)
+class _Or(_Combination):
+    NAME = "or_"
 
     def _parts(self, sz):
         descs = [m._parts(sz).to_descriptor(sz) for m in self.children]
@@ -805,15 +806,6 @@ class _Or(Mask):
                 out = out | d.visible_rows(r0, r1)
             return out
         return _parts_from_visible(visible, sz)
-
-    def _default_device(self):
-        return self.children[0]._default_device()
-
-    def _kv_heads_hint(self, H):
-        return min(m._kv_heads_hint(H) for m in self.children)
-
-    def __repr__(self):
-        return "or_(" + ", ".join(repr(m) for m in self.children) + ")"
 
 
 def _or_slots(slot_lists, sz: Sizes):
