@@ -71,14 +71,7 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
     elif isinstance(mask, torch.Tensor):
         mask = masks_mod.dense(mask)
     elif _is_flex_block_mask(mask):
-        try:
-            from .flex import from_block_mask
-        except ImportError as err:
-            raise NotImplementedError("mask: FlexAttention BlockMask conversion is not "
-                                      "available yet") from err
-        mask = from_block_mask(mask)
-        if isinstance(mask, BlockDescriptor):
-            return compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=device, block_size=block_size)
+        mask = masks_mod.from_block_mask(mask)
     if not isinstance(mask, masks_mod.Mask):
         raise TypeError(f"mask: expected None, a bool tensor, a flexsparse mask, a BlockDescriptor "
                         f"or a FlexAttention BlockMask, got {type(mask).__name__}")

@@ -80,7 +80,7 @@ class BlockDescriptor:
         if self.is_index_mask:
             raise ValueError("mask: an index mask has no block state")
         nKB = -(-self.seq_lengths[1] // self.block_size[1])
-        return reference._block_state(self.mask_tensors(), 0, self.kv_count.shape[-1], nKB,
+        return reference.block_state(self.mask_tensors(), 0, self.kv_count.shape[-1], nKB,
                                       self.device)
 
     def visible_rows(self, r0: int, r1: int) -> torch.Tensor:
@@ -114,8 +114,7 @@ class BlockDescriptor:
         """Visible (query, key) pairs summed over batch and query heads, computed in row chunks."""
         Lq, Lk = self.seq_lengths
         Hq, Hkv = self.num_heads
-        step = max(self.block_size[0], (1 << 24) // max(1, Hq * Lk) // self.block_size[0]
-                   * self.block_size[0])
+        step = reference.chunk_rows(Lq, Hq * Lk, self.block_size[0])
         total = 0
         for r0 in range(0, Lq, step):
             vis = self.visible_rows(r0, min(Lq, r0 + step))

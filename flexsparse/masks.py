@@ -10,7 +10,6 @@ Three families, by how the element predicate is stored (docs/design.md):
 Conventions: query i sees key j; with Lq != Lk causal masks align bottom-right,
 i' = i + (Lk - Lq).
 """
-import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -299,8 +298,7 @@ def _parts_from_visible(visible: Callable[[int, int], torch.Tensor], sz: Sizes) 
     O(rows x Lk) per step plus the bits of partial blocks. Eager only (data-dependent sizes).
     """
     bq, bk = sz.block_q, sz.block_k
-    per_block_row = max(1, sz.B * sz.Hq * bq * sz.Lk)
-    step = max(1, (1 << 24) // per_block_row) * bq
+    step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, bq)
     states, bit_chunks, index_chunks = [], [], []
     n_bits = 0
     for r0 in range(0, sz.Lq, step):
@@ -773,9 +771,8 @@ def _filter_indices(idx_parts: _Parts, others: List[Mask], sz: Sizes) -> _Parts:
     if not others:
         return idx_parts
     descs = [m._parts(sz).to_descriptor(sz) for m in others]
-    Hkv, G = sz.Hkv, sz.Hq // sz.Hkv
     out = []
-    step = max(1, (1 << 24) // max(1, sz.B * sz.Hq * sz.Lk))
+    step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, 1)
     for r0 in range(0, sz.Lq, step):
         r1 = min(sz.Lq, r0 + step)
         vis = descs[0].visible_rows(r0, r1)

@@ -51,15 +51,25 @@ def from_groups_sum(t: torch.Tensor, shape) -> torch.Tensor:
     return t
 
 
-def _chunk_rows(total_rows, per_row, align):
+def chunk_rows(total_rows, per_row, align):
+    """Rows per chunk so one chunk holds about CHUNK_ELEMENTS elements; a multiple of align."""
     rows = max(1, CHUNK_ELEMENTS // max(1, per_row))
     rows = max(align, rows // align * align)
     return min(rows, max(total_rows, 1))
 
 
+def _row_step(mask: MaskTensors, B, Hq, G, Lq, Lk, D, block_q):
+    """Query rows per chunk: scores (rows x Lk), or gathered K/V rows (rows x W x D) for
+    index lists; block masks step in whole query blocks."""
+    if mask.attn_indices is not None:
+        W = mask.attn_indices.shape[-1]
+        return chunk_rows(Lq, B * Hq * W * D // max(G, 1) + B * Hq * W, 1)
+    return chunk_rows(Lq, B * Hq * Lk, block_q)
+
+
 # ---------------------------------------------------------------- visibility
 
-def _block_state(mask: MaskTensors, qb0, qb1, nKB, device):
+def block_state(mask: MaskTensors, qb0, qb1, nKB, device):
     """int32 (Bd, Hd, qb1-qb0, nKB): 0 skipped, 1 partial, 2 full."""
     state = None
     for count, index, value in ((mask.kv_count, mask.kv_index, 1),
@@ -109,7 +119,7 @@ def visible_rows(mask: MaskTensors, r0, r1, Lk, block_q, block_k, Hkv, G):
     rows = r1 - r0
     qb0, qb1 = r0 // block_q, -(-r1 // block_q)
     nKB = -(-Lk // block_k)
-    state = _block_state(mask, qb0, qb1, nKB, device)
+    state = block_state(mask, qb0, qb1, nKB, device)
     state = state.repeat_interleave(block_q, dim=-2)[..., :rows, :]
     state = state.repeat_interleave(block_k, dim=-1)[..., :Lk]
     pred = torch.ones((1, 1, 1, 1, 1), dtype=torch.bool, device=device)
@@ -200,11 +210,7 @@ def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale,
     if Lq == 0 or Lk == 0:
         return out, lse
     index_mode = mask.attn_indices is not None
-    if index_mode:
-        W = mask.attn_indices.shape[-1]
-        step = _chunk_rows(Lq, B * Hq * W * max(D, Dv) // max(G, 1) + B * Hq * W, 1)
-    else:
-        step = _chunk_rows(Lq, B * Hq * Lk, block_q)
+    step = _row_step(mask, B, Hq, G, Lq, Lk, max(D, Dv), block_q)
     for r0 in range(0, Lq, step):
         r1 = min(Lq, r0 + step)
         rows = r1 - r0
@@ -243,11 +249,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask: MaskTe
     dbias = torch.zeros(bias.shape, dtype=cd, device=bias.device) if want_dbias else None
     index_mode = mask.attn_indices is not None
     if Lq > 0 and Lk > 0:
-        if index_mode:
-            W = mask.attn_indices.shape[-1]
-            step = _chunk_rows(Lq, B * Hq * W * max(D, Dv) // max(G, 1) + B * Hq * W, 1)
-        else:
-            step = _chunk_rows(Lq, B * Hq * Lk, block_q)
+        step = _row_step(mask, B, Hq, G, Lq, Lk, max(D, Dv), block_q)
         for r0 in range(0, Lq, step):
             r1 = min(Lq, r0 + step)
             rows = r1 - r0

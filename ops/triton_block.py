@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import block_state
 from .triton_compat import interpreting
 
 LOG2E = 1.4426950408889634
@@ -766,17 +767,6 @@ def _bstride(t, dim):
 
 # ---------------------------------------------------------------- descriptor lists
 
-def _state_from_lists(count, index, n_cols, value):
-    c = count.to(torch.int64)
-    idx = index.to(torch.int64)
-    valid = torch.arange(idx.shape[-1], device=idx.device) < c[..., None]
-    s = torch.zeros(c.shape + (n_cols,), dtype=torch.int32, device=idx.device)
-    src = torch.where(valid, torch.full_like(idx, value, dtype=torch.int32),
-                      torch.zeros_like(idx, dtype=torch.int32))
-    s.scatter_reduce_(-1, idx.clamp(0, max(n_cols - 1, 0)), src, "amax")
-    return s
-
-
 def _lists_from_state(state, value):
     sel = state == value
     count = sel.sum(-1).to(torch.int32)
@@ -803,8 +793,7 @@ def _all_lists(mask, Lq, Lk, block_q, block_k, device):
         state = torch.full((1, 1, nQB, nKB), 1 if has_pred else 2, dtype=torch.int32,
                            device=device)
     else:
-        state = torch.maximum(_state_from_lists(lists[0], lists[1], nKB, 1),
-                              _state_from_lists(lists[2], lists[3], nKB, 2))
+        state = block_state(mask, 0, nQB, nKB, device)
     kv = [*_lists_from_state(state, 1), *_lists_from_state(state, 2)]
     stT = state.transpose(-1, -2)
     q = [*_lists_from_state(stT, 1), *_lists_from_state(stT, 2)]
