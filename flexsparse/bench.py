@@ -1,10 +1,20 @@
 """Benchmark: flexsparse (Triton backend) vs FlexAttention vs SDPA, in the same run.
 
     python -m flexsparse.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
-                               [--no-flex] [--no-sdpa] [--no-indices] [--sweep]
+                               [--no-flex] [--no-sdpa] [--no-indices] [--repeat N]
+                               [--bwd {direct,subtract}] [--sweep] [--profile]
 
-bf16, H=16 (Hq = Hkv), B*L = 16K tokens. Times are medians of triton.testing.do_bench,
-forward and forward+backward (backward = fwd+bwd - fwd). The flexsparse descriptor and the
+bf16, H=16 (Hq = Hkv), B*L = 16K tokens. Times are medians of triton.testing.do_bench.
+Forward: the call on inputs without grad. Backward, timed directly for all three: one
+forward on requires_grad inputs outside the timed region, then do_bench of
+`torch.autograd.grad(out, (q, k, v[, bias]), grad_out, retain_graph=True)` alone. For
+FlexAttention that needs AOTAutograd's donated buffers off (they forbid retain_graph);
+the bench turns them off for its compile. If direct timing raises for an
+implementation, that implementation falls back to backward = (fwd+bwd) - fwd for the
+row, and its backward cells are marked "(sub)". `--bwd subtract` uses the old
+subtraction everywhere (it proved noisy on partial-heavy rows, see docs/perf-notes.md).
+`--repeat N` runs each row N times (implementations interleaved within a run) and
+reports the median of the N per-run medians. The flexsparse descriptor and the
 FlexAttention BlockMask are built outside the timed region. Effective TFLOP/s count only
 visible score entries: 4*D flops per entry forward, 2.5x that backward.
 
@@ -13,10 +23,16 @@ shared-question (question L/4 + 4 answers), random block-sparse 20% (128x128 blo
 diagonal) at L = 8K and 16K, hd128 (full and causal also hd64), and causal + full
 (B, H, L, L) bias with dbias at 4K. Index-attention rows come from
 `flexsparse.bench_indices` (if present), in a table of their own.
+
+`--sweep` times each pass of our kernels alone per tile config (the backward directly,
+through the op's backward on a saved (out, lse)); `--profile` prints torch.profiler
+kernel times of our forward+backward steps.
 """
 import argparse
+import contextlib
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -105,51 +121,81 @@ def _bench(fn, grad_to_none=None):
                                    return_mode="median")
 
 
-def _time_pair(fwd_fn, fb_fn, grads):
-    fwd = _bench(fwd_fn)
-    fb = _bench(fb_fn, grad_to_none=grads)
-    return fwd, fb
+def _time_bwd_direct(grad_fwd, inputs, grad_out):
+    """Backward alone: one forward with grad outside the timed region, then do_bench of
+    autograd.grad over the retained graph (nothing accumulates into .grad)."""
+    out = grad_fwd()
+    return _bench(lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True))
 
 
-def time_row(kind, L, D, *, flex=True, sdpa=True, log=print):
+def _time_bwd_subtract(grad_fwd, inputs, grad_out, fwd_ms):
+    """The old method: (forward + backward) - forward."""
+    fb = _bench(lambda: torch.autograd.grad(grad_fwd(), inputs, grad_out))
+    return fb - fwd_ms
+
+
+def _no_donated_buffers():
+    """AOTAutograd refuses retain_graph=True on a compiled backward with donated buffers
+    (torch >= 2.6); turn them off for FlexAttention's compile so the graph can be kept."""
+    try:
+        import torch._functorch.config as fconfig
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(fconfig, "donated_buffer"):
+        return contextlib.nullcontext()
+    return fconfig.patch(donated_buffer=False)
+
+
+def _empty_cache(dev):
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_row(kind, L, D, *, flex=True, sdpa=True, repeat=1, bwd="direct", device=None,
+             log=print):
+    """Time one row: forward and backward (ms, medians) and TFLOP/s of each implementation.
+
+    `bwd="direct"` times the backward alone (see `_time_bwd_direct`); an implementation
+    whose direct timing raises falls back to the subtraction for the rest of the row and
+    is labelled "(sub)" in the table. `repeat` runs the whole row that many times (the
+    implementations interleaved within each run) and keeps the median of the per-run
+    medians."""
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda", torch.cuda.current_device())
+    try:
+        return _time_row(kind, L, D, dev, flex=flex, sdpa=sdpa, repeat=repeat, bwd=bwd,
+                         log=log)
+    finally:                                     # the row's tensors are gone by now
+        _empty_cache(dev)
+
+
+def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, log):
     import flexsparse
     B = max(1, TOKENS // L)
     torch.manual_seed(0)
-    mk = lambda *s: torch.randn(*s, device="cuda", dtype=DTYPE)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, device=dev, dtype=DTYPE)  # noqa: E731
     q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
     do = mk(B, H, L, D)
-    dev = torch.device("cuda", torch.cuda.current_device())
     fs_mask, mask_mod, per_head, sdpa_causal, has_bias = make_case(kind, B, L, device=dev)
     bias = mk(B, H, L, L) if has_bias else None
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     bias_g = bias.detach().clone().requires_grad_() if has_bias else None
-    grads = leaves + ([bias_g] if has_bias else [])
+    inputs = tuple(leaves) + ((bias_g,) if has_bias else ())
 
     desc = fs_mask.compile(B, H, H, L, L, device=dev)
     visible = desc.num_visible(batch=B)
     flops_fwd = 4.0 * D * visible
     row = dict(kind=kind, L=L, D=D, B=B, visible=visible, flops_fwd=flops_fwd)
+    where = f"{kind} L={L} D={D}"
 
-    def ours_fwd():
-        return flexsparse.attention(q, k, v, desc, bias=bias, backend="triton")
-
-    def ours_fb():
-        flexsparse.attention(*leaves, desc, bias=bias_g, backend="triton").backward(do)
-
-    def record(name, fn_pair):
-        try:
-            fwd, fb = fn_pair()
-            row[f"{name}_fwd_ms"], row[f"{name}_fb_ms"] = fwd, fb
-            row[f"{name}_fwd"] = flops_fwd / fwd * 1e-9
-            row[f"{name}_bwd"] = 2.5 * flops_fwd / max(fb - fwd, 1e-6) * 1e-9
-        except Exception as err:  # report, keep going
-            log(f"  {name} {kind} L={L} D={D}: failed: {type(err).__name__}: {str(err)[:300]}")
-        torch.cuda.empty_cache()
-
-    record("ours", lambda: _time_pair(ours_fwd, ours_fb, grads))
+    # name -> (forward without grad, forward with grad on `inputs`, context to run under)
+    impls = {"ours": (
+        lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton"),
+        lambda: flexsparse.attention(*leaves, desc, bias=bias_g, backend="triton"),
+        contextlib.nullcontext)}
 
     if flex:
-        def flex_pair():
+        try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             fa = torch.compile(flex_attention, dynamic=False)
             bm = None
@@ -159,40 +205,71 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, log=print):
                 bm = desc.to_block_mask()
             elif mask_mod is not None:
                 bm = create_block_mask(mask_mod, None, None, L, L, device=dev)
-            score_mod = None
             if has_bias:
                 def score_mod(score, b, h, qi, kv):
                     return score + bias_g[b, h, qi, kv]
-                fwd_score_mod = lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]  # noqa
-            else:
-                fwd_score_mod = None
-            fwd = lambda: fa(q, k, v, score_mod=fwd_score_mod, block_mask=bm)  # noqa: E731
 
-            def fb():
-                fa(*leaves, score_mod=score_mod, block_mask=bm).backward(do)
-            return _time_pair(fwd, fb, grads)
-        record("flex", flex_pair)
+                def fwd_score_mod(score, b, h, qi, kv):
+                    return score + bias[b, h, qi, kv]
+            else:
+                score_mod = fwd_score_mod = None
+            impls["flex"] = (
+                lambda: fa(q, k, v, score_mod=fwd_score_mod, block_mask=bm),
+                lambda: fa(*leaves, score_mod=score_mod, block_mask=bm),
+                _no_donated_buffers if bwd == "direct" else contextlib.nullcontext)
+        except Exception as err:  # report, keep going
+            log(f"  flex {where}: set-up failed: {type(err).__name__}: {str(err)[:300]}")
 
     if sdpa and sdpa_causal is not None and not has_bias:
-        def sdpa_pair():
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            F = torch.nn.functional
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        F = torch.nn.functional
+        impls["sdpa"] = (
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal),
+            lambda: F.scaled_dot_product_attention(*leaves, is_causal=sdpa_causal),
+            lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
 
-            def fwd():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal)
+    method = {name: bwd for name in impls}
+    samples = {name: [] for name in impls}      # name -> [(fwd ms, bwd ms, method)]
+    for _ in range(max(1, repeat)):
+        for name, (fwd_fn, grad_fwd, ctx) in impls.items():
+            if method[name] is None:             # failed in an earlier run
+                continue
+            try:
+                with ctx():
+                    fwd_ms = _bench(fwd_fn)
+                    if method[name] == "direct":
+                        try:
+                            bwd_ms = _time_bwd_direct(grad_fwd, inputs, do)
+                        except Exception as err:
+                            log(f"  {name} {where}: direct backward failed "
+                                f"({type(err).__name__}: {str(err)[:200]}); using "
+                                "(fwd+bwd) - fwd for this implementation")
+                            method[name] = "subtract"
+                    if method[name] == "subtract":
+                        _empty_cache(dev)
+                        bwd_ms = _time_bwd_subtract(grad_fwd, inputs, do, fwd_ms)
+                samples[name].append((fwd_ms, bwd_ms, method[name]))
+            except Exception as err:  # report, keep going
+                log(f"  {name} {where}: failed: {type(err).__name__}: {str(err)[:300]}")
+                method[name] = None
+            _empty_cache(dev)
 
-            def fb():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    F.scaled_dot_product_attention(*leaves, is_causal=sdpa_causal).backward(do)
-            return _time_pair(fwd, fb, grads)
-        record("sdpa", sdpa_pair)
+    for name, runs in samples.items():
+        if not runs:
+            continue
+        fwd_ms = statistics.median(r[0] for r in runs)
+        bwd_ms = statistics.median(r[1] for r in runs)
+        row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = fwd_ms, bwd_ms
+        row[f"{name}_bwd_runs"] = [r[1] for r in runs]
+        row[f"{name}_bwd_method"] = ("direct" if all(r[2] == "direct" for r in runs)
+                                     else "subtract")
+        row[f"{name}_fwd"] = flops_fwd / fwd_ms * 1e-9
+        row[f"{name}_bwd"] = 2.5 * flops_fwd / bwd_ms * 1e-9 if bwd_ms > 0 else None
 
-    if "ours_fwd" in row and "flex_fwd" in row:
+    if row.get("ours_fwd") and row.get("flex_fwd"):
         row["ratio_fwd"] = row["ours_fwd"] / row["flex_fwd"]
+    if row.get("ours_bwd") and row.get("flex_bwd"):
         row["ratio_bwd"] = row["ours_bwd"] / row["flex_bwd"]
-    del q, k, v, do, leaves, bias, bias_g, grads, desc
-    torch.cuda.empty_cache()
     return row
 
 
@@ -212,19 +289,38 @@ def _f(x, fmt=".0f"):
     return "n/a" if x is None else format(x, fmt)
 
 
+def _bwd_cell(r, name):
+    cell = _f(r.get(f"{name}_bwd"))
+    if r.get(f"{name}_bwd_method") == "subtract" and cell != "n/a":
+        cell += " (sub)"
+    return cell
+
+
 def format_row(r):
     return (f"| {LABELS.get(r['kind'], r['kind'])} | {r['L'] // 1024}K | {r['D']} | {r['B']} "
-            f"| {_f(r.get('ours_fwd'))} | {_f(r.get('ours_bwd'))} "
-            f"| {_f(r.get('flex_fwd'))} | {_f(r.get('flex_bwd'))} "
-            f"| {_f(r.get('sdpa_fwd'))} | {_f(r.get('sdpa_bwd'))} "
+            f"| {_f(r.get('ours_fwd'))} | {_bwd_cell(r, 'ours')} "
+            f"| {_f(r.get('flex_fwd'))} | {_bwd_cell(r, 'flex')} "
+            f"| {_f(r.get('sdpa_fwd'))} | {_bwd_cell(r, 'sdpa')} "
             f"| {_f(r.get('ratio_fwd'), '.2f')} | {_f(r.get('ratio_bwd'), '.2f')} |")
 
 
-def format_table(rows):
+def method_line(bwd="direct", repeat=1):
+    """How the numbers were taken, one line (printed above the table header)."""
+    if bwd == "direct":
+        how = ("backward timed directly: autograd.grad over a retained graph, its forward "
+               "outside the timed region; \"(sub)\" = that cell fell back to (fwd+bwd) - fwd")
+    else:
+        how = "backward = (fwd+bwd) - fwd"
+    runs = f"median of {repeat} runs of " if repeat > 1 else ""
+    return f"Times: {runs}the do_bench median; {how}."
+
+
+def format_table(rows, bwd="direct", repeat=1):
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     title = (f"Effective TFLOP/s (visible entries only), bf16, H={H}, B*L={TOKENS // 1024}K "
-             f"tokens, median of do_bench ({torch.cuda.get_device_name()}, torch "
-             f"{torch.__version__})")
-    return "\n".join([title, "", HEADER] + [format_row(r) for r in rows])
+             f"tokens, median of do_bench ({dev}, torch {torch.__version__})")
+    return "\n".join([title, method_line(bwd, repeat), "", HEADER]
+                     + [format_row(r) for r in rows])
 
 
 # ---------------------------------------------------------------- config sweep (ours)
@@ -272,7 +368,7 @@ def sweep(cases, log=print):
                     log(f"sweep {kind} L={L} D={D} {which} {cfg}: failed {type(err).__name__}: "
                         f"{str(err)[:200]}")
         tb.CONFIG_OVERRIDE.clear()
-        del q, k, v, do, out, lse
+        q = k = v = do = out = lse = None     # free before the next row
         torch.cuda.empty_cache()
 
 
@@ -307,7 +403,7 @@ def profile(cases, log=print):
                 break
             except Exception:
                 continue
-        del q, k, v, bias, do, desc
+        q = k = v = bias = do = desc = None   # free before the next row
         torch.cuda.empty_cache()
 
 
@@ -373,7 +469,15 @@ def main(argv=None):
                     help="print per-kernel CUDA times of our fwd+bwd for the selected rows, then exit")
     ap.add_argument("--sweep", action="store_true",
                     help="first time candidate tile configs of our kernels on the selected rows")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run each row N times and report the median of the per-run medians "
+                         "(default 1)")
+    ap.add_argument("--bwd", choices=("direct", "subtract"), default="direct",
+                    help="backward timing: 'direct' (default) times autograd.grad alone over a "
+                         "retained graph; 'subtract' takes (fwd+bwd) - fwd (the old method)")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     if not torch.cuda.is_available():
         print("flexsparse.bench: needs a CUDA GPU (none found); nothing to do.")
         return 0
@@ -387,13 +491,19 @@ def main(argv=None):
     if args.sweep:
         sweep(rows, log=log)
     results = []
+    print(method_line(args.bwd, args.repeat), flush=True)
     print(HEADER, flush=True)
     t0 = time.time()
     for kind, L, D in rows:
-        r = time_row(kind, L, D, flex=not args.no_flex, sdpa=not args.no_sdpa, log=log)
+        r = time_row(kind, L, D, flex=not args.no_flex, sdpa=not args.no_sdpa,
+                     repeat=args.repeat, bwd=args.bwd, log=log)
         results.append(r)
         log(format_row(r) + f"  [{time.time() - t0:.0f}s]")
-    table = format_table(results)
+        if args.repeat > 1:
+            log("  bwd ms per run: " + "; ".join(
+                f"{name} " + " ".join(f"{ms:.3f}" for ms in r[f"{name}_bwd_runs"])
+                for name in ("ours", "flex", "sdpa") if f"{name}_bwd_runs" in r))
+    table = format_table(results, bwd=args.bwd, repeat=args.repeat)
     print()
     print(table)
     if args.out:
