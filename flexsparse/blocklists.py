@@ -158,3 +158,142 @@ def column_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, num_he
     return descriptor_from_entries((Bc, Hc), nQB, nKB, bh, qb, kb, full, order="q",
                                    seq_lengths=seq_lengths, block_size=block_size,
                                    num_heads=num_heads, col_ranges=cr)
+
+
+# ------------------------------------------------------------------ column ranges as ranges
+#
+# Range form: a block list may be given as R half-open ranges of block indices,
+# index (.., n, R, 2) int32, instead of explicit indices (.., n, W); the count stays the
+# number of blocks. For the masks people use (causal, windows, documents, prefix-LM,
+# shared-question, global + sliding) every row has a few ranges, so the descriptor is
+# O(N / block) in time and memory where padded lists are O(N^2 / block^2).
+#
+# Per key block kb and masked interval r, in query blocks: the hull [h0, h1) holds the
+# query blocks that the interval touches in some column of kb, the cover [a, b) those it
+# covers in every column (same statistics as col_ranges_block_state). Then per kb:
+# full = outside every hull, partial = inside a hull but no cover, skipped = in a cover.
+# The transposed (per query block) sets are ranges too when h0, h1, a, b never decrease
+# with kb: {kb : h0(kb) <= qb < h1(kb)} = [#(h1 <= qb), #(h0 <= qb)), two searchsorted.
+
+# Ranges per row; always this many (unused ones empty), so shapes depend on the lengths
+# only and a descriptor passed into torch.compile(dynamic=True) does not recompile.
+MAX_RANGES = 4          # = ops/triton_block.py MAX_RANGES
+
+
+def _pieces(lo, hi, n):
+    """The union of intervals [lo, hi) (.., k) as k disjoint pieces sorted by start
+    (pieces inside an earlier one become empty)."""
+    empty = hi <= lo
+    lo = torch.where(empty, n, lo)
+    hi = torch.where(empty, n, hi)
+    lo, order = torch.sort(lo, dim=-1)
+    hi = torch.gather(hi, -1, order)
+    ends = torch.cummax(hi, -1).values
+    before = torch.cat([torch.zeros_like(ends[..., :1]), ends[..., :-1]], -1)
+    lo = torch.maximum(lo, before)
+    return lo, torch.maximum(hi, lo)
+
+
+def _gaps(lo, hi, n):
+    """[0, n) minus the union of sorted disjoint pieces: k + 1 ranges."""
+    start = torch.cat([torch.zeros_like(lo[..., :1]), torch.cummax(hi, -1).values], -1)
+    end = torch.cat([lo, torch.full_like(lo[..., :1], n)], -1)
+    return start, torch.maximum(end, start)
+
+
+def _set_ranges(h0, h1, a, b, n):
+    """Full and partial ranges (lo, hi pairs, .. x k) from hulls [h0, h1) and covers [a, b) (.., m)."""
+    hl, hh = _pieces(h0, h1, n)
+    full = _gaps(hl, hh, n)
+    cl, ch = _gaps(*_pieces(a, b, n), n)                 # where no cover is
+    lo = torch.maximum(hl[..., :, None], cl[..., None, :]).flatten(-2)
+    hi = torch.minimum(hh[..., :, None], ch[..., None, :]).flatten(-2)
+    return full, (lo, torch.maximum(hi, lo))
+
+
+def _compact(lo, hi, n, R):
+    """Nonempty ranges first (sorted by start), the first R kept, as int32 (.., R, 2)."""
+    empty = hi <= lo
+    key = torch.where(empty, n + 1, lo)
+    key, order = torch.sort(key, dim=-1)
+    lo = torch.gather(lo, -1, order)[..., :R]
+    hi = torch.gather(hi, -1, order)[..., :R]
+    hi = torch.maximum(hi, lo)
+    out = torch.stack([lo, hi], -1).to(torch.int32)
+    if out.shape[-2] < R:                                  # pad with empty ranges [0, 0)
+        out = torch.nn.functional.pad(out, (0, 0, 0, R - out.shape[-2]))
+    return out
+
+
+def _monotone_fill(lo, hi, n):
+    """Empty intervals of sequences over kb (dim -2) moved so that lo and hi never decrease
+    and they stay empty; returns (lo, hi, ok) with ok a 0-d bool tensor."""
+    empty = hi <= lo
+    nxt = torch.where(empty, n, lo).flip(-2).cummin(-2).values.flip(-2)
+    prev = torch.where(empty, 0, hi).cummax(-2).values
+    lo = torch.where(empty, nxt, lo)
+    hi = torch.where(empty, prev, hi)
+    ok = (~empty | (hi <= lo)).all()
+    ok = ok & (lo[..., 1:, :] >= lo[..., :-1, :]).all() & (hi[..., 1:, :] >= hi[..., :-1, :]).all()
+    return lo, hi, ok
+
+
+def _triton_ranges():
+    """ops/triton_ranges.py (the GPU builder: 3 launches instead of ~300 ops), or None."""
+    try:
+        from .ops import triton_ranges
+    except ImportError:
+        return None
+    return triton_ranges
+
+
+def column_range_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, num_heads
+                                  ) -> Optional[BlockDescriptor]:
+    """Range-form BlockDescriptor of a normalized column-range tensor (Bc, Hc, Lk, 2m), or
+    None when some row would need more than MAX_RANGES ranges or a bound decreases with kb
+    (use column_range_descriptor then). O(Lk + blocks); one host sync. On CUDA tensors
+    the Triton kernels of ops/triton_ranges.py compute the same block sets."""
+    Lq, Lk = seq_lengths
+    bq, bk = block_size
+    Bc, Hc, _, two_m = cr.shape
+    if cr.is_cuda and Lq > 0 and Lk > 0 and _triton_ranges() is not None:
+        lists = _triton_ranges().column_range_lists(cr, Lq, bq, bk)
+        if lists is None:
+            return None
+        return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
+                               *lists, col_ranges=cr)
+    m = two_m // 2
+    BH = Bc * Hc
+    nQB, nKB = -(-Lq // bq), -(-Lk // bk)
+    s_cov, e_cov, s_miss, e_miss = _key_block_stats(cr, nKB, bk)      # (BH*nKB, m)
+    touched = s_miss < _BIG
+    h0 = torch.where(touched, s_miss // bq, 0).clamp(0, nQB)
+    h1 = torch.where(touched, (e_miss + bq - 1) // bq, 0).clamp(0, nQB)
+    a = ((s_cov + bq - 1) // bq).clamp(0, nQB)
+    b = torch.where(e_cov >= Lq, nQB, e_cov // bq).clamp(0, nQB)
+    # per key block (dK/dV pass): ranges of query blocks
+    (qf_lo, qf_hi), (qp_lo, qp_hi) = _set_ranges(h0, h1, a, b, nQB)
+    # per query block (forward, dQ): transpose the hulls and covers
+    qbs = torch.arange(nQB, device=cr.device).expand(BH, m, nQB).contiguous()
+    sets, ok = [], torch.ones((), dtype=torch.bool, device=cr.device)
+    for lo, hi in ((h0, h1), (a, b)):
+        lo, hi, good = _monotone_fill(lo.view(BH, nKB, m), hi.view(BH, nKB, m), nQB)
+        ok = ok & good
+        lo = lo.transpose(1, 2).contiguous()                   # (BH, m, nKB)
+        hi = hi.transpose(1, 2).contiguous()
+        first = torch.searchsorted(hi, qbs, right=True)        # #(hi <= qb)
+        last = torch.searchsorted(lo, qbs, right=True)         # #(lo <= qb)
+        sets += [first.transpose(1, 2), last.transpose(1, 2)]   # (BH, nQB, m)
+    (kf_lo, kf_hi), (kp_lo, kp_hi) = _set_ranges(*sets, nKB)
+    widths = torch.stack([((hi > lo).sum(-1)).amax() if lo.numel() else lo.new_zeros(())
+                          for lo, hi in ((qf_lo, qf_hi), (qp_lo, qp_hi), (kf_lo, kf_hi),
+                                         (kp_lo, kp_hi))])
+    if not bool(ok & (widths.max() <= MAX_RANGES)):
+        return None
+    out = []
+    for (lo, hi), n_rows, n in (((kp_lo, kp_hi), nQB, nKB), ((kf_lo, kf_hi), nQB, nKB),
+                                ((qp_lo, qp_hi), nKB, nQB), ((qf_lo, qf_hi), nKB, nQB)):
+        count = (hi - lo).clamp(min=0).sum(-1).to(torch.int32).view(Bc, Hc, n_rows)
+        out += [count, _compact(lo, hi, n, MAX_RANGES).view(Bc, Hc, n_rows, MAX_RANGES, 2)]
+    return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads), *out,
+                           col_ranges=cr)

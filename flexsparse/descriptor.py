@@ -2,8 +2,11 @@
 
 Layout and meaning of every tensor: docs/design.md. Per query block, a list of partial
 key blocks (element predicates apply) and a list of full key blocks (no predicate); the
-transposed lists serve the dK/dV pass; blocks in neither list are skipped. For index
-masks the lists are None and `attn_indices` holds the per-query key lists.
+transposed lists serve the dK/dV pass; blocks in neither list are skipped. A list is
+either explicit, index (Bd, Hd, n, W), or in range form, index (Bd, Hd, n, R, 2) of
+half-open block ranges (O(N / block) for the named column-range masks); the count is the
+number of blocks either way. For index masks the lists are None and `attn_indices` holds
+the per-query key lists.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -72,6 +75,31 @@ class BlockDescriptor:
     def device(self) -> torch.device:
         t = self.attn_indices if self.is_index_mask else self.kv_count
         return t.device
+
+    @property
+    def has_ranges(self) -> bool:
+        """True when some block list is in range form (index (Bd, Hd, n, R, 2) of [lo, hi))."""
+        return any(t is not None and t.dim() == 5 for t in
+                   (self.kv_index, self.kv_full_index, self.q_index, self.q_full_index))
+
+    def with_lists(self) -> "BlockDescriptor":
+        """The same descriptor with every range-form list expanded to explicit indices
+        (padded to the longest row: O(nQB x nKB) for dense-ish masks)."""
+        if not self.has_ranges:
+            return self
+        nQB = -(-self.seq_lengths[0] // self.block_size[0])
+        nKB = -(-self.seq_lengths[1] // self.block_size[1])
+        out = {}
+        for name, n in (("kv_index", nKB), ("kv_full_index", nKB), ("q_index", nQB),
+                        ("q_full_index", nQB)):
+            index = getattr(self, name)
+            if index.dim() == 5:
+                blocks = torch.arange(n, device=index.device)
+                hit = ((blocks >= index[..., 0:1]) & (blocks < index[..., 1:2])).any(-2)
+                width = int(hit.sum(-1).max()) if hit.numel() else 0
+                index = _block_lists(hit, width)[1]
+            out[name] = index
+        return dataclasses.replace(self, **out)
 
     # ------------------------------------------------------------ reading it back
 

@@ -509,6 +509,7 @@ def to_block_mask(mask, B: Optional[int] = None, H: Optional[int] = None,
         d = mask.compile(B or 1, Hq, Hkv, Lq, Lk, device=device, block_size=bs)
     if d.is_index_mask:
         d = _index_descriptor_as_blocks(d)
+    d = d.with_lists()                      # a BlockMask holds explicit index lists
     Lq, Lk = d.seq_lengths
     bq, bk = d.block_size
     Hq, Hkv = d.num_heads

@@ -363,14 +363,17 @@ class _ColumnRanges(Mask):
         return _Parts(state=col_ranges_block_state(cr, sz), col_ranges=cr)
 
     def _descriptor(self, sz):
-        # Eager: O(visited blocks) lists without the dense block grid (flexsparse/blocklists.py).
+        # Eager: O(N) without the dense block grid (flexsparse/blocklists.py).
         slots = None if _is_compiling() else self.slots(sz)
         if not slots:
             return self._parts(sz).to_descriptor(sz)
-        from .blocklists import column_range_descriptor
-        return column_range_descriptor(_stack_slots(slots, sz), seq_lengths=(sz.Lq, sz.Lk),
-                                       block_size=(sz.block_q, sz.block_k),
-                                       num_heads=(sz.Hq, sz.Hkv))
+        from .blocklists import column_range_descriptor, column_range_range_descriptor
+        cr = _stack_slots(slots, sz)
+        common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
+                      num_heads=(sz.Hq, sz.Hkv))
+        # Range form when every row is a few block ranges (the named masks), else lists.
+        return (column_range_range_descriptor(cr, **common)
+                or column_range_descriptor(cr, **common))
 
     def _default_device(self):
         return self.device or "cpu"

@@ -70,17 +70,26 @@ def _row_step(mask: MaskTensors, B, Hq, G, Lq, Lk, D, block_q):
 # ---------------------------------------------------------------- visibility
 
 def block_state(mask: MaskTensors, qb0, qb1, nKB, device):
-    """int32 (Bd, Hd, qb1-qb0, nKB): 0 skipped, 1 partial, 2 full."""
+    """int32 (Bd, Hd, qb1-qb0, nKB): 0 skipped, 1 partial, 2 full.
+
+    A list is either explicit, index (Bd, Hd, nQB, W) with the first `count` entries used,
+    or in range form, index (Bd, Hd, nQB, R, 2) of half-open block ranges [lo, hi)."""
     state = None
+    cols = torch.arange(nKB, device=device)
     for count, index, value in ((mask.kv_count, mask.kv_index, 1),
                                 (mask.kv_full_count, mask.kv_full_index, 2)):
-        c = count[:, :, qb0:qb1].to(torch.int64)
-        idx = index[:, :, qb0:qb1, :].to(torch.int64)
-        valid = torch.arange(idx.shape[-1], device=device) < c[..., None]
-        s = torch.zeros(c.shape + (nKB,), dtype=torch.int32, device=device)
-        src = torch.where(valid, torch.full_like(idx, value, dtype=torch.int32),
-                          torch.zeros_like(idx, dtype=torch.int32))
-        s.scatter_reduce_(-1, idx.clamp(0, max(nKB - 1, 0)), src, "amax")
+        if index.dim() == 5:
+            r = index[:, :, qb0:qb1].to(torch.int64)
+            hit = ((cols >= r[..., 0:1]) & (cols < r[..., 1:2])).any(-2)
+            s = torch.where(hit, value, 0).to(torch.int32)
+        else:
+            c = count[:, :, qb0:qb1].to(torch.int64)
+            idx = index[:, :, qb0:qb1, :].to(torch.int64)
+            valid = torch.arange(idx.shape[-1], device=device) < c[..., None]
+            s = torch.zeros(c.shape + (nKB,), dtype=torch.int32, device=device)
+            src = torch.where(valid, torch.full_like(idx, value, dtype=torch.int32),
+                              torch.zeros_like(idx, dtype=torch.int32))
+            s.scatter_reduce_(-1, idx.clamp(0, max(nKB - 1, 0)), src, "amax")
         state = s if state is None else torch.maximum(state, s)
     return state
 

@@ -127,6 +127,56 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q, block_k, b, h,
     return vis
 
 
+@triton.jit
+def _ranges_load(idx_ptr, n, RANGES: tl.constexpr):
+    """Range-form list (RANGES > 0): the start block of each of up to 4 ranges
+    [lo_r, hi_r) and the cumulative lengths c_r = sum of the lengths before range r."""
+    z = n * 0
+    lo0 = z
+    lo1 = z
+    lo2 = z
+    lo3 = z
+    c1 = z
+    c2 = z
+    c3 = z
+    if RANGES > 0:
+        lo0 = tl.load(idx_ptr)
+        c1 = tl.load(idx_ptr + 1) - lo0
+    if RANGES > 1:
+        lo1 = tl.load(idx_ptr + 2)
+        c2 = c1 + tl.load(idx_ptr + 3) - lo1
+    if RANGES > 2:
+        lo2 = tl.load(idx_ptr + 4)
+        c3 = c2 + tl.load(idx_ptr + 5) - lo2
+    if RANGES > 3:
+        lo3 = tl.load(idx_ptr + 6)
+    return lo0, lo1, lo2, lo3, c1, c2, c3
+
+
+@triton.jit
+def _block_at(idx_ptr, t, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES: tl.constexpr):
+    """The t-th block of a list: loaded (explicit list) or computed (range form)."""
+    if RANGES == 0:
+        blk = tl.load(idx_ptr + t)
+    else:
+        blk = lo0 + t
+        if RANGES > 1:
+            blk = tl.where(t >= c1, lo1 + (t - c1), blk)
+        if RANGES > 2:
+            blk = tl.where(t >= c2, lo2 + (t - c2), blk)
+        if RANGES > 3:
+            blk = tl.where(t >= c3, lo3 + (t - c3), blk)
+    return blk
+
+
+@triton.jit
+def _in_ranges(idx_ptr, x, RANGES: tl.constexpr):
+    hit = x < 0
+    for r in tl.static_range(RANGES):
+        hit = hit | ((x >= tl.load(idx_ptr + 2 * r)) & (x < tl.load(idx_ptr + 2 * r + 1)))
+    return hit
+
+
 # ============================================================================ forward
 
 @triton.jit
@@ -139,10 +189,12 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-               EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+               EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               RANGES: tl.constexpr):
     d_ok = offs_d[:, None] < D
+    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
     for it in range(n_iters):
-        kb = tl.load(idx_ptr + it // SUB)
+        kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
@@ -197,7 +249,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
               N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -231,7 +284,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N)
+        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
+        KV_RANGES)
     row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
     n_iters = tl.load(KFC + row) * SUB
     acc, l_i, m_i = _fwd_inner(
@@ -240,7 +294,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N)
+        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
+        KF_RANGES)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -288,18 +343,23 @@ def _bwd_preprocess(O, DO, LSE, GLSE, DEL, LSE2,
 
 @triton.jit
 def _zero_skipped(DBh, sdbq, sdbk, j, offs_m, QIp, pc, QIf, fc, nQB, Lq, Lk, block_q,
-                  SUB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SUB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  P_RANGES: tl.constexpr, F_RANGES: tl.constexpr):
     """Write zeros to the dbias tiles of the query blocks that this key tile skips
-    (both lists are ascending: a merge walk)."""
+    (explicit lists are ascending: a merge walk; range-form lists: a range test)."""
     zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32).to(DBh.dtype.element_ty)
     pp = pc * 0
     fp = fc * 0
     for qb in range(nQB):
-        nxt_p = tl.load(QIp + pp, mask=pp < pc, other=-1)
-        nxt_f = tl.load(QIf + fp, mask=fp < fc, other=-1)
-        hit_p = nxt_p == qb
-        hit_f = nxt_f == qb
-        miss = (nxt_p != qb) & (nxt_f != qb)
+        if P_RANGES == 0:
+            hit_p = tl.load(QIp + pp, mask=pp < pc, other=-1) == qb
+        else:
+            hit_p = _in_ranges(QIp, qb, P_RANGES)
+        if F_RANGES == 0:
+            hit_f = tl.load(QIf + fp, mask=fp < fc, other=-1) == qb
+        else:
+            hit_f = _in_ranges(QIf, qb, F_RANGES)
+        miss = (hit_p.to(tl.int32) + hit_f.to(tl.int32)) == 0
         if miss:
             for t in range(SUB):
                 i = qb * block_q + t * BLOCK_M + offs_m
@@ -320,13 +380,14 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
                   HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                   DB_MODE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
+                  BLOCK_M: tl.constexpr, RANGES: tl.constexpr):
     """Transposed tiles: rows = keys (BLOCK_N), columns = queries (BLOCK_M)."""
     d_okT = offs_d[:, None] < D
     d_ok = offs_d[None, :] < D
     j_ok = j[:, None] < Lk
+    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
     for it in range(n_iters):
-        qb = tl.load(idx_ptr + it // SUB)
+        qb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
         i = qb * block_q + (it % SUB) * BLOCK_M + offs_m
         i_ok = i < Lq
         qT = _load_tile(Qh + i[None, :] * sqm + offs_d[:, None] * sqd, i_ok[None, :], d_okT,
@@ -392,7 +453,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
                    N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
                    ZERO_SKIPPED: tl.constexpr,
                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   QC_RANGES: tl.constexpr, QF_RANGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
@@ -436,7 +498,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             s0, e0, s1, e1, s2, e2, s3, e3,
             True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
-            BLOCK_M)
+            BLOCK_M, QC_RANGES)
         row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
         n_iters = tl.load(QFC + row) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
@@ -448,7 +510,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             s0, e0, s1, e1, s2, e2, s3, e3,
             False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
-            BLOCK_M)
+            BLOCK_M, QF_RANGES)
         if DB_MODE == 3:
             tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
         if ZERO_SKIPPED:
@@ -456,7 +518,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
                           QI + (b * qc_sb + (h // qc_hdiv) * qc_sh + kb).to(tl.int64) * qc_W,
                           tl.load(QC + b * qc_sb + (h // qc_hdiv) * qc_sh + kb),
                           QFI + row.to(tl.int64) * qf_W, tl.load(QFC + row), nQB, Lq, Lk,
-                          block_q, SUB, BLOCK_M, BLOCK_N)
+                          block_q, SUB, BLOCK_M, BLOCK_N, QC_RANGES, QF_RANGES)
     dk = dk * scale
     # dK, dV outputs are contiguous (B, Hkv, Lk, D)
     o = (b64 * Hkv + hk64) * Lk * D + j[:, None] * D + offs_d[None, :]
@@ -478,10 +540,11 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                  DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, RANGES: tl.constexpr):
     d_okT = offs_d[:, None] < D
+    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
     for it in range(n_iters):
-        kb = tl.load(idx_ptr + it // SUB)
+        kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
@@ -526,11 +589,13 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
 @triton.jit
 def _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
                          idx_ptr, n_iters, SUB, Lq, Lk, D, block_k,
-                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         RANGES: tl.constexpr):
     """dQ += dS @ K with dS read back from what the dK/dV pass stored (full-bias dbias)."""
     d_okT = offs_d[:, None] < D
+    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
     for it in range(n_iters):
-        kb = tl.load(idx_ptr + it // SUB)
+        kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
         j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
         j_ok = j[None, :] < Lk
         kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
@@ -557,7 +622,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
                  DQ_FROM_DS: tl.constexpr,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -582,11 +648,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
         dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
                                   KVI + row.to(tl.int64) * kv_W, tl.load(KVC + row) * SUB,
-                                  SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N)
+                                  SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N,
+                                  KV_RANGES)
         row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
         dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
                                   KFI + row.to(tl.int64) * kf_W, tl.load(KFC + row) * SUB,
-                                  SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N)
+                                  SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N,
+                                  KF_RANGES)
     else:
         dq = _bwd_dq_recompute(
             dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, h64, hk64, i, i_ok, qb,
@@ -598,7 +666,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
             HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N, EVEN_D,
-            BLOCK_M, BLOCK_N)
+            BLOCK_M, BLOCK_N, KV_RANGES, KF_RANGES)
     dq = dq * scale
     o = rbase * D + i[:, None] * D + offs_d[None, :]
     if EVEN_M and EVEN_D:
@@ -620,7 +688,8 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                       N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
     """The dQ pass proper: recompute P and dS per key tile (and the key-summed dbias)."""
     q = _load_tile(Q + b64 * sqb + h64 * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
                    i_ok[:, None], d_ok, not EVEN_M, not EVEN_D)
@@ -645,7 +714,8 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N)
+        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N,
+        KV_RANGES)
     row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
     n_iters = tl.load(KFC + row) * SUB
     dq, dbacc = _bwd_q_inner(
@@ -655,7 +725,8 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N)
+        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N,
+        KF_RANGES)
     if DB_COLSUM:
         tl.store(DBQ + rbase + i, dbacc, mask=i_ok)
     return dq
@@ -800,18 +871,29 @@ def _all_lists(mask, Lq, Lk, block_q, block_k, device):
     return [t if t is not None else d for t, d in zip(lists, kv + q)]
 
 
+MAX_RANGES = 4   # range-form lists: ranges per row that _ranges_load reads
+
+
 def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
+    """Kernel arguments of one block list, and its RANGES constexpr (0: explicit indices
+    (Bd, Hd, n, W); R: range form (Bd, Hd, n, R, 2))."""
     count = count.to(torch.int32).contiguous()
     index = index.to(torch.int32).contiguous()
     Bd, Hd, n = count.shape
-    if n != n_rows or tuple(index.shape[:3]) != (Bd, Hd, n):
+    ranges = index.shape[3] if index.dim() == 5 else 0
+    if (n != n_rows or tuple(index.shape[:3]) != (Bd, Hd, n) or index.dim() not in (4, 5)
+            or (ranges and index.shape[4] != 2)):
         raise ValueError(f"triton: {what} has shape {tuple(count.shape)} / "
-                         f"{tuple(index.shape)}, expected (Bd, Hd, {n_rows}[, W])")
-    W = index.shape[-1]
+                         f"{tuple(index.shape)}, expected (Bd, Hd, {n_rows}) / "
+                         f"(Bd, Hd, {n_rows}, W) or (Bd, Hd, {n_rows}, R, 2)")
+    if ranges > MAX_RANGES:
+        raise NotImplementedError(f"triton: {what} has {ranges} ranges per row "
+                                  f"(at most {MAX_RANGES})")
+    row = index[0, 0, 0].numel() if index.numel() else 1
     if index.numel() == 0:
         index = dummy
     return (count, index, 0 if Bd == 1 else Hd * n, n,
-            _head_div(Hd, Hq, Hkv, what), max(W, 1))
+            _head_div(Hd, Hq, Hkv, what), row), ranges
 
 
 def _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8):
@@ -866,10 +948,12 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
     dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
     lists = _all_lists(mask, Lq, Lk, block_q, block_k, device)
     nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
-    kv = _list_args(lists[0], lists[1], nQB, Hq, Hkv, "kv_count/kv_index", dummy_i32)
-    kf = _list_args(lists[2], lists[3], nQB, Hq, Hkv, "kv_full_count/kv_full_index", dummy_i32)
-    qc = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
-    qf = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index", dummy_i32)
+    kv, kv_r = _list_args(lists[0], lists[1], nQB, Hq, Hkv, "kv_count/kv_index", dummy_i32)
+    kf, kf_r = _list_args(lists[2], lists[3], nQB, Hq, Hkv, "kv_full_count/kv_full_index",
+                          dummy_i32)
+    qc, qc_r = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
+    qf, qf_r = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index",
+                          dummy_i32)
     preds, flags = _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8)
     bias_args = _bias_args(bias, Hq, Hkv, dummy_i32)
     softcap = float(softcap)
@@ -884,6 +968,8 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
              and _partial_heavy(kv[0], kf[0]))
     return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D, heavy=heavy,
                 kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags, bias=bias_args,
+                kv_ranges=dict(KV_RANGES=kv_r, KF_RANGES=kf_r),
+                q_ranges=dict(QC_RANGES=qc_r, QF_RANGES=qf_r),
                 qk_scale=qk_scale, cap_log2=cap_log2, dummy=dummy_i32)
 
 
@@ -924,7 +1010,7 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
         *_strides(query), *_strides(key), *_strides(value), *_strides(out),
         *c["bias"][1:], *c["kv"], *c["kf"], *c["preds"],
         Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"]),
-        dict(**c["flags"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+        dict(**c["flags"], **c["kv_ranges"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     return out, lse
 
@@ -1002,7 +1088,8 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
         *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
         c["qk_scale"], c["cap_log2"]),
-        dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped, EVEN_M=Lq % BM == 0,
+        dict(**c["flags"], **c["q_ranges"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped,
+             EVEN_M=Lq % BM == 0,
              EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     # dQ pass
     BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k, c["heavy"])
@@ -1016,7 +1103,8 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
         query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq, ds_ptr,
         *common_args, *ds_strides, *c["kv"], *c["kf"], *c["preds"],
         Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN, scale, c["qk_scale"], c["cap_log2"]),
-        dict(**c["flags"], DB_COLSUM=db_colsum, DQ_FROM_DS=dq_from_ds, EVEN_M=Lq % BM == 0,
+        dict(**c["flags"], **c["kv_ranges"], DB_COLSUM=db_colsum, DQ_FROM_DS=dq_from_ds,
+             EVEN_M=Lq % BM == 0,
              EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     dbias = finish() if want_dbias else query.new_empty((0,))
     return dq, dk, dv, dbias

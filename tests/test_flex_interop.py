@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flexsparse
 from flexsparse import masks as M
 from flexsparse import flex
-from flexsparse.blocklists import column_range_descriptor
+from flexsparse.blocklists import column_range_descriptor, column_range_range_descriptor
 from flexsparse.masks import Sizes, _stack_slots, col_ranges_block_state
 
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -528,9 +528,98 @@ def test_column_range_lists_match_dense_state(case):
         assert torch.equal(fwd, bwd)
 
 
+@settings(max_examples=200, **SETTINGS)
+@given(col_range_mask())
+def test_column_range_ranges_match_dense_state(case):
+    """Range form: same block grid as the dense statistics, both directions, or None."""
+    m, L, bq, bk = case
+    sz = Sizes(2, 2, 2, L, L, bq, bk, torch.device("cpu"))
+    slots = m.slots(sz)
+    if not slots:
+        event("nothing masked")
+        return
+    cr = _stack_slots(slots, sz)
+    d = column_range_range_descriptor(cr, seq_lengths=(L, L), block_size=(bq, bk),
+                                      num_heads=(2, 2))
+    if d is None:
+        event("falls back to lists")
+        return
+    event(f"ranges, {d.kv_index.shape[-2]}/{d.kv_full_index.shape[-2]} per query block")
+    ref = col_ranges_block_state(cr, sz)
+    assert torch.equal(d.block_state(), ref)
+    rows = torch.arange(sz.nQB)
+    for cnt, idx, value in ((d.q_count, d.q_index, 1), (d.q_full_count, d.q_full_index, 2)):
+        assert idx.dim() == 5 and idx.shape[-2] <= 4
+        hit = ((rows >= idx[..., 0:1]) & (rows < idx[..., 1:2])).any(-2)   # (b, h, nKB, nQB)
+        assert torch.equal(hit, (ref == value).transpose(-1, -2).expand_as(hit))
+        assert torch.equal(cnt.long(), hit.sum(-1))
+    for cnt, value in ((d.kv_count, 1), (d.kv_full_count, 2)):
+        assert torch.equal(cnt.long(), (ref == value).sum(-1).expand_as(cnt))
+
+
+def _range_sets(count, index, n):
+    blocks = torch.arange(n)
+    hit = ((blocks >= index[..., 0:1].long()) & (blocks < index[..., 1:2].long())).any(-2)
+    assert torch.equal(hit.sum(-1), count.long())
+    return hit
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(col_range_mask())
+def test_triton_range_builder_matches_torch(case):
+    """ops/triton_ranges.py (the GPU builder; here under TRITON_INTERPRET) gives the same
+    block sets and counts as the torch builder, and falls back in the same cases."""
+    triton_ranges = pytest.importorskip("flexsparse.ops.triton_ranges")
+    m, L, bq, bk = case
+    sz = Sizes(2, 2, 2, L, L, bq, bk, torch.device("cpu"))
+    slots = m.slots(sz)
+    if not slots:
+        return
+    cr = _stack_slots(slots, sz)
+    d = column_range_range_descriptor(cr, seq_lengths=(L, L), block_size=(bq, bk),
+                                      num_heads=(2, 2))
+    got = triton_ranges.column_range_lists(cr, L, bq, bk)
+    if cr.shape[-1] // 2 > triton_ranges.MAX_SLOTS:
+        assert got is None
+        return
+    assert (got is None) == (d is None)
+    if d is None:
+        event("both fall back")
+        return
+    names = ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
+             "q_count", "q_index", "q_full_count", "q_full_index")
+    for k in range(0, 8, 2):
+        n = sz.nKB if k < 4 else sz.nQB
+        want = _range_sets(getattr(d, names[k]), getattr(d, names[k + 1]), n)
+        assert torch.equal(_range_sets(got[k], got[k + 1], n), want), names[k + 1]
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding", "document", "prefix_lm",
+                                  "shared_question", "global_sliding"])
+def test_named_masks_compile_to_ranges_at_1m(name):
+    """At 1M tokens the named masks compile to range form: O(N / block) memory."""
+    L = 1 << 20
+    j = torch.arange(L)
+    glob = M.column_ranges(torch.stack([torch.where(j < 256, L, 256), torch.zeros_like(j)], -1)
+                           .view(1, 1, L, 2).to(torch.int32), causal=False)
+    m = {"causal": M.causal(), "sliding": M.sliding_window(4096),
+         "document": M.document([1 << 14] * 64), "prefix_lm": M.prefix_lm(2048),
+         "shared_question": M.shared_question(2048, [(L - 2048) // 8] * 8),
+         "global_sliding": M.or_(M.sliding_window(4096), glob)}[name]
+    with _MaxTensor() as probe:
+        d = m.compile(1, 16, 16, L, L, device="cpu")
+    assert d.kv_index.dim() == 5 and d.q_full_index.dim() == 5
+    assert probe.max_numel <= 8 * L, probe.max_numel
+    kept = sum(t.numel() * t.element_size() for t in d.mask_tensors() if t is not None)
+    assert kept < 100 * 2 ** 20, kept
+    assert int(d.kv_count.sum() + d.kv_full_count.sum()) == int(d.q_count.sum()
+                                                               + d.q_full_count.sum())
+
+
 @pytest.mark.parametrize("name", ["sliding", "document", "global_rows"])
 def test_column_range_descriptor_is_linear_at_1m(name):
-    """At 1M tokens (128-blocks) the build enumerates only visited blocks.
+    """The list builder (the fallback of the range form): at 1M tokens (128-blocks) the
+    build enumerates only visited blocks.
 
     Sliding windows and bounded documents: no tensor of the build is bigger than a few x Lk.
     Global rows (rows < 256 see every key) visit O(N) blocks too, but their rows' lists are
@@ -546,8 +635,10 @@ def test_column_range_descriptor_is_linear_at_1m(name):
         m = M.or_(M.sliding_window(4096), M.column_ranges(
             torch.stack([torch.full((L,), 256), torch.zeros(L, dtype=torch.int64)], -1)
             .view(1, 1, L, 2).to(torch.int32), causal=False))
+    sz = Sizes(1, 16, 16, L, L, 128, 128, torch.device("cpu"))
     with _MaxTensor() as probe:
-        d = m.compile(1, 16, 16, L, L, device="cpu")
+        d = column_range_descriptor(_stack_slots(m.slots(sz), sz), seq_lengths=(L, L),
+                                    block_size=(128, 128), num_heads=(16, 16))
     nQB = L // 128
     visited = int(d.kv_count.sum() + d.kv_full_count.sum())
     assert visited == int(d.q_count.sum() + d.q_full_count.sum())
