@@ -1,6 +1,6 @@
 """Index-attention benchmark: the Triton index kernels vs a plain-PyTorch gather baseline.
 
-    python -m flexsparse.bench_indices [--out PATH] [--sweep] [--quick]
+    python -m flexsparse.bench_indices [--out PATH] [--sweep] [--quick] [--patterns random,local]
 
 Rows: B=1, Hq=16, Hkv=4, D=Dv=128, bfloat16, uniform random key indices (sorted per row,
 no -1), W in (64, 256, 1024), L = Lq = Lk in (8K, 32K). Times are medians of
@@ -9,6 +9,19 @@ triton.testing.do_bench, forward and forward+backward, through torch.ops.flexspa
 key) entry forward and 2.5x that backward. K/V bandwidth = bytes of gathered K/V rows,
 Lq*Hkv*W*(D+Dv)*2, divided by the forward time (the H100's measured copy ceiling is about
 3.0 TB/s; gathers that hit in L2 can exceed it).
+
+Local rows (`--patterns local`, after the random rows and their compiled baselines, each
+started only while `--budget-s` lasts): the issue's overlapping patterns, keys
+q-W+1..q (W = 64, 256, 1024) and a dilated window q-4(W-1)..q step 4 (W = 256), one list
+shared by all heads (-1 before key 0), L in (8K, 32K). Timed three ways: the gather kernel,
+the block path (masks.indices(layout="blocks"): the lists as a block descriptor with
+per-block bitmaps, flexsparse/index_blocks.py; built outside the timed region, the
+build's median wall time reported separately) and the eager/compiled gather baseline.
+Their effective TFLOP/s count only the listed entries (4*D flops each forward, 3.5x that
+forward+backward), not the block cells the block kernels compute; "density" is listed
+entries per computed block cell (estimate_density's sample / exact), "auto" what
+layout="auto" would pick, "max abs d" the largest difference between the block and gather
+kernel outputs.
 
 Baseline ("gather"): per chunk of query rows, index_select K/V rows, einsum, masked fp32
 softmax, einsum; the best of eager and torch.compile'd, in the same run. Chunks keep the
@@ -34,6 +47,10 @@ LENGTHS = (8192, 32768)
 WIDTHS = (64, 256, 1024)
 HBM_CEILING_TBS = 3.0
 GATHER_CHUNK_BYTES = 2 << 30
+# (label, W, stride) of the local rows; descriptor block size of the block path
+LOCAL_PATTERNS = (("local", 64, 1), ("local", 256, 1), ("local", 1024, 1), ("dilated", 256, 4))
+BLOCK = (128, 128)
+PATTERNS = ("random", "local")
 
 
 def _ops():
@@ -50,6 +67,19 @@ def make_inputs(L, W, device="cuda", dtype=torch.bfloat16, seed=0):
     v = torch.randn((B, HKV, L, D), device=device, dtype=dtype, generator=g)
     idx = torch.randint(0, L, (B, HKV, L, W), device=device, dtype=torch.int32, generator=g)
     idx = idx.sort(dim=-1).values.contiguous()
+    return q, k, v, idx
+
+
+def make_local_inputs(L, W, stride=1, device="cuda", dtype=torch.bfloat16, seed=0):
+    """q, k, v as make_inputs; idx (1, 1, L, W): keys q - stride*(W-1-t), ascending, ending
+    at the query itself; -1 where that is before key 0."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn((B, HQ, L, D), device=device, dtype=dtype, generator=g)
+    k = torch.randn((B, HKV, L, D), device=device, dtype=dtype, generator=g)
+    v = torch.randn((B, HKV, L, D), device=device, dtype=dtype, generator=g)
+    i = torch.arange(L, device=device)[:, None]
+    keys = i - stride * (W - 1 - torch.arange(W, device=device)[None, :])
+    idx = torch.where(keys >= 0, keys, -1).to(torch.int32)[None, None].contiguous()
     return q, k, v, idx
 
 
@@ -76,6 +106,44 @@ def flex_fwd_bwd_fn(q, k, v, idx, scale, deterministic=False):
                                              "triton", deterministic)[0]
         out.backward(do)
     return fn, (qg, kg, vg)
+
+
+def block_fwd_fn(q, k, v, desc, scale):
+    mt = desc.mask_tensors()
+    bq, bk = desc.block_size
+
+    def fn():
+        return torch.ops.flexsparse.attention(q, k, v, None, *mt, bq, bk, scale, 0.0,
+                                              "triton", False)[0]
+    return fn
+
+
+def block_fwd_bwd_fn(q, k, v, desc, scale):
+    mt = desc.mask_tensors()
+    bq, bk = desc.block_size
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def fn():
+        out = torch.ops.flexsparse.attention(qg, kg, vg, None, *mt, bq, bk, scale, 0.0,
+                                             "triton", False)[0]
+        out.backward(do)
+    return fn, (qg, kg, vg)
+
+
+def build_descriptor(idx, L, repeats=4):
+    """(descriptor, median build ms of the runs after the first) for the block path."""
+    from flexsparse import index_blocks as ib
+    times = []
+    desc = None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        desc = ib.indices_to_blocks(idx, L, L, BLOCK, num_heads=(HQ, HKV))
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    rest = sorted(times[1:] or times)
+    return desc, rest[len(rest) // 2]
 
 
 # ------------------------------------------------------------------ gather baseline
@@ -248,6 +316,118 @@ def format_table(rs):
     return "\n".join([title, "", HEADER] + [_format_row(r) for r in rs])
 
 
+# ------------------------------------------------------------------ local / dilated rows
+
+def _finish_local(row):
+    """Best baseline per column, and the block path's speedups over it and the gather kernel."""
+    for col in ("fwd", "fwd_bwd"):
+        cands = [(row.get(f"gather_{kind}_{col}_ms", math.nan), kind) for kind in ("eager", "compiled")]
+        cands = [c for c in cands if not math.isnan(c[0])]
+        if cands:
+            row[f"gather_{col}_ms"], row[f"gather_{col}_kind"] = min(cands)
+            row[f"blocks_{col}_vs_baseline"] = row[f"gather_{col}_ms"] / row[f"blocks_{col}_ms"]
+        row[f"blocks_{col}_vs_kernel"] = row[f"kernel_{col}_ms"] / row[f"blocks_{col}_ms"]
+    return row
+
+
+def local_rows(lengths=LENGTHS, patterns=LOCAL_PATTERNS, compile_baseline=True, baseline=True,
+               budget_s=None, log=print, on_update=None):
+    """One dict per (L, pattern): gather kernel, block path (build timed apart) and the
+    gather baseline. A row starts only while `budget_s` (seconds since this call) lasts;
+    pass 2 adds the compiled baseline under the same budget."""
+    from flexsparse import index_blocks as ib
+    t_start = time.time()
+    out = []
+    scale = 1.0 / math.sqrt(D)
+    for L in lengths:
+        for label, W, stride in patterns:
+            if budget_s is not None and time.time() - t_start > budget_s:
+                log(f"# budget of {budget_s:.0f}s spent: no row for {label} L={L} W={W}")
+                continue
+            torch.cuda.empty_cache()
+            q, k, v, idx = make_local_inputs(L, W, stride)
+            listed = int((idx >= 0).sum().item())        # per index head (shared by all heads)
+            flops_fwd = 4.0 * D * listed * HQ
+            desc, build_ms = build_descriptor(idx, L)
+            visited = int((desc.kv_count.sum() + desc.kv_full_count.sum()).item())
+            n_partial = int(desc.kv_count.sum().item())
+            row = dict(pattern=label if stride == 1 else f"{label} x{stride}", L=L, W=W,
+                       stride=stride, build_ms=build_ms,
+                       density_est=ib.estimate_density(idx, L, L, BLOCK),
+                       density=listed / max(1, visited * BLOCK[0] * BLOCK[1]),
+                       partial_frac=n_partial / max(1, visited),
+                       auto="blocks" if ib.prefer_blocks(idx, L, L, BLOCK) else "gather")
+            kfwd = flex_fwd_fn(q, k, v, idx, scale)
+            bfwd = block_fwd_fn(q, k, v, desc, scale)
+            row["max_abs_diff"] = (kfwd().float() - bfwd().float()).abs().max().item()
+            for name, fwd_fn, fb in (("kernel", kfwd, flex_fwd_bwd_fn(q, k, v, idx, scale)),
+                                     ("blocks", bfwd, block_fwd_bwd_fn(q, k, v, desc, scale))):
+                row[f"{name}_fwd_ms"] = _bench(fwd_fn)
+                row[f"{name}_fwd_bwd_ms"] = _bench(fb[0], grad_to_none=list(fb[1]))
+                row[f"{name}_fwd_tflops"] = flops_fwd / row[f"{name}_fwd_ms"] * 1e-9
+                row[f"{name}_fwd_bwd_tflops"] = 3.5 * flops_fwd / row[f"{name}_fwd_bwd_ms"] * 1e-9
+                del fb
+            if baseline:
+                row["gather_eager_fwd_ms"], row["gather_eager_fwd_bwd_ms"] = \
+                    _time_gather(q, k, v, idx, scale, compiled=False)
+            out.append(_finish_local(row))
+            log(_format_local_row(row))
+            if on_update:
+                on_update(out)
+            del q, k, v, idx, desc, kfwd, bfwd
+    if baseline and compile_baseline:
+        import warnings
+        warnings.filterwarnings("ignore", message=".*[Oo]nline softmax.*")
+        for row in out:
+            if budget_s is not None and time.time() - t_start > budget_s:
+                log(f"# budget of {budget_s:.0f}s spent: no compiled baseline for "
+                    f"{row['pattern']} L={row['L']} W={row['W']}")
+                continue
+            torch.cuda.empty_cache()
+            q, k, v, idx = make_local_inputs(row["L"], row["W"], row["stride"])
+            row["gather_compiled_fwd_ms"], row["gather_compiled_fwd_bwd_ms"] = \
+                _time_gather(q, k, v, idx, scale, compiled=True)
+            _finish_local(row)
+            log(_format_local_row(row))
+            if on_update:
+                on_update(out)
+            del q, k, v, idx
+    return out
+
+
+LOCAL_HEADER = (
+    "| pattern | L | W | density est / exact (partial blocks) | auto | build ms "
+    "| fwd ms gather kernel / blocks | fwd TFLOP/s kernel / blocks | gather baseline fwd ms eager / compiled "
+    "| blocks fwd speedup vs kernel / baseline "
+    "| fwd+bwd ms kernel / blocks | fwd+bwd TFLOP/s kernel / blocks "
+    "| baseline fwd+bwd ms eager / compiled | blocks fwd+bwd speedup vs kernel / baseline | max abs d |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _format_local_row(r):
+    g = lambda key, fmt=".2f": _f(r.get(key), fmt)
+    return (f"| {r['pattern']} | {r['L'] // 1024}K | {r['W']} "
+            f"| {g('density_est', '.3f')} / {g('density', '.3f')} ({100 * r['partial_frac']:.0f}%) "
+            f"| {r['auto']} | {g('build_ms')} "
+            f"| {g('kernel_fwd_ms', '.3f')} / {g('blocks_fwd_ms', '.3f')} "
+            f"| {g('kernel_fwd_tflops', '.1f')} / {g('blocks_fwd_tflops', '.1f')} "
+            f"| {g('gather_eager_fwd_ms')} / {g('gather_compiled_fwd_ms')} "
+            f"| {g('blocks_fwd_vs_kernel', '.1f')}x / {g('blocks_fwd_vs_baseline', '.1f')}x "
+            f"| {g('kernel_fwd_bwd_ms', '.3f')} / {g('blocks_fwd_bwd_ms', '.3f')} "
+            f"| {g('kernel_fwd_bwd_tflops', '.1f')} / {g('blocks_fwd_bwd_tflops', '.1f')} "
+            f"| {g('gather_eager_fwd_bwd_ms')} / {g('gather_compiled_fwd_bwd_ms')} "
+            f"| {g('blocks_fwd_bwd_vs_kernel', '.1f')}x / {g('blocks_fwd_bwd_vs_baseline', '.1f')}x "
+            f"| {g('max_abs_diff', '.1e')} |")
+
+
+def format_local_table(rs):
+    title = (f"Index attention on overlapping lists, B={B} Hq={HQ} Hkv={HKV} D=Dv={D} bf16, one list "
+             f"shared by all heads ({torch.cuda.get_device_name()}); gather kernel vs block path "
+             f"(block {BLOCK[0]}x{BLOCK[1]}, descriptor built outside the timing) vs gather baseline; "
+             f"TFLOP/s on listed entries only")
+    return "\n".join([title, "", LOCAL_HEADER] + [_format_local_row(r) for r in rs])
+
+
 # ------------------------------------------------------------------ config sweep
 
 FWD_CANDIDATES = [dict(block_w=bw, num_warps=nw, num_stages=ns)
@@ -309,8 +489,16 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="eager gather baseline only")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="no compiled baseline for rows reached after this many seconds")
+                    help="no compiled baseline for rows reached after this many seconds, and "
+                         "no local rows started after it")
+    ap.add_argument("--patterns", default=",".join(PATTERNS),
+                    help="comma list of row kinds: random (uniform random lists), local "
+                         "(local and dilated windows: gather kernel vs block path)")
     args = ap.parse_args(argv)
+    patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
+    bad = [p for p in patterns if p not in PATTERNS]
+    if bad:
+        ap.error(f"--patterns: unknown {bad}; choose from {PATTERNS}")
     if not torch.cuda.is_available():
         print("bench_indices: needs a CUDA device", file=sys.stderr)
         return 1
@@ -318,18 +506,34 @@ def main(argv=None):
         sweep(log=lambda s: print(s, flush=True))
         if args.sweep_only:
             return 0
-    print(HEADER, flush=True)
-    def write(rs):
+    t0 = time.time()
+    lengths = LENGTHS[:1] if args.quick else LENGTHS
+    log = lambda s: print(s, flush=True)
+    tables = {}
+
+    def write(key, text):
+        tables[key] = text
         if args.out:
             with open(args.out, "w") as f:
-                f.write(format_table(rs) + "\n")
+                f.write("\n\n".join(tables[k] for k in PATTERNS if k in tables) + "\n")
 
-    rs = rows(lengths=LENGTHS[:1] if args.quick else LENGTHS,
-              compile_baseline=not args.no_compile, baseline=not args.no_baseline,
-              budget_s=args.budget_s, log=lambda s: print(s, flush=True), on_update=write)
-    print()
-    print(format_table(rs))
-    write(rs)
+    if "random" in patterns:
+        print(HEADER, flush=True)
+        rs = rows(lengths=lengths, compile_baseline=not args.no_compile,
+                  baseline=not args.no_baseline, budget_s=args.budget_s, log=log,
+                  on_update=lambda r: write("random", format_table(r)))
+        print()
+        print(format_table(rs))
+        write("random", format_table(rs))
+    if "local" in patterns:
+        left = None if args.budget_s is None else args.budget_s - (time.time() - t0)
+        print(LOCAL_HEADER, flush=True)
+        ls = local_rows(lengths=lengths, compile_baseline=not args.no_compile,
+                        baseline=not args.no_baseline, budget_s=left, log=log,
+                        on_update=lambda r: write("local", format_local_table(r)))
+        print()
+        print(format_local_table(ls))
+        write("local", format_local_table(ls))
     return 0
 
 

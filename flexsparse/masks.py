@@ -625,8 +625,15 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
 
 # =============================================================== index lists
 
+INDEX_LAYOUTS = ("gather", "blocks", "auto")
+
+
 class _Indices(Mask):
-    def __init__(self, attn_indices: torch.Tensor, causal: bool, validate: bool):
+    def __init__(self, attn_indices: torch.Tensor, causal: bool, validate: bool,
+                 layout: str = "gather"):
+        if layout not in INDEX_LAYOUTS:
+            raise ValueError(f"layout: must be one of {INDEX_LAYOUTS}, got {layout!r}")
+        self.layout = layout
         t = attn_indices
         if not isinstance(t, torch.Tensor):
             raise TypeError("attn_indices: must be an integer tensor")
@@ -655,6 +662,30 @@ class _Indices(Mask):
             idx = torch.where(idx > i + sz.offset, -1, idx)
         return _Parts(attn_indices=idx.contiguous())
 
+    def _descriptor(self, sz):
+        # layout "blocks" / "auto": the lists as block lists + bitmaps (flexsparse/index_blocks.py).
+        # Only for the mask used alone: in and_/or_ the combination compiles _parts().
+        parts = self._parts(sz)
+        if self.layout == "gather" or (self.layout == "auto" and _is_compiling()):
+            return parts.to_descriptor(sz)
+        if _is_compiling():
+            raise ValueError("indices: layout='blocks' has data-dependent sizes and cannot be "
+                             "built inside torch.compile; compile the mask outside "
+                             "(desc = mask.compile(...)) and pass the descriptor")
+        from .index_blocks import indices_to_blocks, prefer_blocks
+        block = (sz.block_q, sz.block_k)
+        idx = parts.attn_indices
+        if self.layout == "auto" and not prefer_blocks(idx, sz.Lq, sz.Lk, block):
+            return parts.to_descriptor(sz)
+        desc = indices_to_blocks(idx, sz.Lq, sz.Lk, block, num_heads=(sz.Hq, sz.Hkv))
+        if desc is not None:
+            return desc
+        if self.layout == "blocks":
+            raise ValueError("indices: layout='blocks' needs lists without repeated keys (a key "
+                             "listed twice in one query's list counts twice, a block bitmap "
+                             "cannot); use layout='gather' or 'auto'")
+        return parts.to_descriptor(sz)
+
     def _default_device(self):
         return self.indices.device
 
@@ -662,16 +693,26 @@ class _Indices(Mask):
         return self.indices.shape[1] if self.indices.shape[1] != 1 else H
 
     def __repr__(self):
-        return f"indices(<{tuple(self.indices.shape)}>, causal={self.causal})"
+        extra = "" if self.layout == "gather" else f", layout={self.layout!r}"
+        return f"indices(<{tuple(self.indices.shape)}>, causal={self.causal}{extra})"
 
 
-def indices(attn_indices: torch.Tensor, causal: bool = False, *, validate: bool = True) -> Mask:
+def indices(attn_indices: torch.Tensor, causal: bool = False, *, validate: bool = True,
+            layout: str = "gather") -> Mask:
     """Per-query key lists (B|1, Hkv|1, Lq, W); -1 = inactive; each entry counts once per occurrence.
 
     causal=True turns entries with j > i + (Lk - Lq) into -1. `validate=False` skips the
     range check (kernels still never read out of bounds).
+    `layout`: "gather" (default) runs the index kernels; "blocks" compiles the lists into
+    block lists with per-block bitmaps for the block-sparse kernels (fast when neighbouring
+    queries share keys: local/dilated windows, clustered top-k; ValueError when a query
+    lists a key twice); "auto" takes "blocks" when `index_blocks.prefer_blocks` estimates
+    it pays off and the lists have no repeated keys, else "gather". Both non-default
+    layouts cost a conversion per compile (eager only; "auto" under torch.compile is
+    "gather"): compile the mask once and reuse the descriptor. Used alone only; inside
+    and_/or_ the index lists are combined as with "gather".
     """
-    return _Indices(attn_indices, causal, validate)
+    return _Indices(attn_indices, causal, validate, layout)
 
 
 # =============================================================== combinations
