@@ -52,11 +52,17 @@ class BlockDescriptor:
         Widths, when given, must bound the number of blocks of each kind in a row
         (an analytic mask knows this); they keep the lists O(N) for banded masks.
         """
-        kv_count, kv_index = _block_lists(state == PARTIAL, kv_width)
-        kv_full_count, kv_full_index = _block_lists(state == FULL, kv_width)
         st = state.transpose(-1, -2)
-        q_count, q_index = _block_lists(st == PARTIAL, q_width)
-        q_full_count, q_full_index = _block_lists(st == FULL, q_width)
+        sels = (state == PARTIAL, state == FULL, st == PARTIAL, st == FULL)
+        if not torch.compiler.is_compiling():
+            ranges = _as_ranges(sels)         # few runs of blocks per row: range form
+            if ranges is not None:
+                return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
+                                       *ranges, **predicates)
+        kv_count, kv_index = _block_lists(sels[0], kv_width)
+        kv_full_count, kv_full_index = _block_lists(sels[1], kv_width)
+        q_count, q_index = _block_lists(sels[2], q_width)
+        q_full_count, q_full_index = _block_lists(sels[3], q_width)
         return BlockDescriptor(
             tuple(seq_lengths), tuple(block_size), tuple(num_heads),
             kv_count, kv_index, kv_full_count, kv_full_index,
@@ -177,6 +183,36 @@ def groups_to_heads(vis: torch.Tensor, num_heads) -> torch.Tensor:
     if vis.shape[2] > 1:
         return vis.expand(vis.shape[0], Hkv, *vis.shape[2:]).flatten(1, 2)
     return vis.squeeze(2)
+
+
+MAX_RANGES = 4       # = flexsparse.blocklists.MAX_RANGES
+
+
+def _as_ranges(selections):
+    """(count, ranges) pairs of bool block grids (.., n, N) when every row is at most
+    MAX_RANGES runs of blocks, else None (one host sync)."""
+    runs = []
+    for sel in selections:
+        prev = torch.nn.functional.pad(sel[..., :-1], (1, 0), value=False)
+        runs.append(sel & ~prev)
+    widest = torch.stack([r.sum(-1).amax() if r.numel() else r.new_zeros((), dtype=torch.int64)
+                          for r in runs])
+    if int(widest.max()) > MAX_RANGES:
+        return None
+    out = []
+    for sel, start in zip(selections, runs):
+        N = sel.shape[-1]
+        pos = torch.arange(N, device=sel.device)
+        nxt = torch.nn.functional.pad(sel[..., 1:], (0, 1), value=False)
+        end = sel & ~nxt
+        k = min(MAX_RANGES, N)
+        lo = torch.where(start, pos, N).topk(k, -1, largest=False).values
+        hi = torch.where(end, pos + 1, N).topk(k, -1, largest=False).values
+        rng = torch.stack([lo, hi], -1).to(torch.int32)
+        if k < MAX_RANGES:
+            rng = torch.nn.functional.pad(rng, (0, 0, 0, MAX_RANGES - k), value=N)
+        out += [sel.sum(-1, dtype=torch.int32), rng.contiguous()]
+    return out
 
 
 def _block_lists(selected: torch.Tensor, width: Optional[int]):
