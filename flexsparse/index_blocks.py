@@ -38,10 +38,12 @@ CHUNK_ENTRIES = 1 << 23
 # Listed pairs per computed block cell above which "auto" takes the block path. Model: the
 # gather kernels reach ~17-29 TFLOP/s on listed pairs, the block kernels ~200-280 on the
 # cells of partial-heavy block lists (sliding window / document rows of docs/benchmarks.md),
-# so blocks win when more than ~1/8 of the computed cells are listed pairs; the gather
+# so blocks should win above ~1/8 of the computed cells being listed pairs; the gather
 # backward (fp32 atomics, 4-6x its forward) makes blocks win by more in training.
-# An estimate to check against bench_indices' local/dilated rows on the GPU.
-MIN_DENSITY = 0.125
+# Measured on the H100 (docs/benchmarks.md, 8K): density 0.22-0.25 (local W=64, dilated x4
+# W=256) ran the forward 0.7x the gather kernel's speed (fwd+bwd 0.9-1.4x); 0.67 (local
+# W=256) 2.2x, 0.89 (W=1024) 5.8x. So the threshold sits between: 0.3.
+MIN_DENSITY = 0.3
 # Query blocks sampled (evenly spaced) by estimate_density.
 SAMPLE_QUERY_BLOCKS = 16
 

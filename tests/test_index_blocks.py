@@ -154,14 +154,16 @@ def test_density_and_auto_decision():
     L = 1024
     dens = ib.estimate_density(local(L, L, 64), L, L, (128, 128))
     assert 0.2 < dens < 0.3                  # 64 x 128 pairs in ~2 blocks of 128 x 128
-    assert ib.prefer_blocks(local(L, L, 64), L, L, (128, 128))
+    assert not ib.prefer_blocks(local(L, L, 64), L, L, (128, 128))   # below MIN_DENSITY
+    assert ib.prefer_blocks(local(L, L, 256), L, L, (128, 128))
     g = torch.Generator().manual_seed(0)
     rnd = torch.randint(0, 4096, (1, 1, 4096, 64), generator=g)
     assert ib.estimate_density(rnd, 4096, 4096, (128, 128)) < 0.03
     assert not ib.prefer_blocks(rnd, 4096, 4096, (128, 128))
     assert ib.estimate_density(torch.full((1, 1, 8, 4), -1), 8, 8, (16, 16)) == 0.0
     assert M.indices(rnd, layout="auto").compile(1, 1, 1, 4096, 4096).is_index_mask
-    assert not M.indices(local(L, L, 64), layout="auto").compile(1, 1, 1, L, L).is_index_mask
+    assert not M.indices(local(L, L, 256), layout="auto").compile(1, 1, 1, L, L).is_index_mask
+    assert M.indices(local(L, L, 64), layout="auto").compile(1, 1, 1, L, L).is_index_mask
 
 
 def test_layout_argument(monkeypatch):
