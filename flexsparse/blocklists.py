@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from .descriptor import BlockDescriptor
+from .ops.schema import MAX_RANGES
 
 _BIG = 1 << 40
 # Up to this many blocks (nQB x nKB) the lists keep the full widths nKB / nQB, as
@@ -90,8 +91,8 @@ def _key_block_stats(cr: torch.Tensor, nKB: int, bk: int):
     """Per key block and interval: cover stats (s_cov, e_cov) and miss stats (s_miss, e_miss).
 
     cr (Bc, Hc, Lk, 2m) -> four int64 (Bc*Hc*nKB, m). Same rules as
-    masks.col_ranges_block_state: padded columns are neutral, empty intervals neither
-    cover nor touch anything.
+    masks.col_ranges_block_state (which uses these): padded columns are neutral, empty
+    intervals neither cover nor touch anything.
     """
     Bc, Hc, Lk, two_m = cr.shape
     m = two_m // 2
@@ -112,6 +113,17 @@ def _key_block_stats(cr: torch.Tensor, nKB: int, bk: int):
     return s_cov, e_cov, s_miss, e_miss
 
 
+def _query_block_bounds(s_cov, e_cov, s_miss, e_miss, Lq: int, bq: int, nQB: int):
+    """Block statistics in query blocks: hull [h0, h1) (blocks an interval touches in some
+    column) and cover [a, b) (blocks it covers in every column), clamped to [0, nQB]."""
+    touched = s_miss < _BIG
+    h0 = torch.where(touched, s_miss // bq, 0).clamp(0, nQB)
+    h1 = torch.where(touched, (e_miss + bq - 1) // bq, 0).clamp(0, nQB)
+    a = ((s_cov + bq - 1) // bq).clamp(0, nQB)
+    b = torch.where(e_cov >= Lq, nQB, e_cov // bq).clamp(0, nQB)
+    return h0, h1, a, b
+
+
 def column_range_entries(cr: torch.Tensor, Lq: int, block_q: int, block_k: int):
     """Visited blocks of a column-range mask: (bh, qb, kb, full), sorted by (bh, kb, qb)."""
     Bc, Hc, Lk, two_m = cr.shape
@@ -120,8 +132,7 @@ def column_range_entries(cr: torch.Tensor, Lq: int, block_q: int, block_k: int):
     nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
     s_cov, e_cov, s_miss, e_miss = _key_block_stats(cr, nKB, block_k)
     # Query blocks skipped because interval r covers all their rows: [a, b) per (kb, r).
-    a = ((s_cov + block_q - 1) // block_q).clamp(0, nQB)
-    b = torch.where(e_cov >= Lq, nQB, e_cov // block_q).clamp(0, nQB)
+    a, b = _query_block_bounds(s_cov, e_cov, s_miss, e_miss, Lq, block_q, nQB)[2:]
     empty = b <= a
     a = torch.where(empty, 0, a)
     b = torch.where(empty, 0, b)
@@ -175,9 +186,8 @@ def column_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, num_he
 # The transposed (per query block) sets are ranges too when h0, h1, a, b never decrease
 # with kb: {kb : h0(kb) <= qb < h1(kb)} = [#(h1 <= qb), #(h0 <= qb)), two searchsorted.
 
-# Ranges per row; always this many (unused ones empty), so shapes depend on the lengths
-# only and a descriptor passed into torch.compile(dynamic=True) does not recompile.
-MAX_RANGES = 4          # = ops/triton_block.py MAX_RANGES
+# Ranges per row: always ops.schema.MAX_RANGES (unused ones empty), so shapes depend on the
+# lengths only and a descriptor passed into torch.compile(dynamic=True) does not recompile.
 
 
 def _pieces(lo, hi, n):
@@ -265,12 +275,8 @@ def column_range_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, 
     m = two_m // 2
     BH = Bc * Hc
     nQB, nKB = -(-Lq // bq), -(-Lk // bk)
-    s_cov, e_cov, s_miss, e_miss = _key_block_stats(cr, nKB, bk)      # (BH*nKB, m)
-    touched = s_miss < _BIG
-    h0 = torch.where(touched, s_miss // bq, 0).clamp(0, nQB)
-    h1 = torch.where(touched, (e_miss + bq - 1) // bq, 0).clamp(0, nQB)
-    a = ((s_cov + bq - 1) // bq).clamp(0, nQB)
-    b = torch.where(e_cov >= Lq, nQB, e_cov // bq).clamp(0, nQB)
+    stats = _key_block_stats(cr, nKB, bk)                          # (BH*nKB, m) each
+    h0, h1, a, b = _query_block_bounds(*stats, Lq, bq, nQB)
     # per key block (dK/dV pass): ranges of query blocks
     (qf_lo, qf_hi), (qp_lo, qp_hi) = _set_ranges(h0, h1, a, b, nQB)
     # per query block (forward, dQ): transpose the hulls and covers

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .ops import reference
-from .ops.schema import MASK_TENSOR_NAMES, MaskTensors
+from .ops.schema import MASK_TENSOR_NAMES, MAX_RANGES, MaskTensors
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 _STATE_CHARS = {SKIP: ".", PARTIAL: "+", FULL: "#"}
@@ -100,8 +100,7 @@ class BlockDescriptor:
                         ("q_full_index", nQB)):
             index = getattr(self, name)
             if index.dim() == 5:
-                blocks = torch.arange(n, device=index.device)
-                hit = ((blocks >= index[..., 0:1]) & (blocks < index[..., 1:2])).any(-2)
+                hit = reference.ranges_to_grid(index, n)
                 width = int(hit.sum(-1).max()) if hit.numel() else 0
                 index = _block_lists(hit, width)[1]
             out[name] = index
@@ -183,9 +182,6 @@ def groups_to_heads(vis: torch.Tensor, num_heads) -> torch.Tensor:
     if vis.shape[2] > 1:
         return vis.expand(vis.shape[0], Hkv, *vis.shape[2:]).flatten(1, 2)
     return vis.squeeze(2)
-
-
-MAX_RANGES = 4       # = flexsparse.blocklists.MAX_RANGES
 
 
 def _as_ranges(selections):

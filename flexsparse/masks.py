@@ -429,32 +429,23 @@ def col_ranges_block_state(cr: torch.Tensor, sz: Sizes) -> torch.Tensor:
     """SKIP/PARTIAL/FULL per block from per-key-block min/max of the intervals: O(Lk + blocks).
 
     Sound, not always tight: SKIP only if one interval covers the block's rows in every
-    column; FULL only if every interval misses them in every column; else PARTIAL.
+    column; FULL only if every interval misses them in every column; else PARTIAL. The
+    statistics are blocklists._key_block_stats (padded columns neutral, empty intervals
+    neither cover nor touch anything).
     """
+    from .blocklists import _key_block_stats
     Bc, Hc, Lk, two_m = cr.shape
-    nKB, bk = sz.nKB, sz.block_k
-    pad = nKB * bk - Lk
-    r0 = torch.arange(sz.nQB, device=cr.device) * sz.block_q
+    nQB, nKB = sz.nQB, sz.nKB
+    stats = [t.view(Bc, Hc, 1, nKB, -1) for t in _key_block_stats(cr, nKB, sz.block_k)]
+    s_cov, e_cov, s_miss, e_miss = stats                     # (Bc, Hc, 1, nKB, m)
+    r0 = torch.arange(nQB, device=cr.device) * sz.block_q
     r1 = (r0 + sz.block_q).clamp(max=sz.Lq)
     r0, r1 = r0[:, None], r1[:, None]                        # (nQB, 1) against (.., 1, nKB)
-    big = 1 << 30
-    skip = torch.zeros((Bc, Hc, sz.nQB, nKB), dtype=torch.bool, device=cr.device)
-    full = torch.ones((Bc, Hc, sz.nQB, nKB), dtype=torch.bool, device=cr.device)
+    skip = torch.zeros((Bc, Hc, nQB, nKB), dtype=torch.bool, device=cr.device)
+    full = torch.ones((Bc, Hc, nQB, nKB), dtype=torch.bool, device=cr.device)
     for r in range(two_m // 2):
-        s = cr[..., 2 * r].to(torch.int64)
-        e = cr[..., 2 * r + 1].to(torch.int64)
-        nonempty = s < e
-        # covering needs every real column covered: padded columns are neutral (cover all)
-        s_cov = torch.nn.functional.pad(s, (0, pad), value=0).view(Bc, Hc, nKB, bk).amax(-1)
-        e_cov = torch.nn.functional.pad(torch.where(nonempty, e, 0), (0, pad), value=big)
-        e_cov = e_cov.view(Bc, Hc, nKB, bk).amin(-1)
-        skip |= (s_cov[:, :, None, :] <= r0) & (e_cov[:, :, None, :] >= r1)
-        # missing: ignore empty intervals and padded columns
-        s_miss = torch.nn.functional.pad(torch.where(nonempty, s, big), (0, pad), value=big)
-        s_miss = s_miss.view(Bc, Hc, nKB, bk).amin(-1)
-        e_miss = torch.nn.functional.pad(torch.where(nonempty, e, -big), (0, pad), value=-big)
-        e_miss = e_miss.view(Bc, Hc, nKB, bk).amax(-1)
-        full &= (s_miss[:, :, None, :] >= r1) | (e_miss[:, :, None, :] <= r0)
+        skip |= (s_cov[..., r] <= r0) & (e_cov[..., r] >= r1)
+        full &= (s_miss[..., r] >= r1) | (e_miss[..., r] <= r0)
     return torch.where(skip, SKIP, torch.where(full, FULL, PARTIAL)).to(torch.int32)
 
 

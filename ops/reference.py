@@ -69,18 +69,23 @@ def _row_step(mask: MaskTensors, B, Hq, G, Lq, Lk, D, block_q):
 
 # ---------------------------------------------------------------- visibility
 
+def ranges_to_grid(ranges: torch.Tensor, n: int) -> torch.Tensor:
+    """bool (.., n): which of blocks 0..n-1 a range-form row (.., R, 2) of [lo, hi) holds."""
+    blocks = torch.arange(n, device=ranges.device)
+    r = ranges.to(torch.int64)
+    return ((blocks >= r[..., 0:1]) & (blocks < r[..., 1:2])).any(-2)
+
+
 def block_state(mask: MaskTensors, qb0, qb1, nKB, device):
     """int32 (Bd, Hd, qb1-qb0, nKB): 0 skipped, 1 partial, 2 full.
 
     A list is either explicit, index (Bd, Hd, nQB, W) with the first `count` entries used,
     or in range form, index (Bd, Hd, nQB, R, 2) of half-open block ranges [lo, hi)."""
     state = None
-    cols = torch.arange(nKB, device=device)
     for count, index, value in ((mask.kv_count, mask.kv_index, 1),
                                 (mask.kv_full_count, mask.kv_full_index, 2)):
         if index.dim() == 5:
-            r = index[:, :, qb0:qb1].to(torch.int64)
-            hit = ((cols >= r[..., 0:1]) & (cols < r[..., 1:2])).any(-2)
+            hit = ranges_to_grid(index[:, :, qb0:qb1], nKB)
             s = torch.where(hit, value, 0).to(torch.int32)
         else:
             c = count[:, :, qb0:qb1].to(torch.int64)

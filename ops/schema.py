@@ -36,6 +36,11 @@ class MaskTensors(NamedTuple):
 
 assert MaskTensors._fields == MASK_TENSOR_NAMES
 
+# Range-form block lists: index (Bd, Hd, n, MAX_RANGES, 2) of half-open block ranges
+# [lo, hi) instead of explicit indices (docs/design.md). Builders always emit this many
+# ranges per row (unused ones empty), so shapes depend on the lengths only.
+MAX_RANGES = 4
+
 _MASK_ARGS = ", ".join(f"Tensor? {name}" for name in MASK_TENSOR_NAMES)
 _TAIL_ARGS = "int block_q, int block_k, float scale, float softcap, str backend, bool deterministic"
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .reference import block_state
+from .schema import MAX_RANGES          # range-form lists: ranges per row _ranges_load reads
 from .triton_compat import interpreting
 
 LOG2E = 1.4426950408889634
@@ -869,9 +870,6 @@ def _all_lists(mask, Lq, Lk, block_q, block_k, device):
     stT = state.transpose(-1, -2)
     q = [*_lists_from_state(stT, 1), *_lists_from_state(stT, 2)]
     return [t if t is not None else d for t, d in zip(lists, kv + q)]
-
-
-MAX_RANGES = 4   # range-form lists: ranges per row that _ranges_load reads
 
 
 def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):

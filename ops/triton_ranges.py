@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .schema import MAX_RANGES
+
 MAX_SLOTS = 4        # masked intervals per column
-MAX_RANGES = 4       # ranges per row (= flexsparse.blocklists.MAX_RANGES)
 MAX_BLOCKS = 1 << 15  # key blocks per row that one _fill_kernel program scans
 _BIG = tl.constexpr(1 << 30)
 

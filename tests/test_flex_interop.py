@@ -22,6 +22,7 @@ from flexsparse import masks as M
 from flexsparse import flex
 from flexsparse.blocklists import column_range_descriptor, column_range_range_descriptor
 from flexsparse.masks import Sizes, _stack_slots, col_ranges_block_state
+from flexsparse.ops.reference import ranges_to_grid
 
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
@@ -528,40 +529,47 @@ def test_column_range_lists_match_dense_state(case):
         assert torch.equal(fwd, bwd)
 
 
-@settings(max_examples=200, **SETTINGS)
-@given(col_range_mask())
-def test_column_range_ranges_match_dense_state(case):
-    """Range form: same block grid as the dense statistics, both directions, or None."""
+def _range_sets(count, index, n):
+    """bool (.., n) block grid of a range-form list, checked against its count."""
+    hit = ranges_to_grid(index, n)
+    assert torch.equal(hit.sum(-1), count.long())
+    return hit
+
+
+def _range_case(case):
+    """(sizes, normalized column ranges, torch-built range descriptor or None), or None
+    when the mask masks nothing."""
     m, L, bq, bk = case
     sz = Sizes(2, 2, 2, L, L, bq, bk, torch.device("cpu"))
     slots = m.slots(sz)
     if not slots:
         event("nothing masked")
-        return
+        return None
     cr = _stack_slots(slots, sz)
     d = column_range_range_descriptor(cr, seq_lengths=(L, L), block_size=(bq, bk),
                                       num_heads=(2, 2))
     if d is None:
         event("falls back to lists")
+    return sz, cr, d
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(col_range_mask())
+def test_column_range_ranges_match_dense_state(case):
+    """Range form: same block grid as the dense statistics, both directions, or None."""
+    got = _range_case(case)
+    if got is None or got[2] is None:
         return
+    sz, cr, d = got
     event(f"ranges, {d.kv_index.shape[-2]}/{d.kv_full_index.shape[-2]} per query block")
     ref = col_ranges_block_state(cr, sz)
     assert torch.equal(d.block_state(), ref)
-    rows = torch.arange(sz.nQB)
     for cnt, idx, value in ((d.q_count, d.q_index, 1), (d.q_full_count, d.q_full_index, 2)):
         assert idx.dim() == 5 and idx.shape[-2] <= 4
-        hit = ((rows >= idx[..., 0:1]) & (rows < idx[..., 1:2])).any(-2)   # (b, h, nKB, nQB)
+        hit = _range_sets(cnt, idx, sz.nQB)                             # (b, h, nKB, nQB)
         assert torch.equal(hit, (ref == value).transpose(-1, -2).expand_as(hit))
-        assert torch.equal(cnt.long(), hit.sum(-1))
     for cnt, value in ((d.kv_count, 1), (d.kv_full_count, 2)):
         assert torch.equal(cnt.long(), (ref == value).sum(-1).expand_as(cnt))
-
-
-def _range_sets(count, index, n):
-    blocks = torch.arange(n)
-    hit = ((blocks >= index[..., 0:1].long()) & (blocks < index[..., 1:2].long())).any(-2)
-    assert torch.equal(hit.sum(-1), count.long())
-    return hit
 
 
 @settings(max_examples=60, **SETTINGS)
@@ -570,21 +578,16 @@ def test_triton_range_builder_matches_torch(case):
     """ops/triton_ranges.py (the GPU builder; here under TRITON_INTERPRET) gives the same
     block sets and counts as the torch builder, and falls back in the same cases."""
     triton_ranges = pytest.importorskip("flexsparse.ops.triton_ranges")
-    m, L, bq, bk = case
-    sz = Sizes(2, 2, 2, L, L, bq, bk, torch.device("cpu"))
-    slots = m.slots(sz)
-    if not slots:
+    prepared = _range_case(case)
+    if prepared is None:
         return
-    cr = _stack_slots(slots, sz)
-    d = column_range_range_descriptor(cr, seq_lengths=(L, L), block_size=(bq, bk),
-                                      num_heads=(2, 2))
-    got = triton_ranges.column_range_lists(cr, L, bq, bk)
+    sz, cr, d = prepared
+    got = triton_ranges.column_range_lists(cr, sz.Lq, sz.block_q, sz.block_k)
     if cr.shape[-1] // 2 > triton_ranges.MAX_SLOTS:
         assert got is None
         return
     assert (got is None) == (d is None)
     if d is None:
-        event("both fall back")
         return
     names = ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
              "q_count", "q_index", "q_full_count", "q_full_index")

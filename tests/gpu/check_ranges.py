@@ -10,17 +10,16 @@ import triton
 
 from flexsparse import attention, masks as M
 from flexsparse.bench import make_case
+from flexsparse.ops.reference import ranges_to_grid
 
 
 def block_sets(d):
-    out = []
-    for c, i, n in ((d.kv_count, d.kv_index, d.seq_lengths[1]), (d.kv_full_count, d.kv_full_index, d.seq_lengths[1]),
-                    (d.q_count, d.q_index, d.seq_lengths[0]), (d.q_full_count, d.q_full_index, d.seq_lengths[0])):
-        n = -(-n // 128)
-        blocks = torch.arange(n, device=i.device)
-        hit = ((blocks >= i[..., 0:1]) & (blocks < i[..., 1:2])).any(-2) if i.dim() == 5 else None
-        out.append(hit.cpu() if hit is not None else None)
-    return out
+    """Block grids of the four range-form lists (on the CPU)."""
+    if not all(t.dim() == 5 for t in (d.kv_index, d.kv_full_index, d.q_index, d.q_full_index)):
+        raise ValueError("check_ranges: descriptor is not in range form")
+    nQB, nKB = (-(-n // b) for n, b in zip(d.seq_lengths, d.block_size))
+    return [ranges_to_grid(index, n).cpu() for index, n in
+            ((d.kv_index, nKB), (d.kv_full_index, nKB), (d.q_index, nQB), (d.q_full_index, nQB))]
 
 
 def main():
@@ -31,7 +30,7 @@ def main():
         dg = mask.compile(B, 16, 16, L, L, device="cuda")
         M.clear_cache()
         dc = mask.compile(B, 16, 16, L, L, device="cpu")
-        same = all(a is not None and b is not None and torch.equal(a, b)
+        same = all(torch.equal(a, b)
                    for a, b in zip(block_sets(dg), block_sets(dc)))
         dc = dataclasses.replace(dc, **{f.name: getattr(dc, f.name).cuda() for f in dataclasses.fields(dc)[3:]
                                         if getattr(dc, f.name) is not None})

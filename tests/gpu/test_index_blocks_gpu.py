@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 
-from test_triton_indices_gpu import HAVE_CUDA, _grads, _padded, _param, _rule  # noqa: E402
+from test_triton_indices_gpu import (HAVE_CUDA, _grads, _padded, _param, _rule,  # noqa: E402
+                                     run_direct)
 
 try:
     import pytest
@@ -160,34 +161,5 @@ def test_conversion_matches_cpu_and_auto():
     assert masks.indices(rnd, layout="auto").compile(1, 16, 4, L, L, device=DEV).is_index_mask
 
 
-# ------------------------------------------------------------------ direct runner
-
-def _main():
-    if not HAVE_CUDA:
-        print("SKIPPED: needs CUDA")
-        return 0
-    import itertools
-    import time
-    fails = 0
-    n = 0
-    for name, fn in sorted(globals().items()):
-        if not (name.startswith("test_") and callable(fn)):
-            continue
-        params = getattr(fn, "_params", [])
-        keys = [p[0] for p in params]
-        for combo in itertools.product(*[p[1] for p in params]):
-            kw = dict(zip(keys, combo))
-            t0 = time.time()
-            n += 1
-            try:
-                fn(**kw)
-                print(f"PASS {name} {kw} ({time.time() - t0:.1f}s)", flush=True)
-            except Exception as err:
-                fails += 1
-                print(f"FAIL {name} {kw}: {type(err).__name__}: {str(err)[:500]}", flush=True)
-    print(f"{n - fails} passed, {fails} failed")
-    return 1 if fails else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(run_direct(globals()))

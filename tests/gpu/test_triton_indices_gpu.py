@@ -259,7 +259,9 @@ def test_topk_cuda():
 
 # ------------------------------------------------------------------ direct runner
 
-def _main():
+def run_direct(namespace) -> int:
+    """Run the test_* functions of a module namespace over their _param grids, without
+    pytest (used by this file and test_index_blocks_gpu.py). Returns the exit status."""
     if not HAVE_CUDA:
         print("SKIPPED: needs CUDA")
         return 0
@@ -267,7 +269,7 @@ def _main():
     import time
     fails = 0
     n = 0
-    for name, fn in sorted(globals().items()):
+    for name, fn in sorted(namespace.items()):
         if not (name.startswith("test_") and callable(fn)):
             continue
         params = getattr(fn, "_params", [])
@@ -287,4 +289,4 @@ def _main():
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(run_direct(globals()))
