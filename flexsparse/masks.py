@@ -15,7 +15,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import intervals
 from .descriptor import FULL, PARTIAL, SKIP, BlockDescriptor, groups_to_heads
+from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
 from .ops import reference
 
 DEFAULT_BLOCK_SIZE = (128, 128)
@@ -345,9 +347,12 @@ class _ColumnRanges(Mask):
     """Masked row intervals per key column; `build(sz)` returns [(kind, (Bc,Hc,Lk,2) int64)]."""
 
     def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
-                 device=None, kv_heads_hint=None, cacheable=True):
+                 device=None, kv_heads_hint=None, cacheable=True,
+                 spec: Optional[Callable[[Sizes], Optional[IntervalSpec]]] = None):
         self.build, self.text, self.device, self.kv_hint = build, text, device, kv_heads_hint
         self.cacheable = cacheable   # False when `text` does not pin down the values
+        # The same column ranges in closed form (flexsparse/intervals.py): one launch on GPUs.
+        self.spec = spec
 
     def _cache_key(self):
         return self.text if self.cacheable else None
@@ -362,13 +367,22 @@ class _ColumnRanges(Mask):
         cr = _stack_slots(slots, sz)
         return _Parts(state=col_ranges_block_state(cr, sz), col_ranges=cr)
 
+    def _column_ranges(self, sz) -> Optional[torch.Tensor]:
+        """Eager: the normalized column ranges (None: nothing masked), from the interval
+        spec in one launch on CUDA, else from the torch slots."""
+        spec = self.spec(sz) if self.spec is not None and sz.device.type == "cuda" else None
+        if intervals.fits(spec, sz.Lq, sz.Lk):
+            cr = intervals.column_ranges(spec, sz.B, sz.Lq, sz.Lk, sz.device)
+            return cr if cr.shape[-1] else None
+        slots = self.slots(sz)
+        return _stack_slots(slots, sz) if slots else None
+
     def _descriptor(self, sz):
         # Eager: O(N) without the dense block grid (flexsparse/blocklists.py).
-        slots = None if _is_compiling() else self.slots(sz)
-        if not slots:
+        cr = None if _is_compiling() else self._column_ranges(sz)
+        if cr is None:
             return self._parts(sz).to_descriptor(sz)
         from .blocklists import column_range_descriptor, column_range_range_descriptor
-        cr = _stack_slots(slots, sz)
         common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
                       num_heads=(sz.Hq, sz.Hkv))
         # Range form when every row is a few block ranges (the named masks), else lists.
@@ -465,7 +479,10 @@ def causal() -> Mask:
     def build(sz):
         j = _cols(sz)
         return [(UPPER, _interval(torch.zeros_like(j), j - sz.offset))]
-    return _ColumnRanges(build, "causal()")
+
+    def spec(sz):
+        return IntervalSpec((Interval(lo=(Term(COL, -sz.offset),)),))
+    return _ColumnRanges(build, "causal()", spec=spec)
 
 
 def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
@@ -482,7 +499,12 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
         if left is not None:      # rows i > j - off + left are masked
             slots.append((LOWER, _interval(j - sz.offset + left + 1, torch.full_like(j, sz.Lq))))
         return slots
-    return _ColumnRanges(build, f"sliding_window(left={left}, right={right})")
+
+    def spec(sz):
+        lo = () if right is None else (Term(COL, -sz.offset - right),)
+        hi = () if left is None else (Term(COL, -sz.offset + left + 1),)
+        return IntervalSpec((Interval(lo, hi),))
+    return _ColumnRanges(build, f"sliding_window(left={left}, right={right})", spec=spec)
 
 
 def _as_lengths(lengths, name) -> torch.Tensor:
@@ -494,12 +516,11 @@ def _as_lengths(lengths, name) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _doc_bounds(lengths: torch.Tensor, sz: Sizes, name: str):
-    """Per key column: (start, end) of its document, each (Bl, Lk)."""
+def _checked_lengths(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tensor:
+    """Document lengths as (Bl, n), checked where they live (a CPU copy: no device sync)."""
     if sz.Lq != sz.Lk:
         raise ValueError(f"{name}: needs Lq == Lk, got Lq={sz.Lq}, Lk={sz.Lk}")
-    lens = lengths.to(sz.device)
-    lens = lens[None] if lens.dim() == 1 else lens
+    lens = lengths[None] if lengths.dim() == 1 else lengths
     if lens.shape[0] not in (1, sz.B):
         raise ValueError(f"{name}: batch dim {lens.shape[0]} must be 1 or B={sz.B}")
     if not _is_compiling():
@@ -508,6 +529,12 @@ def _doc_bounds(lengths: torch.Tensor, sz: Sizes, name: str):
         totals = lens.sum(-1)
         if bool((totals != sz.Lk).any()):
             raise ValueError(f"{name}: lengths must sum to L={sz.Lk}, got {totals.tolist()}")
+    return lens
+
+
+def _doc_bounds(lengths: torch.Tensor, sz: Sizes, name: str):
+    """Per key column: (start, end) of its document, each (Bl, Lk)."""
+    lens = _checked_lengths(lengths, sz, name).to(sz.device)
     ends = lens.cumsum(-1)
     starts = ends - lens
     j = _cols(sz).expand(lens.shape[0], sz.Lk).contiguous()
@@ -529,7 +556,13 @@ def document(lengths, causal: bool = True) -> Mask:
         upper_end = torch.maximum(s, j - sz.offset) if use_causal else s
         return [(UPPER, _interval(torch.zeros_like(upper_end), upper_end)),
                 (LOWER, _interval(e, torch.full_like(e, sz.Lq)))]
-    return _ColumnRanges(build, f"document(lengths={lens.tolist()}, causal={causal})")
+
+    def spec(sz):
+        lo = (Term(DOC_START),) + ((Term(COL, -sz.offset),) if use_causal else ())
+        return IntervalSpec((Interval(lo, (Term(DOC_END),)),),
+                            _checked_lengths(lens, sz, "lengths"))
+    return _ColumnRanges(build, f"document(lengths={lens.tolist()}, causal={causal})",
+                         spec=spec)
 
 
 def prefix_lm(prefix_len) -> Mask:
@@ -539,15 +572,22 @@ def prefix_lm(prefix_len) -> Mask:
     if p.dim() > 1:
         raise ValueError(f"prefix_len: must be an int or a (B,) tensor, got shape {tuple(p.shape)}")
 
-    def build(sz):
-        j = _cols(sz)
-        pl = p.to(sz.device).reshape(-1, 1)                  # (Bp, 1)
+    def checked(sz):
+        pl = p.reshape(-1)
         if pl.shape[0] not in (1, sz.B):
             raise ValueError(f"prefix_len: batch dim {pl.shape[0]} must be 1 or B={sz.B}")
+        return pl
+
+    def build(sz):
+        j = _cols(sz)
+        pl = checked(sz).to(sz.device)[:, None]              # (Bp, 1)
         end = torch.where(j < pl, 0, j - sz.offset)          # (Bp, Lk)
         return [(UPPER, _interval(torch.zeros_like(end), end))]
+
+    def spec(sz):
+        return IntervalSpec((Interval(lo=(Term(COL, -sz.offset, below=checked(sz), alt=0),)),))
     text = f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({p.tolist()})"
-    return _ColumnRanges(build, text)
+    return _ColumnRanges(build, text, spec=spec)
 
 
 def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
@@ -558,14 +598,37 @@ def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
     if not isinstance(question_len, int) or question_len < 0:
         raise ValueError(f"question_len: must be a non-negative int, got {question_len!r}")
 
+    lengths = torch.cat([torch.tensor([question_len]), answers])
+
     def build(sz):
-        lengths = torch.cat([torch.tensor([question_len]), answers])
         s, e = _doc_bounds(lengths, sz, "shared_question lengths")
         j = _cols(sz)
         lower = torch.where(j < question_len, sz.Lq, e)      # question columns: no lower interval
         return [(UPPER, _interval(torch.zeros_like(j), j - sz.offset)),
                 (LOWER, _interval(lower, torch.full_like(lower, sz.Lq)))]
-    return _ColumnRanges(build, f"shared_question({question_len}, {answers.tolist()})")
+
+    def spec(sz):
+        docs = _checked_lengths(lengths, sz, "shared_question lengths")
+        return IntervalSpec((Interval((Term(COL, -sz.offset),),
+                                      (Term(DOC_END, below=question_len, alt=sz.Lq),)),), docs)
+    return _ColumnRanges(build, f"shared_question({question_len}, {answers.tolist()})",
+                         spec=spec)
+
+
+def global_tokens(n: int) -> Mask:
+    """The first n tokens are global: query i sees key j iff i < n or j < n (Longformer /
+    BigBird global attention; combine with or_, e.g. or_(sliding_window(w), global_tokens(n)))."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n: must be a non-negative int, got {n!r}")
+
+    def build(sz):
+        j = _cols(sz)
+        start = torch.where(j < n, sz.Lq, n)                 # rows >= n masked in columns >= n
+        return [(LOWER, _interval(start, torch.full_like(start, sz.Lq)))]
+
+    def spec(sz):
+        return IntervalSpec((Interval(hi=(Term(CONST, n, below=n, alt=sz.Lq),)),))
+    return _ColumnRanges(build, f"global_tokens({n})", spec=spec)
 
 
 def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
@@ -864,7 +927,8 @@ def and_(*masks: Mask) -> Mask:
     text = "and_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: union
         return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text,
-                             cacheable=all(m.cacheable for m in masks))
+                             cacheable=all(m.cacheable for m in masks),
+                             spec=_combined_spec(intervals.and_spec, masks))
     return _And(_flatten_children(_And, masks))
 
 
@@ -876,8 +940,15 @@ def or_(*masks: Mask) -> Mask:
     text = "or_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: intersection
         return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text,
-                             cacheable=all(m.cacheable for m in masks))
+                             cacheable=all(m.cacheable for m in masks),
+                             spec=_combined_spec(intervals.or_spec, masks))
     return _Or(_flatten_children(_Or, masks))
+
+
+def _combined_spec(combine, masks):
+    if any(m.spec is None for m in masks):
+        return None
+    return lambda sz: combine(*[m.spec(sz) for m in masks])
 
 
 def _check_masks(name, masks):

@@ -105,12 +105,8 @@ def flexsparse_masks(L, device, window=4096, n_global=256):
     n_ans = 8
     ans = [(L - q_len) // n_ans] * n_ans
     ans[-1] += L - q_len - sum(ans)
-    j = torch.arange(L, device=device)
     # global rows (< n_global see every key) and global columns (seen by every query)
-    lts = torch.where(j < n_global, L, n_global)          # rows >= n_global masked ...
-    ute = torch.zeros_like(j)                              # ... except in global columns
-    glob = M.column_ranges(torch.stack([lts, ute], -1).view(1, 1, L, 2).to(torch.int32),
-                           causal=False)
+    glob = M.global_tokens(n_global)
     return {
         "causal": M.causal(),
         "document": M.document(lens),
