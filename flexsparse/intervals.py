@@ -84,38 +84,44 @@ def _clip(x: int) -> int:
     return max(-_LIMIT, min(_LIMIT, int(x)))
 
 
+def _per_batch(x, Bp):
+    """An int or a (1,)/(B,) tensor as Bp clipped ints."""
+    if isinstance(x, torch.Tensor):
+        vals = [_clip(v) for v in x.reshape(-1).tolist()]
+        return vals * Bp if len(vals) == 1 else vals
+    return [_clip(x)] * Bp
+
+
 def pack(spec: IntervalSpec, B: int):
     """The kernel's parameter table: int32 (Bp, K*2*MAX_TERMS*4 + n + 1) on the CPU, with the
-    cumulative document boundaries at column `doc_at`; and the per-interval (lo?, hi?) flags."""
-    per_batch = [t.below for iv in spec.intervals for t in iv.lo + iv.hi
-                 if isinstance(t.below, torch.Tensor) and t.below.numel() > 1]
-    docs = spec.doc_lengths if spec.uses_docs() else None
-    Bp = 1
-    if per_batch or (docs is not None and docs.shape[0] > 1):
-        Bp = B
+    cumulative document boundaries at column `doc_at`; and the per-interval (lo?, hi?) flags.
+    Plain Python lists, one tensor at the end: the build is launch-bound (~0.1 ms saved)."""
+    terms = [t for iv in spec.intervals for t in iv.lo + iv.hi]
+    per_batch = any(isinstance(t.below, torch.Tensor) and t.below.numel() > 1 for t in terms)
+    docs = spec.doc_lengths.tolist() if spec.uses_docs() else None
+    Bp = B if per_batch or (docs is not None and len(docs) > 1) else 1
     K = len(spec.intervals)
     doc_at = K * 2 * MAX_TERMS * 4
-    n = docs.shape[1] if docs is not None else 0
-    table = torch.zeros((Bp, doc_at + n + 1), dtype=torch.int64)
-    view = table[:, :doc_at].view(Bp, K, 2, MAX_TERMS, 4)
+    rows = [[0] * doc_at for _ in range(Bp)]
     for k, iv in enumerate(spec.intervals):
-        for side, terms in enumerate((iv.lo, iv.hi)):
-            for t, term in enumerate(terms):
-                below = term.below
-                if isinstance(below, torch.Tensor):
-                    below = below.detach().to("cpu", torch.int64).reshape(-1).clamp(
-                        -_LIMIT, _LIMIT).expand(Bp)
-                else:
-                    below = _clip(below)
-                view[:, k, side, t, 0] = term.code
-                view[:, k, side, t, 1] = _clip(term.c)
-                view[:, k, side, t, 2] = below
-                view[:, k, side, t, 3] = _clip(term.alt)
+        for side, bound in enumerate((iv.lo, iv.hi)):
+            for t, term in enumerate(bound):
+                at = ((k * 2 + side) * MAX_TERMS + t) * 4
+                for row, below in zip(rows, _per_batch(term.below, Bp)):
+                    row[at:at + 4] = [term.code, _clip(term.c), below, _clip(term.alt)]
+    n = 0
     if docs is not None:
-        lens = docs.detach().to("cpu", torch.int64).expand(Bp, n)
-        table[:, doc_at + 1:] = lens.cumsum(-1)
+        n = len(docs[0])
+        for row, lens in zip(rows, docs * Bp if len(docs) == 1 else docs):
+            acc = [0]
+            for x in lens:
+                acc.append(acc[-1] + x)
+            row += acc
+    else:
+        for row in rows:
+            row.append(0)
     present = [(bool(iv.lo), bool(iv.hi)) for iv in spec.intervals]
-    return table.to(torch.int32), present, n, doc_at
+    return torch.tensor(rows, dtype=torch.int32), present, n, doc_at
 
 
 def column_ranges(spec: IntervalSpec, B: int, Lq: int, Lk: int, device) -> torch.Tensor:

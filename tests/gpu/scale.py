@@ -2,6 +2,7 @@
 next to FlexAttention at the same sizes (or its failure).
 
     python tests/gpu/scale.py --out scale.md [--budget 280] [--skip-flex] [--skip-check]
+        [--skip-attention]
 
 Sections (each row says "n/a (reason)" when a piece is missing or fails):
 1. Descriptor builds (flexsparse `mask.compile`, eager) for causal, document, sliding
@@ -372,6 +373,7 @@ def main():
     ap.add_argument("--repeats-attn", type=int, default=3)
     ap.add_argument("--skip-flex", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true", help="builds only (section 1)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -392,7 +394,8 @@ def main():
         add("build", "import flexsparse", 0, time_ms=fmt_err(err))
     else:
         section_builds(args, device)
-        section_flexsparse(args, device)
+        if not args.skip_attention:
+            section_flexsparse(args, device)
     if not args.skip_flex:
         section_flex(args, device)
     if not args.skip_check:
