@@ -3,6 +3,7 @@
     python -m flexsparse.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
                                [--no-flex] [--no-sdpa] [--no-indices] [--repeat N]
                                [--bwd {direct,subtract}] [--sweep] [--profile]
+                               [--bwd-mode {two_pass,one_launch,atomic_dq,all}]
 
 bf16, H=16 (Hq = Hkv), B*L = 16K tokens. Times are medians of triton.testing.do_bench.
 Forward: the call on inputs without grad. Backward, timed directly for all three: one
@@ -27,6 +28,12 @@ diagonal) at L = 8K and 16K, hd128 (full and causal also hd64), and causal + ful
 `--sweep` times each pass of our kernels alone per tile config (the backward directly,
 through the op's backward on a saved (out, lse)); `--profile` prints torch.profiler
 kernel times of our forward+backward steps.
+
+`--bwd-mode` picks the structure of our backward (`triton_block.BWD_MODE`): two_pass
+(default), one_launch or atomic_dq; `all` times our backward in each mode in the same run
+(extra columns "ours bwd <mode>"; the sweep and the profile run once per mode). Where a
+mode does not apply it runs two_pass: both new modes do on the causal_bias row (its dQ
+pass reads the stored dS), atomic_dq also with deterministic=True.
 """
 import argparse
 import contextlib
@@ -38,6 +45,7 @@ import time
 
 import torch
 
+BWD_MODES = ("two_pass", "one_launch", "atomic_dq")
 H = 16
 TOKENS = 16384
 DTYPE = torch.bfloat16
@@ -151,25 +159,42 @@ def _empty_cache(dev):
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def _bwd_mode(mode):
+    """Run our backward in `mode` (triton_block.BWD_MODE) inside the block."""
+    from flexsparse.ops import triton_block as tb
+    old, tb.BWD_MODE = tb.BWD_MODE, mode
+    try:
+        yield
+    finally:
+        tb.BWD_MODE = old
+
+
+def _ours(mode):
+    """Implementation name of our kernels with the backward in `mode`."""
+    return f"ours {mode}"
+
+
 def time_row(kind, L, D, *, flex=True, sdpa=True, repeat=1, bwd="direct", device=None,
-             log=print):
+             extra_modes=(), log=print):
     """Time one row: forward and backward (ms, medians) and TFLOP/s of each implementation.
 
     `bwd="direct"` times the backward alone (see `_time_bwd_direct`); an implementation
     whose direct timing raises falls back to the subtraction for the rest of the row and
     is labelled "(sub)" in the table. `repeat` runs the whole row that many times (the
     implementations interleaved within each run) and keeps the median of the per-run
-    medians."""
+    medians. `extra_modes`: backward modes of ours to time besides the current BWD_MODE,
+    as implementations named `_ours(mode)`."""
     dev = torch.device(device) if device is not None else torch.device(
         "cuda", torch.cuda.current_device())
     try:
         return _time_row(kind, L, D, dev, flex=flex, sdpa=sdpa, repeat=repeat, bwd=bwd,
-                         log=log)
+                         extra_modes=extra_modes, log=log)
     finally:                                     # the row's tensors are gone by now
         _empty_cache(dev)
 
 
-def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, log):
+def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log):
     import flexsparse
     B = max(1, TOKENS // L)
     torch.manual_seed(0)
@@ -193,6 +218,8 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, log):
         lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton"),
         lambda: flexsparse.attention(*leaves, desc, bias=bias_g, backend="triton"),
         contextlib.nullcontext)}
+    for mode in extra_modes:
+        impls[_ours(mode)] = impls["ours"][:2] + (lambda mode=mode: _bwd_mode(mode),)
 
     if flex:
         try:
@@ -285,6 +312,13 @@ HEADER = ("| mask | L | D | B | ours fwd | ours bwd | flex fwd | flex bwd | SDPA
           "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def header(extra_modes=()):
+    """HEADER with one more column per extra backward mode of ours."""
+    names, rule = HEADER.split("\n")
+    return (names + "".join(f" ours bwd {m} |" for m in extra_modes) + "\n"
+            + rule + "---|" * len(extra_modes))
+
+
 def _f(x, fmt=".0f"):
     return "n/a" if x is None else format(x, fmt)
 
@@ -296,15 +330,16 @@ def _bwd_cell(r, name):
     return cell
 
 
-def format_row(r):
+def format_row(r, extra_modes=()):
     return (f"| {LABELS.get(r['kind'], r['kind'])} | {r['L'] // 1024}K | {r['D']} | {r['B']} "
             f"| {_f(r.get('ours_fwd'))} | {_bwd_cell(r, 'ours')} "
             f"| {_f(r.get('flex_fwd'))} | {_bwd_cell(r, 'flex')} "
             f"| {_f(r.get('sdpa_fwd'))} | {_bwd_cell(r, 'sdpa')} "
-            f"| {_f(r.get('ratio_fwd'), '.2f')} | {_f(r.get('ratio_bwd'), '.2f')} |")
+            f"| {_f(r.get('ratio_fwd'), '.2f')} | {_f(r.get('ratio_bwd'), '.2f')} |"
+            + "".join(f" {_bwd_cell(r, _ours(m))} |" for m in extra_modes))
 
 
-def method_line(bwd="direct", repeat=1):
+def method_line(bwd="direct", repeat=1, bwd_mode="two_pass"):
     """How the numbers were taken, one line (printed above the table header)."""
     if bwd == "direct":
         how = ("backward timed directly: autograd.grad over a retained graph, its forward "
@@ -312,15 +347,16 @@ def method_line(bwd="direct", repeat=1):
     else:
         how = "backward = (fwd+bwd) - fwd"
     runs = f"median of {repeat} runs of " if repeat > 1 else ""
-    return f"Times: {runs}the do_bench median; {how}."
+    mode = "" if bwd_mode == "two_pass" else f" Our backward: BWD_MODE={bwd_mode}."
+    return f"Times: {runs}the do_bench median; {how}.{mode}"
 
 
-def format_table(rows, bwd="direct", repeat=1):
+def format_table(rows, bwd="direct", repeat=1, bwd_mode="two_pass", extra_modes=()):
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     title = (f"Effective TFLOP/s (visible entries only), bf16, H={H}, B*L={TOKENS // 1024}K "
              f"tokens, median of do_bench ({dev}, torch {torch.__version__})")
-    return "\n".join([title, method_line(bwd, repeat), "", HEADER]
-                     + [format_row(r) for r in rows])
+    return "\n".join([title, method_line(bwd, repeat, bwd_mode), "", header(extra_modes)]
+                     + [format_row(r, extra_modes) for r in rows])
 
 
 # ---------------------------------------------------------------- config sweep (ours)
@@ -335,8 +371,10 @@ SWEEP = {
 }
 
 
-def sweep(cases, log=print):
-    """Time each pass of our kernels alone for candidate (BM, BN, warps, stages)."""
+def sweep(cases, log=print, modes=("two_pass",)):
+    """Time each pass of our kernels alone for candidate (BM, BN, warps, stages); the
+    backward passes once per backward mode in `modes` (atomic_dq has no dQ pass; one_launch
+    takes warps / stages from the dkdv config)."""
     from flexsparse.ops import triton_block as tb
     for kind, L, D in cases:
         B = max(1, TOKENS // L)
@@ -349,8 +387,11 @@ def sweep(cases, log=print):
         scale = 1 / math.sqrt(D)
         flops = 4.0 * D * desc.num_visible(batch=B)
         out, lse = tb.forward(q, k, v, None, mt, 128, 128, scale, 0.0, False)
-        for which, cands in SWEEP.items():
-            for cfg in cands:
+        passes = [("fwd", None)] + [(which, mode) for mode in modes for which in ("dkdv", "dq")
+                                    if not (mode == "atomic_dq" and which == "dq")]
+        for which, mode in passes:
+            tag = "" if mode in (None, "two_pass") else f" [{mode}]"
+            for cfg in SWEEP[which]:
                 tb.CONFIG_OVERRIDE.clear()
                 tb.CONFIG_OVERRIDE[which] = cfg
                 try:
@@ -359,14 +400,16 @@ def sweep(cases, log=print):
                                                        False))
                         tf = flops / ms * 1e-9
                     else:
-                        ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, None, mt,
-                                                        128, 128, scale, 0.0, False, False))
+                        with _bwd_mode(mode):
+                            ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, None,
+                                                            mt, 128, 128, scale, 0.0, False,
+                                                            False))
                         tf = 2.5 * flops / ms * 1e-9
-                    log(f"sweep {kind} L={L} D={D} {which} {cfg}: {ms:.3f} ms {tf:.0f} TFLOP/s"
-                        + (" (whole backward)" if which != "fwd" else ""))
+                    log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: {ms:.3f} ms "
+                        f"{tf:.0f} TFLOP/s" + (" (whole backward)" if which != "fwd" else ""))
                 except Exception as err:
-                    log(f"sweep {kind} L={L} D={D} {which} {cfg}: failed {type(err).__name__}: "
-                        f"{str(err)[:200]}")
+                    log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: failed "
+                        f"{type(err).__name__}: {str(err)[:200]}")
         tb.CONFIG_OVERRIDE.clear()
         q = k = v = do = out = lse = None     # free before the next row
         torch.cuda.empty_cache()
@@ -374,7 +417,7 @@ def sweep(cases, log=print):
 
 # ---------------------------------------------------------------- per-kernel profile
 
-def profile(cases, log=print):
+def profile(cases, log=print, tag=""):
     """CUDA time per kernel of our forward + backward (torch.profiler), per row."""
     import flexsparse
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -396,7 +439,7 @@ def profile(cases, log=print):
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        log(f"profile {kind} L={L} D={D} (3 fwd+bwd steps)")
+        log(f"profile {kind} L={L} D={D}{tag} (3 fwd+bwd steps)")
         for key in ("self_device_time_total", "self_cuda_time_total"):
             try:
                 log(prof.key_averages().table(sort_by=key, row_limit=10))
@@ -475,6 +518,9 @@ def main(argv=None):
     ap.add_argument("--bwd", choices=("direct", "subtract"), default="direct",
                     help="backward timing: 'direct' (default) times autograd.grad alone over a "
                          "retained graph; 'subtract' takes (fwd+bwd) - fwd (the old method)")
+    ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="two_pass",
+                    help="structure of our backward (triton_block.BWD_MODE); 'all' times "
+                         "each mode in the same run (extra columns)")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -485,25 +531,34 @@ def main(argv=None):
     dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
     rows = select_rows(args.rows, args.quick)
     log = lambda s: print(s, flush=True)  # noqa: E731
+    # "ours" runs in bwd_mode; with "all", the other modes are extra implementations
+    modes = BWD_MODES if args.bwd_mode == "all" else (args.bwd_mode,)
+    bwd_mode, extra_modes = modes[0], modes[1:]
+    from flexsparse.ops import triton_block as tb
+    tb.BWD_MODE = bwd_mode
     if args.profile:
-        profile(rows, log=log)
+        for mode in modes:
+            with _bwd_mode(mode):
+                profile(rows, log=log, tag="" if mode == "two_pass" else f" [{mode}]")
         return 0
     if args.sweep:
-        sweep(rows, log=log)
+        sweep(rows, log=log, modes=modes)
     results = []
-    print(method_line(args.bwd, args.repeat), flush=True)
-    print(HEADER, flush=True)
+    print(method_line(args.bwd, args.repeat, bwd_mode), flush=True)
+    print(header(extra_modes), flush=True)
     t0 = time.time()
     for kind, L, D in rows:
         r = time_row(kind, L, D, flex=not args.no_flex, sdpa=not args.no_sdpa,
-                     repeat=args.repeat, bwd=args.bwd, log=log)
+                     repeat=args.repeat, bwd=args.bwd, extra_modes=extra_modes, log=log)
         results.append(r)
-        log(format_row(r) + f"  [{time.time() - t0:.0f}s]")
+        log(format_row(r, extra_modes) + f"  [{time.time() - t0:.0f}s]")
         if args.repeat > 1:
             log("  bwd ms per run: " + "; ".join(
                 f"{name} " + " ".join(f"{ms:.3f}" for ms in r[f"{name}_bwd_runs"])
-                for name in ("ours", "flex", "sdpa") if f"{name}_bwd_runs" in r))
-    table = format_table(results, bwd=args.bwd, repeat=args.repeat)
+                for name in ("ours", *map(_ours, extra_modes), "flex", "sdpa")
+                if f"{name}_bwd_runs" in r))
+    table = format_table(results, bwd=args.bwd, repeat=args.repeat, bwd_mode=bwd_mode,
+                         extra_modes=extra_modes)
     print()
     print(table)
     if args.out:

@@ -10,7 +10,8 @@ Layout of the work (see docs/design.md for the op contract):
   over the G query heads of that kv head and walks the transposed lists
   (`q_count/q_index`, `q_full_count/q_full_index`). No atomics for dK/dV.
 * backward, dQ pass: one program = one BLOCK_M query tile of one (b, query head), walking
-  the kv lists again.
+  the kv lists again. `BWD_MODE` selects alternatives to time against this (both passes in
+  one launch; or dQ by atomics from the dK/dV pass, no dQ pass).
 
 A descriptor block (block_q x block_k) is covered by (block_q / BLOCK_M) x (block_k / BLOCK_N)
 kernel tiles; the list loops are flattened ("iteration it -> list entry it // SUB, sub-tile
@@ -373,7 +374,8 @@ def _zero_skipped(DBh, sdbq, sdbk, j, offs_m, QIp, pc, QIf, fc, nQB, Lq, Lk, blo
 @triton.jit
 def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   Qh, sqm, sqd, DOh, sdm, sdd, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
-                  idx_ptr, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k, qk_scale, cap_log2,
+                  DQAh, idx_ptr, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k, scale, qk_scale,
+                  cap_log2,
                   DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                   CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
@@ -381,8 +383,9 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
                   HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                   DB_MODE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, RANGES: tl.constexpr):
-    """Transposed tiles: rows = keys (BLOCK_N), columns = queries (BLOCK_M)."""
+                  BLOCK_M: tl.constexpr, RANGES: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+    """Transposed tiles: rows = keys (BLOCK_N), columns = queries (BLOCK_M).
+    DQ_ATOMIC: also add each tile's dQ share into the float32 (Lq, D) rows at DQAh."""
     d_okT = offs_d[:, None] < D
     d_ok = offs_d[None, :] < D
     j_ok = j[:, None] < Lk
@@ -435,11 +438,20 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
         if SOFTCAP:
             dsT = dsT * (1.0 - t * t)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+        if DQ_ATOMIC:
+            # Rows i >= Lq have p = 0 (lse2 = +inf) and columns j >= Lk meet zero K rows, so
+            # only the stores need masking.
+            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
+            dq_ptrs = DQAh + i[:, None] * D + offs_d[None, :]
+            if EVEN_M and EVEN_D:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=i_ok[:, None] & d_ok, sem="relaxed")
     return dk, dv, dbacc
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                    sdob, sdoh, sdom, sdod,
                    sbb, sbh, sbq, sbk, b_hdiv,
@@ -455,9 +467,41 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
                    ZERO_SKIPPED: tl.constexpr,
                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   QC_RANGES: tl.constexpr, QF_RANGES: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+                   QC_RANGES: tl.constexpr, QF_RANGES: tl.constexpr,
+                   DQ_ATOMIC: tl.constexpr):
+    _bwd_dkdv_program(
+        tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+        sbb, sbh, sbq, sbk, b_hdiv, sdbb, sdbh, sdbq, sdbk, db_hdiv,
+        QC, QI, qc_sb, qc_sh, qc_hdiv, qc_W, QFC, QFI, qf_sb, qf_sh, qf_hdiv, qf_W,
+        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+        Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
+        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_MODE, ZERO_SKIPPED,
+        EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, QC_RANGES, QF_RANGES, DQ_ATOMIC)
+
+
+@triton.jit
+def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
+                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                      sdob, sdoh, sdom, sdod,
+                      sbb, sbh, sbq, sbk, b_hdiv,
+                      sdbb, sdbh, sdbq, sdbk, db_hdiv,
+                      QC, QI, qc_sb, qc_sh, qc_hdiv, qc_W,
+                      QFC, QFI, qf_sb, qf_sh, qf_hdiv, qf_W,
+                      DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                      CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                      PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                      Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale,
+                      cap_log2,
+                      HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+                      N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                      ZERO_SKIPPED: tl.constexpr,
+                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      QC_RANGES: tl.constexpr, QF_RANGES: tl.constexpr,
+                      DQ_ATOMIC: tl.constexpr):
+    """One dK/dV program: key tile pid_n of (b, kv head) pid_bh = b * Hkv + kv head."""
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n0 = pid_n * BLOCK_N
@@ -485,6 +529,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
         DELh = DEL + (b64 * Hq + h64) * Lq
         Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
         DBh = DB + b64 * sdbb + (h // db_hdiv).to(tl.int64) * sdbh
+        DQAh = DQA + (b64 * Hq + h64) * Lq * D
         dbacc = tl.zeros([BLOCK_N], tl.float32)
         s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j,
                                                       Lk, N_RANGES, True)
@@ -493,25 +538,25 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV,
         dk, dv, dbacc = _bwd_kv_inner(
             dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
             Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
-            QI + row.to(tl.int64) * qc_W, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k,
-            qk_scale, cap_log2,
+            DQAh, QI + row.to(tl.int64) * qc_W, n_iters, SUB, Lq, Lk, D, kb, block_q,
+            block_k, scale, qk_scale, cap_log2,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             s0, e0, s1, e1, s2, e2, s3, e3,
             True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
-            BLOCK_M, QC_RANGES)
+            BLOCK_M, QC_RANGES, DQ_ATOMIC)
         row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
         n_iters = tl.load(QFC + row) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
             dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
             Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
-            QFI + row.to(tl.int64) * qf_W, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k,
-            qk_scale, cap_log2,
+            DQAh, QFI + row.to(tl.int64) * qf_W, n_iters, SUB, Lq, Lk, D, kb, block_q,
+            block_k, scale, qk_scale, cap_log2,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             s0, e0, s1, e1, s2, e2, s3, e3,
             False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
-            BLOCK_M, QF_RANGES)
+            BLOCK_M, QF_RANGES, DQ_ATOMIC)
         if DB_MODE == 3:
             tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
         if ZERO_SKIPPED:
@@ -625,8 +670,37 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    _bwd_dq_program(
+        tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+        sbb, sbh, sbq, sbk, b_hdiv, sdsb, sdsh, sdsq, sdsk,
+        KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W, KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+        Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, DQ_FROM_DS,
+        EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, KV_RANGES, KF_RANGES)
+
+
+@triton.jit
+def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
+                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                    sdob, sdoh, sdom, sdod,
+                    sbb, sbh, sbq, sbk, b_hdiv,
+                    sdsb, sdsh, sdsq, sdsk,
+                    KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W,
+                    KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+                    DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                    CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                    PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                    Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+                    N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                    DQ_FROM_DS: tl.constexpr,
+                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
+    """One dQ program: query tile pid_m of (b, query head) pid_bh = b * Hq + query head."""
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // G
@@ -733,6 +807,63 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
     return dq
 
 
+@triton.jit
+def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
+                         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                         sdob, sdoh, sdom, sdod,
+                         sbb, sbh, sbq, sbk, b_hdiv,
+                         sdbb, sdbh, sdbq, sdbk, db_hdiv,
+                         QC, QI, qc_sb, qc_sh, qc_hdiv, qc_W,
+                         QFC, QFI, qf_sb, qf_sh, qf_hdiv, qf_W,
+                         KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W,
+                         KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+                         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                         CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, SUB2, nQB,
+                         n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2,
+                         HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
+                         N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                         ZERO_SKIPPED: tl.constexpr, DB_COLSUM: tl.constexpr,
+                         EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
+                         EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr, EVEN_D: tl.constexpr,
+                         BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                         BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
+                         QC_RANGES: tl.constexpr, QF_RANGES: tl.constexpr,
+                         KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
+    """Both backward passes in one launch (FlexAttention's layout): grid (n_kv_tiles +
+    G * n_q_tiles, B * Hkv); programs below n_kv_tiles are dK/dV programs (tiles
+    BLOCK_M1 x BLOCK_N1), the rest dQ programs of the G query heads of that kv head
+    (BLOCK_M2 x BLOCK_N2). The dQ half recomputes P and dS, so it needs nothing from the
+    dK/dV half."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if pid < n_kv_tiles:
+        _bwd_dkdv_program(
+            pid, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQ,
+            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
+            sbb, sbh, sbq, sbk, b_hdiv, sdbb, sdbh, sdbq, sdbk, db_hdiv,
+            QC, QI, qc_sb, qc_sh, qc_hdiv, qc_W, QFC, QFI, qf_sb, qf_sh, qf_hdiv, qf_W,
+            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_MODE, ZERO_SKIPPED,
+            EVEN_M1, EVEN_N1, EVEN_D, BLOCK_M1, BLOCK_N1, BLOCK_D, QC_RANGES, QF_RANGES, False)
+    else:
+        p = pid - n_kv_tiles
+        # b * Hq + hk * G + g == (b * Hkv + hk) * G + g
+        _bwd_dq_program(
+            p % n_q_tiles, pid_bh * G + p // n_q_tiles, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
+            DQ, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+            sdob, sdoh, sdom, sdod, sbb, sbh, sbq, sbk, b_hdiv, 0, 0, 0, 0,
+            KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W, KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
+            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+            Hq, G, Lq, Lk, D, block_q, block_k, SUB2, scale, qk_scale, cap_log2,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, False,
+            EVEN_M2, EVEN_N2, EVEN_D, BLOCK_M2, BLOCK_N2, BLOCK_D, KV_RANGES, KF_RANGES)
+
+
 # ============================================================================ launchers
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -751,6 +882,15 @@ _INTERPRET_TILE = 32
 CONFIG_OVERRIDE = {}
 # dQ from the stored dS when a full-shape dbias is computed (see backward()).
 DQ_FROM_DS_ENABLED = True
+# Structure of the backward (alternatives kept to time them against each other):
+#   "two_pass":   dK/dV launch, then a dQ launch that recomputes P and dS (7 matmuls/tile).
+#   "one_launch": the same two kinds of programs in one launch (FlexAttention's layout);
+#                 two_pass where the dQ pass reads the stored dS (DQ_FROM_DS).
+#   "atomic_dq":  the dK/dV pass also adds dS @ K into a float32 dQ with atomics, no dQ
+#                 pass (FlashAttention-2; 5 matmuls/tile); two_pass when deterministic,
+#                 with a per-query-row bias gradient (summed in the dQ pass) or DQ_FROM_DS.
+BWD_MODES = ("two_pass", "one_launch", "atomic_dq")
+BWD_MODE = "two_pass"
 
 
 
@@ -1076,33 +1216,64 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
             db_hdiv = _head_div(Hb, Hq, Hkv, "bias")
             finish = lambda: acc32.to(bias.dtype)
 
-    common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-                   *c["bias"][1:])
-    # dK / dV pass
-    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k)
-    grid = (triton.cdiv(Lk, BN), B * Hkv)
-    _launch(_attn_bwd_dkdv, grid, (
-        query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv,
-        *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
-        Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
-        c["qk_scale"], c["cap_log2"]),
-        dict(**c["flags"], **c["q_ranges"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped,
-             EVEN_M=Lq % BM == 0,
-             EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
-    # dQ pass
-    BM, BN, warps, stages = _config("dq", c["BLOCK_D"], block_q, block_k, c["heavy"])
-    grid = (triton.cdiv(Lq, BM), B * Hq)
     # With dS stored per (b, h, i, j) by the dK/dV pass (full-shape dbias, no softcap), the
     # dQ pass is one matmul per tile, dQ = dS @ K, instead of recomputing P and dS.
     dq_from_ds = (db_mode == DB_STORE and float(softcap) <= 0 and DQ_FROM_DS_ENABLED
                   and db_ptr.dtype in (query.dtype, torch.float32))
-    ds_ptr, ds_strides = (db_ptr, db_strides) if dq_from_ds else (c["dummy"], (0, 0, 0, 0))
-    _launch(_attn_bwd_dq, grid, (
-        query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq, ds_ptr,
-        *common_args, *ds_strides, *c["kv"], *c["kf"], *c["preds"],
-        Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN, scale, c["qk_scale"], c["cap_log2"]),
-        dict(**c["flags"], **c["kv_ranges"], DB_COLSUM=db_colsum, DQ_FROM_DS=dq_from_ds,
-             EVEN_M=Lq % BM == 0,
+    if BWD_MODE not in BWD_MODES:
+        raise ValueError(f"triton: BWD_MODE {BWD_MODE!r} not one of {BWD_MODES}")
+    mode = BWD_MODE
+    if mode == "one_launch" and dq_from_ds:
+        mode = "two_pass"
+    if mode == "atomic_dq" and (deterministic or db_colsum or dq_from_ds):
+        mode = "two_pass"
+
+    common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+                   *c["bias"][1:])
+    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k)
+    n_kv_tiles = triton.cdiv(Lk, BN)
+    dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)
+    # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
+    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, c["heavy"])
+    n_q_tiles = triton.cdiv(Lq, BM2)
+    if mode == "one_launch":
+        _launch(_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (
+            query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv, dbq_ptr,
+            dq, *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["kv"], *c["kf"],
+            *c["preds"], Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM,
+            block_k // BN2, -(-Lq // block_q), n_kv_tiles, n_q_tiles, scale, c["qk_scale"],
+            c["cap_log2"]),
+            dict(**dkdv_flags, **c["q_ranges"], **c["kv_ranges"], DB_COLSUM=db_colsum,
+                 EVEN_M1=Lq % BM == 0, EVEN_N1=Lk % BN == 0, EVEN_M2=Lq % BM2 == 0,
+                 EVEN_N2=Lk % BN2 == 0, BLOCK_M1=BM, BLOCK_N1=BN, BLOCK_M2=BM2, BLOCK_N2=BN2,
+                 BLOCK_D=c["BLOCK_D"]), warps, stages)
+        dbias = finish() if want_dbias else query.new_empty((0,))
+        return dq, dk, dv, dbias
+
+    dq_atomic = mode == "atomic_dq"
+    # float32 dQ accumulated by the dK/dV pass's atomics; rows no tile reaches stay zero
+    dqa = (torch.zeros((B, Hq, Lq, D), dtype=torch.float32, device=device) if dq_atomic
+           else c["dummy"])
+    # dK / dV pass
+    _launch(_attn_bwd_dkdv, (n_kv_tiles, B * Hkv), (
+        query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv, dqa,
+        *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
+        Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
+        c["qk_scale"], c["cap_log2"]),
+        dict(**dkdv_flags, **c["q_ranges"], DQ_ATOMIC=dq_atomic, EVEN_M=Lq % BM == 0,
              EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
+    if dq_atomic:
+        dq = dqa.to(query.dtype)
+    else:
+        # dQ pass
+        ds_ptr, ds_strides = (db_ptr, db_strides) if dq_from_ds else (c["dummy"], (0, 0, 0, 0))
+        _launch(_attn_bwd_dq, (n_q_tiles, B * Hq), (
+            query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq, ds_ptr,
+            *common_args, *ds_strides, *c["kv"], *c["kf"], *c["preds"],
+            Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c["qk_scale"],
+            c["cap_log2"]),
+            dict(**c["flags"], **c["kv_ranges"], DB_COLSUM=db_colsum, DQ_FROM_DS=dq_from_ds,
+                 EVEN_M=Lq % BM2 == 0, EVEN_N=Lk % BN2 == 0, BLOCK_M=BM2, BLOCK_N=BN2,
+                 BLOCK_D=c["BLOCK_D"]), warps2, stages2)
     dbias = finish() if want_dbias else query.new_empty((0,))
     return dq, dk, dv, dbias

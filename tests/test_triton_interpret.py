@@ -317,3 +317,109 @@ def test_many_column_ranges(n_ranges):
         do, None, q, k, v, got[0], got[1], None, *mt, *args, "triton", False, False)
     for a, r in zip(ggot[:3], gref[:3]):
         torch.testing.assert_close(a.double(), r, atol=3e-4, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- backward modes
+
+def _spy_backward_launches(monkeypatch):
+    """Record (kernel, constexpr kwargs) of every backward launch through _launch."""
+    seen = []
+    launch = triton_block._launch
+
+    def spy(kernel, grid, args, kwargs, warps, stages):
+        if kernel is not triton_block._attn_fwd:
+            seen.append((kernel, kwargs))
+        return launch(kernel, grid, args, kwargs, warps, stages)
+    monkeypatch.setattr(triton_block, "_launch", spy)
+    return seen
+
+
+def _doc_cr(B, Hkv, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, L + 1, (B, Hkv, L, 2), generator=g).sort(-1).values
+
+
+# name -> (B, Hq, Hkv, Lq, Lk, D, mask, bias shape or None, softcap)
+BWD_MODE_CASES = {
+    "causal": (1, 2, 1, 64, 64, 32, lambda: M.causal(), None, None),
+    "document": (1, 2, 1, 70, 70, 32, lambda: M.document([30, 17, 23]), None, None),
+    "column_ranges": (1, 2, 2, 64, 64, 32,
+                      lambda: M.column_ranges(_doc_cr(1, 2, 64, 3), causal=True), None, None),
+    # non-causal C=2 masks rows >= LTS and rows < UTE: LTS >= UTE leaves the band [UTE, LTS)
+    "gqa": (2, 4, 2, 60, 60, 32,
+            lambda: M.column_ranges(_doc_cr(1, 2, 60, 4).flip(-1), causal=False), None, None),
+    "odd 45": (1, 2, 2, 45, 45, 32, lambda: M.causal(), None, None),
+    "odd 45x83, D=40": (1, 2, 1, 45, 83, 40, lambda: M.sliding_window(30), None, None),
+    # full-shape bias: dbias stored by the dK/dV pass (softcap keeps dQ recomputed)
+    "softcap + full bias": (1, 2, 1, 70, 70, 32, lambda: M.document([30, 40]), (1, 2, 70, 70),
+                            4.0),
+    "bias (1, Hkv) atomics": (2, 4, 2, 50, 50, 32, lambda: M.causal(), (1, 2, 50, 50), None),
+    "bias row (dbias summed over queries)": (1, 2, 1, 50, 50, 32, lambda: M.causal(),
+                                             (1, 2, 1, 50), None),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_MODE_CASES))
+@pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
+def test_bwd_modes(mode, case, monkeypatch):
+    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+    seen = _spy_backward_launches(monkeypatch)
+    B, Hq, Hkv, Lq, Lk, D, mask, bshape, softcap = BWD_MODE_CASES[case]
+    bias = None if bshape is None else rand(*bshape, gen=torch.Generator().manual_seed(Lq))
+    check(*qkv(B, Hq, Hkv, Lq, Lk, D, seed=Lq + Lk), mask(), bias, softcap=softcap)
+    if mode == "one_launch":
+        assert [k for k, _ in seen] == [triton_block._attn_bwd_one_launch]
+    else:
+        assert [(k, kw["DQ_ATOMIC"]) for k, kw in seen] == [(triton_block._attn_bwd_dkdv, True)]
+
+
+@pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
+def test_bwd_modes_sub_tiles(mode, monkeypatch):
+    """Tiles smaller than the descriptor blocks, different in the dK/dV and dQ halves."""
+    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+    monkeypatch.setattr(triton_block, "CONFIG_OVERRIDE",
+                        {"fwd": (16, 32, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)})
+    mask = _masks(1, 1, 97)["bits (or_ causal|dense)"]
+    check(*qkv(1, 2, 1, 97, 97, 32, seed=3), mask, block=(32, 64))
+
+
+@pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
+def test_bwd_modes_fully_masked_rows(mode, monkeypatch):
+    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+    B, Hq, Hkv, L = 1, 2, 1, 70
+    dm = torch.rand(B, Hq, L, L, generator=torch.Generator().manual_seed(2)) < 0.5
+    dm[:, :, 10:40] = False
+    dm[:, 1, :, :] = False
+    got = check(*qkv(B, Hq, Hkv, L, L, 32), M.dense(dm), rand(1, 1, L, L))
+    dq, dk, dv, db = got[2:]
+    assert torch.all(dq[:, :, 10:40] == 0) and torch.all(dq[:, 1] == 0)
+    assert torch.all(db[:, :, 10:40] == 0)
+
+
+@pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
+def test_bwd_modes_float16(mode, monkeypatch):
+    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+    B, Hq, Hkv, L = 1, 4, 2, 97
+    g = torch.Generator().manual_seed(8)
+    check(*qkv(B, Hq, Hkv, L, L, 64, seed=8), _masks(B, Hkv, L)["document"],
+          rand(1, Hkv, L, L, gen=g), dtype=torch.float16)
+
+
+# (mode, bias shape, softcap, deterministic): cases that must run the two-pass kernels
+BWD_MODE_FALLBACKS = [
+    ("atomic_dq", None, None, True),              # atomics are not deterministic
+    ("atomic_dq", (1, 2, 50, 1), None, False),    # dbias summed over keys in the dQ pass
+    ("atomic_dq", (1, 2, 50, 50), None, False),   # dQ from the stored dS
+    ("one_launch", (1, 2, 50, 50), None, False),  # dQ from the stored dS
+]
+
+
+@pytest.mark.parametrize("mode,bshape,softcap,deterministic", BWD_MODE_FALLBACKS)
+def test_bwd_mode_fallbacks(mode, bshape, softcap, deterministic, monkeypatch):
+    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+    seen = _spy_backward_launches(monkeypatch)
+    bias = None if bshape is None else rand(*bshape, gen=torch.Generator().manual_seed(5))
+    check(*qkv(1, 2, 1, 50, 50, 32), M.causal(), bias, softcap=softcap,
+          deterministic=deterministic)
+    assert [(k, kw.get("DQ_ATOMIC")) for k, kw in seen] == [
+        (triton_block._attn_bwd_dkdv, False), (triton_block._attn_bwd_dq, None)]
