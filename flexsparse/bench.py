@@ -2,8 +2,9 @@
 
     python -m flexsparse.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
                                [--no-flex] [--no-sdpa] [--no-indices] [--repeat N]
-                               [--bwd {direct,subtract}] [--sweep] [--profile]
-                               [--bwd-mode {two_pass,one_launch,atomic_dq,all}]
+                               [--bwd {direct,subtract}] [--sweep [--sweep-passes P]]
+                               [--profile]
+                               [--bwd-mode {auto,two_pass,one_launch,atomic_dq,all}]
 
 bf16, H=16 (Hq = Hkv), B*L = 16K tokens. Times are medians of triton.testing.do_bench.
 Forward: the call on inputs without grad. Backward, timed directly for all three: one
@@ -29,8 +30,9 @@ diagonal) at L = 8K and 16K, hd128 (full and causal also hd64), and causal + ful
 through the op's backward on a saved (out, lse)); `--profile` prints torch.profiler
 kernel times of our forward+backward steps.
 
-`--bwd-mode` picks the structure of our backward (`triton_block.BWD_MODE`): two_pass
-(default), one_launch or atomic_dq; `all` times our backward in each mode in the same run
+`--bwd-mode` picks the structure of our backward (`triton_block.BWD_MODE`): auto
+(default: one_launch for head dims > 64, else two_pass), two_pass, one_launch or
+atomic_dq; `all` times our backward in each mode in the same run
 (extra columns "ours bwd <mode>"; the sweep and the profile run once per mode). Where a
 mode does not apply it runs two_pass: both new modes do on the causal_bias row (its dQ
 pass reads the stored dS), atomic_dq also with deterministic=True.
@@ -45,7 +47,7 @@ import time
 
 import torch
 
-BWD_MODES = ("two_pass", "one_launch", "atomic_dq")
+BWD_MODES = ("auto", "two_pass", "one_launch", "atomic_dq")
 H = 16
 TOKENS = 16384
 DTYPE = torch.bfloat16
@@ -339,7 +341,7 @@ def format_row(r, extra_modes=()):
             + "".join(f" {_bwd_cell(r, _ours(m))} |" for m in extra_modes))
 
 
-def method_line(bwd="direct", repeat=1, bwd_mode="two_pass"):
+def method_line(bwd="direct", repeat=1, bwd_mode="auto"):
     """How the numbers were taken, one line (printed above the table header)."""
     if bwd == "direct":
         how = ("backward timed directly: autograd.grad over a retained graph, its forward "
@@ -347,11 +349,11 @@ def method_line(bwd="direct", repeat=1, bwd_mode="two_pass"):
     else:
         how = "backward = (fwd+bwd) - fwd"
     runs = f"median of {repeat} runs of " if repeat > 1 else ""
-    mode = "" if bwd_mode == "two_pass" else f" Our backward: BWD_MODE={bwd_mode}."
+    mode = "" if bwd_mode == "auto" else f" Our backward: BWD_MODE={bwd_mode}."
     return f"Times: {runs}the do_bench median; {how}.{mode}"
 
 
-def format_table(rows, bwd="direct", repeat=1, bwd_mode="two_pass", extra_modes=()):
+def format_table(rows, bwd="direct", repeat=1, bwd_mode="auto", extra_modes=()):
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     title = (f"Effective TFLOP/s (visible entries only), bf16, H={H}, B*L={TOKENS // 1024}K "
              f"tokens, median of do_bench ({dev}, torch {torch.__version__})")
@@ -371,10 +373,10 @@ SWEEP = {
 }
 
 
-def sweep(cases, log=print, modes=("two_pass",)):
+def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq")):
     """Time each pass of our kernels alone for candidate (BM, BN, warps, stages); the
     backward passes once per backward mode in `modes` (atomic_dq has no dQ pass; one_launch
-    takes warps / stages from the dkdv config)."""
+    takes warps / stages from the dkdv config). `passes` limits which passes are swept."""
     from flexsparse.ops import triton_block as tb
     for kind, L, D in cases:
         B = max(1, TOKENS // L)
@@ -387,10 +389,10 @@ def sweep(cases, log=print, modes=("two_pass",)):
         scale = 1 / math.sqrt(D)
         flops = 4.0 * D * desc.num_visible(batch=B)
         out, lse = tb.forward(q, k, v, None, mt, 128, 128, scale, 0.0, False)
-        passes = [("fwd", None)] + [(which, mode) for mode in modes for which in ("dkdv", "dq")
-                                    if not (mode == "atomic_dq" and which == "dq")]
-        for which, mode in passes:
-            tag = "" if mode in (None, "two_pass") else f" [{mode}]"
+        todo = [("fwd", None)] + [(which, mode) for mode in modes for which in ("dkdv", "dq")
+                                  if not (mode == "atomic_dq" and which == "dq")]
+        for which, mode in [(w, m) for w, m in todo if w in passes]:
+            tag = "" if mode in (None, "auto") else f" [{mode}]"
             for cfg in SWEEP[which]:
                 tb.CONFIG_OVERRIDE.clear()
                 tb.CONFIG_OVERRIDE[which] = cfg
@@ -518,7 +520,9 @@ def main(argv=None):
     ap.add_argument("--bwd", choices=("direct", "subtract"), default="direct",
                     help="backward timing: 'direct' (default) times autograd.grad alone over a "
                          "retained graph; 'subtract' takes (fwd+bwd) - fwd (the old method)")
-    ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="two_pass",
+    ap.add_argument("--sweep-passes", default="fwd,dkdv,dq",
+                    help="with --sweep: which passes to sweep (comma list of fwd, dkdv, dq)")
+    ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="auto",
                     help="structure of our backward (triton_block.BWD_MODE); 'all' times "
                          "each mode in the same run (extra columns)")
     args = ap.parse_args(argv)
@@ -539,10 +543,10 @@ def main(argv=None):
     if args.profile:
         for mode in modes:
             with _bwd_mode(mode):
-                profile(rows, log=log, tag="" if mode == "two_pass" else f" [{mode}]")
+                profile(rows, log=log, tag="" if mode == "auto" else f" [{mode}]")
         return 0
     if args.sweep:
-        sweep(rows, log=log, modes=modes)
+        sweep(rows, log=log, modes=modes, passes=tuple(args.sweep_passes.split(",")))
     results = []
     print(method_line(args.bwd, args.repeat, bwd_mode), flush=True)
     print(header(extra_modes), flush=True)

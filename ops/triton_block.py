@@ -23,6 +23,8 @@ G or 1. Batch dims of size 1 get stride 0.
 """
 import math
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -61,7 +63,7 @@ def _load_tile(ptrs, r_ok, c_ok, NEED_R: tl.constexpr, NEED_C: tl.constexpr):
 
 @triton.jit
 def _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j, Lk,
-                 N_RANGES: tl.constexpr, ACTIVE: tl.constexpr):
+                 N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, ACTIVE: tl.constexpr):
     """Column ranges of key columns j (up to 4 intervals) as vectors: hoisted out of the
     dK/dV loop (j is fixed there); loaded per tile in the forward and dQ loops (prefetching
     them one iteration ahead by hand made the H100 loop about 2x slower)."""
@@ -77,18 +79,42 @@ def _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j, Lk,
     if ACTIVE and N_RANGES > 0 and N_RANGES <= 4:
         ok = j < Lk
         base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
-        s0 = tl.load(base, mask=ok, other=0)
-        e0 = tl.load(base + 1, mask=ok, other=0)
+        s0, e0 = _slot_load(base, ok, z, CR_KINDS & 3)
         if N_RANGES > 1:
-            s1 = tl.load(base + 2, mask=ok, other=0)
-            e1 = tl.load(base + 3, mask=ok, other=0)
+            s1, e1 = _slot_load(base + 2, ok, z, (CR_KINDS >> 2) & 3)
         if N_RANGES > 2:
-            s2 = tl.load(base + 4, mask=ok, other=0)
-            e2 = tl.load(base + 5, mask=ok, other=0)
+            s2, e2 = _slot_load(base + 4, ok, z, (CR_KINDS >> 4) & 3)
         if N_RANGES > 3:
-            s3 = tl.load(base + 6, mask=ok, other=0)
-            e3 = tl.load(base + 7, mask=ok, other=0)
+            s3, e3 = _slot_load(base + 6, ok, z, (CR_KINDS >> 6) & 3)
     return s0, e0, s1, e1, s2, e2, s3, e3
+
+
+# Column-range slot kinds (2 bits per slot in CR_KINDS, see _slot_kinds): a slot whose
+# starts are all 0 masks rows [0, e) ("upper"), one whose ends are all Lq masks [s, Lq)
+# ("lower"): one bound to load and one compare per element instead of two and three.
+KIND_GENERAL, KIND_UPPER, KIND_LOWER = 0, 1, 2
+
+
+@triton.jit
+def _slot_load(ptr, ok, z, KIND: tl.constexpr):
+    s = z
+    e = z
+    if KIND != 1:
+        s = tl.load(ptr, mask=ok, other=0)
+    if KIND != 2:
+        e = tl.load(ptr + 1, mask=ok, other=0)
+    return s, e
+
+
+@triton.jit
+def _slot_visible(i, s, e, KIND: tl.constexpr):
+    if KIND == 1:
+        v = i >= e
+    elif KIND == 2:
+        v = i < s
+    else:
+        v = (i < s) | (i >= e)
+    return v
 
 
 @triton.jit
@@ -97,22 +123,31 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q, block_k, b, h,
              CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
              s0, e0, s1, e1, s2, e2, s3, e3,
-             HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr):
+             HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
+             HAS_BITS: tl.constexpr, CHECK_I: tl.constexpr, CHECK_J: tl.constexpr):
     """Element visibility inside a partial block; i, j broadcastable index tiles.
-    s0..e3: the prefetched column ranges (shaped like j) when 1 <= N_RANGES <= 4."""
-    vis = (i < Lq) & (j < Lk)
+    s0..e3: the prefetched column ranges (shaped like j) when 1 <= N_RANGES <= 4.
+    CHECK_I / CHECK_J: the caller needs rows >= Lq / columns >= Lk hidden (they are, also,
+    whenever a predicate is loaded); where padded rows or columns cannot change a stored
+    result the compares are left out."""
+    if N_RANGES > 0 and N_RANGES <= 4:
+        vis = _slot_visible(i, s0, e0, CR_KINDS & 3)
+        if N_RANGES > 1:
+            vis = vis & _slot_visible(i, s1, e1, (CR_KINDS >> 2) & 3)
+        if N_RANGES > 2:
+            vis = vis & _slot_visible(i, s2, e2, (CR_KINDS >> 4) & 3)
+        if N_RANGES > 3:
+            vis = vis & _slot_visible(i, s3, e3, (CR_KINDS >> 6) & 3)
+        if CHECK_I or HAS_DM or HAS_BITS:
+            vis = vis & (i < Lq)
+        if CHECK_J or HAS_DM or HAS_BITS:
+            vis = vis & (j < Lk)
+    else:
+        vis = (i < Lq) & (j < Lk)
     if HAS_DM:
         d = tl.load(DM + b * dm_sb + (h // dm_hdiv) * dm_sh + i * dm_sq + j * dm_sk,
                     mask=vis, other=0)
         vis = vis & (d != 0)
-    if N_RANGES > 0 and N_RANGES <= 4:
-        vis = vis & ((i < s0) | (i >= e0))
-        if N_RANGES > 1:
-            vis = vis & ((i < s1) | (i >= e1))
-        if N_RANGES > 2:
-            vis = vis & ((i < s2) | (i >= e2))
-        if N_RANGES > 3:
-            vis = vis & ((i < s3) | (i >= e3))
     if N_RANGES > 4:
         base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
         j_ok = j < Lk
@@ -189,7 +224,7 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-               PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+               PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                RANGES: tl.constexpr):
@@ -212,14 +247,14 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
             s += bias.to(tl.float32) * 1.4426950408889634
         if PARTIAL:
             s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
-                                                          h, j, Lk, N_RANGES, True)
+                                                          h, j, Lk, N_RANGES, CR_KINDS, True)
             vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                            s0[None, :], e0[None, :], s1[None, :], e1[None, :],
                            s2[None, :], e2[None, :], s3[None, :], e3[None, :],
-                           HAS_DM, N_RANGES, HAS_BITS)
+                           HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
             s = tl.where(vis, s, float("-inf"))
 
         elif not EVEN_N:
@@ -249,7 +284,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
               Hq, G, Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-              N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr,
+              N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
@@ -286,7 +321,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
+        True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KV_RANGES)
     row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
     n_iters = tl.load(KFC + row) * SUB
@@ -296,7 +331,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
+        False, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KF_RANGES)
 
     empty = l_i == 0.0
@@ -380,7 +415,7 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                   s0, e0, s1, e1, s2, e2, s3, e3,
-                  PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+                  PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
                   HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                   DB_MODE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, RANGES: tl.constexpr, DQ_ATOMIC: tl.constexpr):
@@ -420,7 +455,7 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                            s0[:, None], e0[:, None], s1[:, None], e1[:, None],
                            s2[:, None], e2[:, None], s3[:, None], e3[:, None],
-                           HAS_DM, N_RANGES, HAS_BITS)
+                           HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, False)
             pT = tl.where(vis, pT, 0.0)
         do = _load_tile(DOh + i[:, None] * sdm + offs_d[None, :] * sdd, i_ok[:, None], d_ok,
                         not EVEN_M, not EVEN_D)
@@ -463,7 +498,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
                    PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                    Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                   N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                   N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
                    ZERO_SKIPPED: tl.constexpr,
                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -477,7 +512,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
-        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_MODE, ZERO_SKIPPED,
+        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
         EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, QC_RANGES, QF_RANGES, DQ_ATOMIC)
 
 
@@ -495,7 +530,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
                       Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale,
                       cap_log2,
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                      N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                      N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
                       ZERO_SKIPPED: tl.constexpr,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -532,7 +567,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
         DQAh = DQA + (b64 * Hq + h64) * Lq * D
         dbacc = tl.zeros([BLOCK_N], tl.float32)
         s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j,
-                                                      Lk, N_RANGES, True)
+                                                      Lk, N_RANGES, CR_KINDS, True)
         row = b * qc_sb + (h // qc_hdiv) * qc_sh + kb
         n_iters = tl.load(QC + row) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
@@ -543,7 +578,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             s0, e0, s1, e1, s2, e2, s3, e3,
-            True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
+            True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
             BLOCK_M, QC_RANGES, DQ_ATOMIC)
         row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
         n_iters = tl.load(QFC + row) * SUB
@@ -555,7 +590,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             s0, e0, s1, e1, s2, e2, s3, e3,
-            False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
+            False, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
             BLOCK_M, QF_RANGES, DQ_ATOMIC)
         if DB_MODE == 3:
             tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
@@ -583,7 +618,7 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                  CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                  PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                 PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+                 PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                  DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, RANGES: tl.constexpr):
@@ -610,14 +645,14 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
         p = tl.math.exp2(s - lse2[:, None])
         if PARTIAL:
             s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
-                                                          h, j, Lk, N_RANGES, True)
+                                                          h, j, Lk, N_RANGES, CR_KINDS, True)
             vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
                            DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                            CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                            PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                            s0[None, :], e0[None, :], s1[None, :], e1[None, :],
                            s2[None, :], e2[None, :], s3[None, :], e3[None, :],
-                           HAS_DM, N_RANGES, HAS_BITS)
+                           HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
             p = tl.where(vis, p, 0.0)
 
         elif not EVEN_N:
@@ -665,7 +700,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                  Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                 N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                 N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
                  DQ_FROM_DS: tl.constexpr,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -678,7 +713,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
         Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
-        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, DQ_FROM_DS,
+        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, DQ_FROM_DS,
         EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, KV_RANGES, KF_RANGES)
 
 
@@ -695,7 +730,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                     PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                     Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
                     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                    N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                    N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
                     DQ_FROM_DS: tl.constexpr,
                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -740,7 +775,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
-            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N, EVEN_D,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N, EVEN_D,
             BLOCK_M, BLOCK_N, KV_RANGES, KF_RANGES)
     dq = dq * scale
     o = rbase * D + i[:, None] * D + offs_d[None, :]
@@ -761,7 +796,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
                       PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                       Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                      N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
+                      N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
@@ -789,7 +824,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        True, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N,
+        True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N,
         KV_RANGES)
     row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
     n_iters = tl.load(KFC + row) * SUB
@@ -800,7 +835,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         qk_scale, cap_log2,
         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-        False, HAS_DM, N_RANGES, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N,
+        False, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N,
         KF_RANGES)
     if DB_COLSUM:
         tl.store(DBQ + rbase + i, dbacc, mask=i_ok)
@@ -823,7 +858,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
                          Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, SUB2, nQB,
                          n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2,
                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                         N_RANGES: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
+                         N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
                          ZERO_SKIPPED: tl.constexpr, DB_COLSUM: tl.constexpr,
                          EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
                          EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr, EVEN_D: tl.constexpr,
@@ -847,7 +882,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
-            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_MODE, ZERO_SKIPPED,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
             EVEN_M1, EVEN_N1, EVEN_D, BLOCK_M1, BLOCK_N1, BLOCK_D, QC_RANGES, QF_RANGES, False)
     else:
         p = pid - n_kv_tiles
@@ -860,7 +895,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
             DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
             Hq, G, Lq, Lk, D, block_q, block_k, SUB2, scale, qk_scale, cap_log2,
-            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, HAS_BITS, DB_COLSUM, False,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, False,
             EVEN_M2, EVEN_N2, EVEN_D, BLOCK_M2, BLOCK_N2, BLOCK_D, KV_RANGES, KF_RANGES)
 
 
@@ -889,8 +924,12 @@ DQ_FROM_DS_ENABLED = True
 #   "atomic_dq":  the dK/dV pass also adds dS @ K into a float32 dQ with atomics, no dQ
 #                 pass (FlashAttention-2; 5 matmuls/tile); two_pass when deterministic,
 #                 with a per-query-row bias gradient (summed in the dQ pass) or DQ_FROM_DS.
-BWD_MODES = ("two_pass", "one_launch", "atomic_dq")
-BWD_MODE = "two_pass"
+#   "auto":       one_launch for head dims > 64, else two_pass. H100, same run as Flex
+#                 (docs/perf-notes.md change 6): one_launch +5-15% over two_pass on hd128
+#                 (sliding 8K 231 -> 266 TFLOP/s, full 16K 359 -> 395), -2-4% on hd64;
+#                 atomic_dq below two_pass on both but sliding.
+BWD_MODES = ("auto", "two_pass", "one_launch", "atomic_dq")
+BWD_MODE = "auto"
 
 
 
@@ -931,23 +970,11 @@ def _pow2_divisor(pref: int, block: int) -> int:
 # windows). H100 sweep (docs/perf-notes.md): forward 128x128 tiles with 2 stages beat 128x64 with
 # 3 stages by 5-10% there (sliding 8K 258 -> 283 TFLOP/s); dQ keeps 64-wide key tiles.
 _PARTIAL_HEAVY_CONFIGS = {"fwd": {128: (128, 128, 8, 2)}, "dq": {128: (128, 64, 8, 2)}}
-_HEAVY_CACHE = {}
-
-
 def _partial_heavy(kv_count, kv_full_count) -> bool:
-    """More than ~1/6 of the visited blocks partial? Cached per count tensors (one host sync
-    the first time a descriptor is seen; never while a CUDA graph is being captured)."""
-    key = (kv_count.data_ptr(), kv_count._version, kv_full_count.data_ptr(),
-           kv_full_count._version, tuple(kv_count.shape))
-    hit = _HEAVY_CACHE.get(key)
-    if hit is None:
-        if kv_count.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        hit = int(kv_count.sum()) * 5 > int(kv_full_count.sum())
-        if len(_HEAVY_CACHE) > 1024:
-            _HEAVY_CACHE.clear()
-        _HEAVY_CACHE[key] = hit
-    return hit
+    """More than ~1/6 of the visited blocks partial? (one host sync per descriptor)"""
+    def partial_heavy():
+        return int(kv_count.sum()) * 5 > int(kv_full_count.sum())
+    return bool(_cached_fact((kv_count, kv_full_count), partial_heavy))
 
 
 def _config(kind, D_pad, block_q, block_k, heavy=False):
@@ -1034,7 +1061,7 @@ def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
             _head_div(Hd, Hq, Hkv, what), row), ranges
 
 
-def _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8):
+def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8):
     """Element-predicate arguments (shared by all kernels) and their constexpr flags."""
     dm = mask.dense_mask
     if dm is not None:
@@ -1065,8 +1092,49 @@ def _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8):
                    _head_div(Hd, Hq, Hkv, "partial_bits_index"), pb, bq * nw, nw)
     else:
         pb_args = (dummy_i32, 0, 0, 0, 1, dummy_i32, 0, 0)
-    flags = dict(HAS_DM=dm is not None, N_RANGES=n_ranges, HAS_BITS=has_bits)
+    kinds = _slot_kinds(cr, Lq) if 0 < n_ranges <= 4 else 0
+    flags = dict(HAS_DM=dm is not None, N_RANGES=n_ranges, CR_KINDS=kinds, HAS_BITS=has_bits)
     return dm_args + cr_args + pb_args, flags
+
+
+_FACTS = {}
+
+
+def _cached_fact(tensors, compute):
+    """compute() once per set of tensor objects (and their versions): host syncs happen the
+    first time a descriptor is seen, never while a CUDA graph is captured (then None).
+    Keyed by identity through weak references, not by address: a freed descriptor's
+    address is soon reused by the next one, and an address key answered for the wrong mask."""
+    key = (compute.__name__,) + tuple(id(t) for t in tensors)
+    entry = _FACTS.get(key)
+    versions = tuple(t._version for t in tensors)
+    if (entry is not None and all(r() is t for r, t in zip(entry[0], tensors))
+            and entry[1] == versions):
+        return entry[2]
+    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    value = compute()
+    if len(_FACTS) > 1024:
+        _FACTS.clear()
+    _FACTS[key] = ([weakref.ref(t) for t in tensors], versions, value)
+    return value
+
+
+def _slot_kinds(cr, Lq) -> int:
+    """CR_KINDS: per slot r (2 bits at 2r) KIND_UPPER if every start is 0, KIND_LOWER if
+    every end is Lq, else KIND_GENERAL (one host sync per column-range tensor)."""
+    def slot_kinds():
+        m = cr.shape[-1] // 2
+        flat = cr.reshape(-1, m, 2)
+        starts_zero, ends_lq = torch.stack([(flat[..., 0] == 0).all(0),
+                                            (flat[..., 1] == Lq).all(0)]).tolist()
+        code = 0
+        for r in range(m):
+            kind = KIND_UPPER if starts_zero[r] else (KIND_LOWER if ends_lq[r] else KIND_GENERAL)
+            code |= kind << (2 * r)
+        return code
+    code = _cached_fact((cr,), slot_kinds) if cr.numel() else 0
+    return code if code is not None else 0
 
 
 def _bias_args(bias, Hq, Hkv, dummy):
@@ -1092,7 +1160,7 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
     qc, qc_r = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
     qf, qf_r = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index",
                           dummy_i32)
-    preds, flags = _pred_args(mask, Hq, Hkv, dummy_i32, dummy_u8)
+    preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8)
     bias_args = _bias_args(bias, Hq, Hkv, dummy_i32)
     softcap = float(softcap)
     if softcap > 0:
@@ -1223,6 +1291,8 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     if BWD_MODE not in BWD_MODES:
         raise ValueError(f"triton: BWD_MODE {BWD_MODE!r} not one of {BWD_MODES}")
     mode = BWD_MODE
+    if mode == "auto":
+        mode = "one_launch" if c["BLOCK_D"] > 64 else "two_pass"
     if mode == "one_launch" and dq_from_ds:
         mode = "two_pass"
     if mode == "atomic_dq" and (deterministic or db_colsum or dq_from_ds):

@@ -45,12 +45,13 @@ if want scale && [ -f tests/gpu/scale.py ]; then
   echo "scale rc=$?"
 fi
 # Tuning aids, not part of "all": per-pass tile sweeps and per-kernel profiles.
-#   SWEEP_ROWS=sliding@8192,document@8192 bash tests/gpu.sh sweep
+#   SWEEP_ROWS=sliding@8192,document@8192 SWEEP_PASSES=dkdv,dq SWEEP_INDICES=0 bash tests/gpu.sh sweep
 #   PROFILE_ROWS=document@8192 bash tests/gpu.sh profile
 if [[ " $parts " == *" sweep "* ]]; then
   timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench --sweep --rows "${SWEEP_ROWS:-causal@8192}" \
-    --no-flex --no-sdpa --no-indices 2>&1 | grep -E "^sweep" | tee "$OUT/sweep.log"
-  timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tail -40 \
+    --sweep-passes "${SWEEP_PASSES:-fwd,dkdv,dq}" --no-flex --no-sdpa --no-indices 2>&1 \
+    | grep -E "^sweep" | tee "$OUT/sweep.log"
+  [ "${SWEEP_INDICES:-1}" = 0 ] || timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tail -40 \
     | tee "$OUT/sweep_indices.log"
 fi
 if [[ " $parts " == *" profile "* ]]; then

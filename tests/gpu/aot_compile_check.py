@@ -1,4 +1,4 @@
-"""Compile the alternative backward kernels (BWD_MODE one_launch / atomic_dq) for sm_90
+"""Compile the block kernels (forward; backward dK/dV with atomic dQ; one_launch) for sm_90
 ahead of time, without a GPU: the interpreter accepts things the GPU compiler rejects.
 
     python tests/gpu/aot_compile_check.py
@@ -93,14 +93,26 @@ def main():
         ("lists only, even", dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=0,
                                   HAS_BITS=False, DB_MODE=tb.DB_NONE, ZERO_SKIPPED=False,
                                   EVEN_D=True, BLOCK_D=D_PAD, QC_RANGES=0, QF_RANGES=0,
-                                  KV_RANGES=0, KF_RANGES=0), True),
+                                  KV_RANGES=0, KF_RANGES=0, CR_KINDS=0), True),
+        ("causal-like col range, slot kind upper (starts all 0)",
+         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=1, HAS_BITS=False,
+              DB_MODE=tb.DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
+              QC_RANGES=4, QF_RANGES=4, KV_RANGES=4, KF_RANGES=4,
+              CR_KINDS=tb.KIND_UPPER), True),
         ("col ranges (range-form lists), bias + atomic dbias, softcap, ragged",
          dict(HAS_BIAS=True, SOFTCAP=True, HAS_DM=True, N_RANGES=2, HAS_BITS=True,
               DB_MODE=tb.DB_ATOMIC, ZERO_SKIPPED=False, EVEN_D=False, BLOCK_D=D_PAD,
-              QC_RANGES=4, QF_RANGES=4, KV_RANGES=4, KF_RANGES=4), False),
+              QC_RANGES=4, QF_RANGES=4, KV_RANGES=4, KF_RANGES=4,
+              CR_KINDS=tb.KIND_UPPER | (tb.KIND_LOWER << 2)), False),
     ]
+    BM0, BN0, W0, S0 = tb._GPU_CONFIGS["fwd"][D_PAD]
     ok = True
     for label, flags, even in variants:
+        fwd = {k: flags[k] for k in ("HAS_BIAS", "SOFTCAP", "HAS_DM", "N_RANGES", "CR_KINDS",
+                                     "HAS_BITS", "EVEN_D", "BLOCK_D", "KV_RANGES", "KF_RANGES")}
+        fwd.update(EVEN_M=even, EVEN_N=even, BLOCK_M=BM0, BLOCK_N=BN0)
+        ok &= compile_one(f"_attn_fwd [{label}] ({BM0}x{BN0}, {W0} warps, {S0} stages)",
+                          tb._attn_fwd, fwd, W0, S0)
         dkdv = dict(flags, DQ_ATOMIC=True, EVEN_M=even, EVEN_N=even,
                     BLOCK_M=BM1, BLOCK_N=BN1)
         dkdv.pop("KV_RANGES")
