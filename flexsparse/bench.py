@@ -2,7 +2,8 @@
 
     python -m flexsparse.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
                                [--no-flex] [--no-sdpa] [--no-indices] [--repeat N]
-                               [--bwd {direct,subtract}] [--sweep [--sweep-passes P]]
+                               [--bwd {direct,subtract}]
+                               [--sweep [--sweep-passes P] [--sweep-configs C]]
                                [--profile]
                                [--bwd-mode {auto,two_pass,one_launch,atomic_dq,all}]
 
@@ -373,47 +374,66 @@ SWEEP = {
 }
 
 
-def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq")):
+def parse_combos(text):
+    """'dkdv:64x128x8x3+dq:128x64x8x2,fwd:128x64x8x3' -> [{pass: (BM, BN, warps, stages)}]"""
+    combos = []
+    for item in filter(None, text.split(",")):
+        combo = {}
+        for part in item.split("+"):
+            which, cfg = part.split(":")
+            combo[which] = tuple(int(x) for x in cfg.split("x"))
+        combos.append(combo)
+    return combos
+
+
+def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq"), combos=()):
     """Time each pass of our kernels alone for candidate (BM, BN, warps, stages); the
     backward passes once per backward mode in `modes` (atomic_dq has no dQ pass; one_launch
-    takes warps / stages from the dkdv config). `passes` limits which passes are swept."""
+    takes warps / stages from the dkdv config). `passes` limits which passes are swept;
+    `combos` (see parse_combos) replaces the per-pass lists by explicit candidates."""
     from flexsparse.ops import triton_block as tb
     for kind, L, D in cases:
         B = max(1, TOKENS // L)
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=DTYPE)  # noqa: E731
         q, k, v, do = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
         dev = torch.device("cuda", torch.cuda.current_device())
-        fs_mask, *_ = make_case(kind, B, L, device=dev)
+        fs_mask, _, _, _, has_bias = make_case(kind, B, L, device=dev)
+        bias = mk(B, H, L, L) if has_bias else None      # the bias row: with dbias
         desc = fs_mask.compile(B, H, H, L, L, device=dev)
         mt = desc.mask_tensors()
         scale = 1 / math.sqrt(D)
         flops = 4.0 * D * desc.num_visible(batch=B)
-        out, lse = tb.forward(q, k, v, None, mt, 128, 128, scale, 0.0, False)
+        out, lse = tb.forward(q, k, v, bias, mt, 128, 128, scale, 0.0, False)
         todo = [("fwd", None)] + [(which, mode) for mode in modes for which in ("dkdv", "dq")
                                   if not (mode == "atomic_dq" and which == "dq")]
-        for which, mode in [(w, m) for w, m in todo if w in passes]:
+        if combos:      # explicit candidates: each one a dict of pass -> config
+            todo = [("fwd" if set(c) == {"fwd"} else "bwd", mode, c)
+                    for mode in modes for c in combos]
+        else:
+            todo = [(w, m, {w: cfg}) for w, m in todo if w in passes for cfg in SWEEP[w]]
+        for which, mode, override in todo:
             tag = "" if mode in (None, "auto") else f" [{mode}]"
-            for cfg in SWEEP[which]:
-                tb.CONFIG_OVERRIDE.clear()
-                tb.CONFIG_OVERRIDE[which] = cfg
-                try:
-                    if which == "fwd":
-                        ms = _bench(lambda: tb.forward(q, k, v, None, mt, 128, 128, scale, 0.0,
-                                                       False))
-                        tf = flops / ms * 1e-9
-                    else:
-                        with _bwd_mode(mode):
-                            ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, None,
-                                                            mt, 128, 128, scale, 0.0, False,
-                                                            False))
-                        tf = 2.5 * flops / ms * 1e-9
-                    log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: {ms:.3f} ms "
-                        f"{tf:.0f} TFLOP/s" + (" (whole backward)" if which != "fwd" else ""))
-                except Exception as err:
-                    log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: failed "
-                        f"{type(err).__name__}: {str(err)[:200]}")
+            cfg = " + ".join(f"{k} {v}" for k, v in override.items())
+            tb.CONFIG_OVERRIDE.clear()
+            tb.CONFIG_OVERRIDE.update(override)
+            try:
+                if which == "fwd":
+                    ms = _bench(lambda: tb.forward(q, k, v, bias, mt, 128, 128, scale, 0.0,
+                                                   False))
+                    tf = flops / ms * 1e-9
+                else:
+                    with _bwd_mode(mode):
+                        ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, bias,
+                                                        mt, 128, 128, scale, 0.0, False,
+                                                        has_bias))
+                    tf = 2.5 * flops / ms * 1e-9
+                log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: {ms:.3f} ms "
+                    f"{tf:.0f} TFLOP/s" + (" (whole backward)" if which != "fwd" else ""))
+            except Exception as err:
+                log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: failed "
+                    f"{type(err).__name__}: {str(err)[:200]}")
         tb.CONFIG_OVERRIDE.clear()
-        q = k = v = do = out = lse = None     # free before the next row
+        q = k = v = do = out = lse = bias = None     # free before the next row
         torch.cuda.empty_cache()
 
 
@@ -522,6 +542,9 @@ def main(argv=None):
                          "retained graph; 'subtract' takes (fwd+bwd) - fwd (the old method)")
     ap.add_argument("--sweep-passes", default="fwd,dkdv,dq",
                     help="with --sweep: which passes to sweep (comma list of fwd, dkdv, dq)")
+    ap.add_argument("--sweep-configs", default="",
+                    help="with --sweep: explicit candidates, e.g. "
+                         "'dkdv:64x128x8x3+dq:128x64x8x2,dq:128x64x8x2' (whole backward timed)")
     ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="auto",
                     help="structure of our backward (triton_block.BWD_MODE); 'all' times "
                          "each mode in the same run (extra columns)")
@@ -546,7 +569,8 @@ def main(argv=None):
                 profile(rows, log=log, tag="" if mode == "auto" else f" [{mode}]")
         return 0
     if args.sweep:
-        sweep(rows, log=log, modes=modes, passes=tuple(args.sweep_passes.split(",")))
+        sweep(rows, log=log, modes=modes, passes=tuple(args.sweep_passes.split(",")),
+              combos=parse_combos(args.sweep_configs))
     results = []
     print(method_line(args.bwd, args.repeat, bwd_mode), flush=True)
     print(header(extra_modes), flush=True)

@@ -905,11 +905,15 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 # Per-pass tile configs (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by padded head dim.
-# BLOCK_M / BLOCK_N are shrunk to divide the descriptor block when needed.
+# BLOCK_M / BLOCK_N are shrunk to divide the descriptor block when needed. hd128 backward:
+# dK/dV at 3 stages and dQ on 128x64 tiles (FlexAttention's H100 choice); H100 sweep with
+# the one_launch backward (docs/perf-notes.md change 8): causal 8K 366 -> 377 TFLOP/s,
+# sliding 8K 270 -> 285, document 8K 199 -> 206, full 16K 389 -> 395. hd64 forward on
+# 64x128 tiles: causal 8K 343 -> 362 in the same sweep.
 _GPU_CONFIGS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
-    "dkdv": {64: (64, 64, 4, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 1)},
-    "dq": {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)},
+    "fwd": {64: (64, 128, 4, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
+    "dkdv": {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 4, 1)},
+    "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)},
 }
 # Under TRITON_INTERPRET=1 (CPU tests) bigger tiles mean fewer interpreted ops.
 _INTERPRET_TILE = 32
@@ -966,18 +970,14 @@ def _pow2_divisor(pref: int, block: int) -> int:
     return t
 
 
-# Descriptors where partial blocks are a large share of the visited ones (documents, sliding
-# windows). H100 sweep (docs/perf-notes.md): forward 128x128 tiles with 2 stages beat 128x64 with
-# 3 stages by 5-10% there (sliding 8K 258 -> 283 TFLOP/s); dQ keeps 64-wide key tiles.
-_PARTIAL_HEAVY_CONFIGS = {"fwd": {128: (128, 128, 8, 2)}, "dq": {128: (128, 64, 8, 2)}}
-def _partial_heavy(kv_count, kv_full_count) -> bool:
-    """More than ~1/6 of the visited blocks partial? (one host sync per descriptor)"""
-    def partial_heavy():
-        return int(kv_count.sum()) * 5 > int(kv_full_count.sum())
-    return bool(_cached_fact((kv_count, kv_full_count), partial_heavy))
+# With a bias tile to load per step, the hd128 forward runs faster on 128x64 tiles (H100 sweep,
+# docs/perf-notes.md change 8: causal + (B,H,L,L) bias at 4K 218-271 -> 312 TFLOP/s).
+# (A partial-heavy forward config, 128x128 at 2 stages, was dropped in the same sweep: the
+# default now matches or beats it on sliding and document rows, and it cost a host sync.)
+_BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}}
 
 
-def _config(kind, D_pad, block_q, block_k, heavy=False):
+def _config(kind, D_pad, block_q, block_k, has_bias=False):
     if kind in CONFIG_OVERRIDE:
         bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
     elif interpreting():
@@ -985,8 +985,8 @@ def _config(kind, D_pad, block_q, block_k, heavy=False):
     else:
         key = 64 if D_pad <= 64 else (128 if D_pad <= 128 else 256)
         bm, bn, warps, stages = _GPU_CONFIGS[kind][key]
-        if heavy and key in _PARTIAL_HEAVY_CONFIGS.get(kind, {}):
-            bm, bn, warps, stages = _PARTIAL_HEAVY_CONFIGS[kind][key]
+        if has_bias and key in _BIAS_CONFIGS.get(kind, {}):
+            bm, bn, warps, stages = _BIAS_CONFIGS[kind][key]
     return _pow2_divisor(bm, block_q), _pow2_divisor(bn, block_k), warps, stages
 
 
@@ -1169,10 +1169,7 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
         qk_scale, cap_log2 = scale * LOG2E, 0.0
     BLOCK_D = max(16, triton.next_power_of_2(D))
     flags.update(HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, EVEN_D=BLOCK_D == D)
-    heavy = (not interpreting() and (mask.dense_mask is not None or mask.col_ranges is not None
-                                      or mask.partial_bits_index is not None)
-             and _partial_heavy(kv[0], kf[0]))
-    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D, heavy=heavy,
+    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D,
                 kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags, bias=bias_args,
                 kv_ranges=dict(KV_RANGES=kv_r, KF_RANGES=kf_r),
                 q_ranges=dict(QC_RANGES=qc_r, QF_RANGES=qf_r),
@@ -1209,7 +1206,8 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
         lse.fill_(-math.inf)
         return out, lse
     c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
-    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k, c["heavy"])
+    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k,
+                                    c["flags"]["HAS_BIAS"])
     grid = (triton.cdiv(Lq, BM), B * Hq)
     _launch(_attn_fwd, grid, (
         query, key, value, out, lse, c["bias"][0],
@@ -1304,7 +1302,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     n_kv_tiles = triton.cdiv(Lk, BN)
     dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)
     # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
-    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, c["heavy"])
+    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k)
     n_q_tiles = triton.cdiv(Lq, BM2)
     if mode == "one_launch":
         _launch(_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (
