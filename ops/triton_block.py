@@ -975,9 +975,13 @@ def _pow2_divisor(pref: int, block: int) -> int:
 # (A partial-heavy forward config, 128x128 at 2 stages, was dropped in the same sweep: the
 # default now matches or beats it on sliding and document rows, and it cost a host sync.)
 _BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}}
+# Backward over explicit block-index lists (block-sparse layouts, not the range form): the
+# earlier tiles stay faster there (H100 sweep, docs/perf-notes.md change 9: block-sparse 8K
+# 320 -> 344 TFLOP/s, 16K 352 -> 374).
+_LIST_FORM_CONFIGS = {"dkdv": {128: (64, 128, 8, 2)}, "dq": {128: (128, 128, 8, 2)}}
 
 
-def _config(kind, D_pad, block_q, block_k, has_bias=False):
+def _config(kind, D_pad, block_q, block_k, has_bias=False, list_form=False):
     if kind in CONFIG_OVERRIDE:
         bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
     elif interpreting():
@@ -987,6 +991,8 @@ def _config(kind, D_pad, block_q, block_k, has_bias=False):
         bm, bn, warps, stages = _GPU_CONFIGS[kind][key]
         if has_bias and key in _BIAS_CONFIGS.get(kind, {}):
             bm, bn, warps, stages = _BIAS_CONFIGS[kind][key]
+        elif list_form and key in _LIST_FORM_CONFIGS.get(kind, {}):
+            bm, bn, warps, stages = _LIST_FORM_CONFIGS[kind][key]
     return _pow2_divisor(bm, block_q), _pow2_divisor(bn, block_k), warps, stages
 
 
@@ -1298,11 +1304,14 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
 
     common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
                    *c["bias"][1:])
-    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k)
+    list_form = c["q_ranges"]["QF_RANGES"] == 0 and c["kv_ranges"]["KF_RANGES"] == 0
+    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k,
+                                    list_form=list_form)
     n_kv_tiles = triton.cdiv(Lk, BN)
     dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)
     # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
-    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k)
+    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k,
+                                        list_form=list_form)
     n_q_tiles = triton.cdiv(Lq, BM2)
     if mode == "one_launch":
         _launch(_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (
