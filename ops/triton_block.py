@@ -217,6 +217,15 @@ def _in_ranges(idx_ptr, x, RANGES: tl.constexpr):
 # ============================================================================ forward
 
 @triton.jit
+def _tile_order(pid, n, rev_q):
+    """Query tile of program pid: last tile first when rev_q (masks whose work grows with
+    the query index, e.g. causal: launching the heavy tiles first leaves light ones for the
+    tail of the grid; H100, docs/perf-notes.md change 10: causal 16K forward 496 -> 533
+    TFLOP/s). Kept in order otherwise: sliding windows lost 5-9% reversed."""
+    return pid + rev_q * (n - 1 - 2 * pid)
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
                idx_ptr, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
@@ -282,13 +291,13 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-              Hq, G, Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
+              Hq, G, Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2, rev_q,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
               N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), rev_q)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -698,7 +707,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                  CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                  PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                 Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+                 Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2, rev_q,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                  N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_COLSUM: tl.constexpr,
                  DQ_FROM_DS: tl.constexpr,
@@ -706,7 +715,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  KV_RANGES: tl.constexpr, KF_RANGES: tl.constexpr):
     _bwd_dq_program(
-        tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
+        _tile_order(tl.program_id(0), tl.num_programs(0), rev_q), tl.program_id(1), Q, K, V,
+        DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
         sbb, sbh, sbq, sbk, b_hdiv, sdsb, sdsh, sdsq, sdsk,
         KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W, KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
@@ -856,7 +866,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
                          CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                          PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
                          Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, SUB2, nQB,
-                         n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2,
+                         n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2, rev_q,
                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                          N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr, DB_MODE: tl.constexpr,
                          ZERO_SKIPPED: tl.constexpr, DB_COLSUM: tl.constexpr,
@@ -888,7 +898,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
         p = pid - n_kv_tiles
         # b * Hq + hk * G + g == (b * Hkv + hk) * G + g
         _bwd_dq_program(
-            p % n_q_tiles, pid_bh * G + p // n_q_tiles, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
+            _tile_order(p % n_q_tiles, n_q_tiles, rev_q), pid_bh * G + p // n_q_tiles, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ,
             DQ, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
             sdob, sdoh, sdom, sdod, sbb, sbh, sbq, sbk, b_hdiv, 0, 0, 0, 0,
             KVC, KVI, kv_sb, kv_sh, kv_hdiv, kv_W, KFC, KFI, kf_sb, kf_sh, kf_hdiv, kf_W,
@@ -1175,7 +1185,12 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
         qk_scale, cap_log2 = scale * LOG2E, 0.0
     BLOCK_D = max(16, triton.next_power_of_2(D))
     flags.update(HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, EVEN_D=BLOCK_D == D)
-    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D,
+    # Query tiles last-first when the column ranges only hide rows above the keys (some slot
+    # starts at 0 for every key, none ends at Lq for every key: causal, prefix-LM, so work
+    # grows with the query index; windows and documents also cut rows below), see _tile_order.
+    slot_kinds = [(flags["CR_KINDS"] >> (2 * r)) & 3 for r in range(min(flags["N_RANGES"], 4))]
+    rev_q = int(KIND_UPPER in slot_kinds and KIND_LOWER not in slot_kinds)
+    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D, rev_q=rev_q,
                 kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags, bias=bias_args,
                 kv_ranges=dict(KV_RANGES=kv_r, KF_RANGES=kf_r),
                 q_ranges=dict(QC_RANGES=qc_r, QF_RANGES=qf_r),
@@ -1219,7 +1234,8 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
         query, key, value, out, lse, c["bias"][0],
         *_strides(query), *_strides(key), *_strides(value), *_strides(out),
         *c["bias"][1:], *c["kv"], *c["kf"], *c["preds"],
-        Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"]),
+        Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"],
+        c["rev_q"]),
         dict(**c["flags"], **c["kv_ranges"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     return out, lse
@@ -1319,7 +1335,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
             dq, *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["kv"], *c["kf"],
             *c["preds"], Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM,
             block_k // BN2, -(-Lq // block_q), n_kv_tiles, n_q_tiles, scale, c["qk_scale"],
-            c["cap_log2"]),
+            c["cap_log2"], c["rev_q"]),
             dict(**dkdv_flags, **c["q_ranges"], **c["kv_ranges"], DB_COLSUM=db_colsum,
                  EVEN_M1=Lq % BM == 0, EVEN_N1=Lk % BN == 0, EVEN_M2=Lq % BM2 == 0,
                  EVEN_N2=Lk % BN2 == 0, BLOCK_M1=BM, BLOCK_N1=BN, BLOCK_M2=BM2, BLOCK_N2=BN2,
@@ -1348,7 +1364,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
             query, key, value, grad_out, lse2, delta, c["bias"][0], dbq_ptr, dq, ds_ptr,
             *common_args, *ds_strides, *c["kv"], *c["kf"], *c["preds"],
             Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c["qk_scale"],
-            c["cap_log2"]),
+            c["cap_log2"], c["rev_q"]),
             dict(**c["flags"], **c["kv_ranges"], DB_COLSUM=db_colsum, DQ_FROM_DS=dq_from_ds,
                  EVEN_M=Lq % BM2 == 0, EVEN_N=Lk % BN2 == 0, BLOCK_M=BM2, BLOCK_N=BN2,
                  BLOCK_D=c["BLOCK_D"]), warps2, stages2)

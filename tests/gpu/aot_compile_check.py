@@ -5,7 +5,10 @@ ahead of time, without a GPU: the interpreter accepts things the GPU compiler re
 
 Needs TRITON_INTERPRET unset. bf16, D=128, the H100 tile configs of ops/triton_block.py.
 Prints shared memory per kernel and, where ptxas is found (Triton's bundled one or
-TRITON_PTXAS_PATH), its register and spill counts. Exit status 1 if any compile fails.
+TRITON_PTXAS_PATH), its register and spill counts. These lack the run-time argument
+specializations (unit strides, divisibility), so they overstate spills: the forward that
+spills here has none at run time (tests/gpu/kernel_stats.py on the GPU).
+Exit status 1 if any compile fails.
 """
 import os
 import re
