@@ -423,3 +423,20 @@ def test_bwd_mode_fallbacks(mode, bshape, softcap, deterministic, monkeypatch):
           deterministic=deterministic)
     assert [(k, kw.get("DQ_ATOMIC")) for k, kw in seen] == [
         (triton_block._attn_bwd_dkdv, False), (triton_block._attn_bwd_dq, None)]
+
+
+@pytest.mark.parametrize("name, mask, reversed_", [
+    ("causal", M.causal(), 1),
+    ("prefix_lm", M.prefix_lm(40), 1),
+    ("sliding_window", M.sliding_window(24), 0),
+    ("document", M.document(torch.tensor([50, 78])), 0),
+    ("shared_question", M.shared_question(32, [24, 24, 24, 24]), 0),
+    ("full", M.full(), 0),
+])
+def test_query_tile_order(name, mask, reversed_):
+    # Heavy query tiles first only where work grows with the query index (_tile_order).
+    L = 128
+    mt = mask.compile(1, 2, 2, L, L, device=torch.device(DEV)).mask_tensors()
+    q = rand(1, 2, L, 16)
+    c = triton_block._common(q, q, q, None, mt, 128, 128, 0.25, 0.0)
+    assert c["rev_q"] == reversed_, (name, c["flags"])
