@@ -404,13 +404,13 @@ def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq"), combo
         scale = 1 / math.sqrt(D)
         flops = 4.0 * D * desc.num_visible(batch=B)
         out, lse = tb.forward(q, k, v, bias, mt, 128, 128, scale, 0.0, False)
-        todo = [("fwd", None)] + [(which, mode) for mode in modes for which in ("dkdv", "dq")
-                                  if not (mode == "atomic_dq" and which == "dq")]
         if combos:      # explicit candidates: each one a dict of pass -> config
             todo = [("fwd" if set(c) == {"fwd"} else "bwd", mode, c)
                     for mode in modes for c in combos]
-        else:
-            todo = [(w, m, {w: cfg}) for w, m in todo if w in passes for cfg in SWEEP[w]]
+        else:           # each pass alone over its SWEEP list (atomic_dq has no dQ pass)
+            per_pass = [("fwd", None)] + [(w, mode) for mode in modes for w in ("dkdv", "dq")
+                                          if not (mode == "atomic_dq" and w == "dq")]
+            todo = [(w, m, {w: cfg}) for w, m in per_pass if w in passes for cfg in SWEEP[w]]
         for which, mode, override in todo:
             tag = "" if mode in (None, "auto") else f" [{mode}]"
             cfg = " + ".join(f"{k} {v}" for k, v in override.items())
