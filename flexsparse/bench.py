@@ -6,6 +6,7 @@
                                [--sweep [--sweep-passes P] [--sweep-configs C]]
                                [--profile]
                                [--bwd-mode {auto,two_pass,one_launch,atomic_dq,all}]
+                               [--no-dq-from-ds]
 
 bf16, H=16 (Hq = Hkv), B*L = 16K tokens. Times are medians of triton.testing.do_bench.
 Forward: the call on inputs without grad. Backward, timed directly for all three: one
@@ -439,36 +440,47 @@ def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq"), combo
 
 # ---------------------------------------------------------------- per-kernel profile
 
-def profile(cases, log=print, tag=""):
-    """CUDA time per kernel of our forward + backward (torch.profiler), per row."""
+def profile(cases, log=print, tag="", flex=False):
+    """CUDA time per kernel of our forward + backward (torch.profiler), per row; with
+    `flex`, FlexAttention's (compiled) kernels for the same row after ours."""
     import flexsparse
     from torch.profiler import ProfilerActivity, profile as tprofile
     dev = torch.device("cuda", torch.cuda.current_device())
     for kind, L, D in cases:
         B = max(1, TOKENS // L)
-        fs_mask, _, _, _, has_bias = make_case(kind, B, L, device=dev)
+        fs_mask, mask_mod, per_head, _, has_bias = make_case(kind, B, L, device=dev)
         desc = fs_mask.compile(B, H, H, L, L, device=dev)
         mk = lambda *s: torch.randn(*s, device=dev, dtype=DTYPE, requires_grad=True)  # noqa
         q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
         bias = mk(B, H, L, L) if has_bias else None
         do = torch.randn(B, H, L, D, device=dev, dtype=DTYPE)
-
-        def step():
-            flexsparse.attention(q, k, v, desc, bias=bias, backend="triton").backward(do)
-        step()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
+        steps = {"ours": lambda: flexsparse.attention(q, k, v, desc, bias=bias,
+                                                      backend="triton").backward(do)}
+        if flex:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            fa = torch.compile(flex_attention, dynamic=False)
+            bm = (desc.to_block_mask() if per_head else
+                  create_block_mask(mask_mod, None, None, L, L, device=dev) if mask_mod
+                  else None)
+            score_mod = ((lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]) if has_bias
+                         else None)
+            steps["flex"] = lambda: fa(q, k, v, score_mod=score_mod,
+                                       block_mask=bm).backward(do)
+        for name, step in steps.items():
+            step()
             torch.cuda.synchronize()
-        log(f"profile {kind} L={L} D={D}{tag} (3 fwd+bwd steps)")
-        for key in ("self_device_time_total", "self_cuda_time_total"):
-            try:
-                log(prof.key_averages().table(sort_by=key, row_limit=10))
-                break
-            except Exception:
-                continue
-        q = k = v = bias = do = desc = None   # free before the next row
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            log(f"profile {name} {kind} L={L} D={D}{tag} (3 fwd+bwd steps)")
+            for key in ("self_device_time_total", "self_cuda_time_total"):
+                try:
+                    log(prof.key_averages().table(sort_by=key, row_limit=10))
+                    break
+                except Exception:
+                    continue
+        q = k = v = bias = do = desc = steps = None   # free before the next row
         torch.cuda.empty_cache()
 
 
@@ -531,7 +543,8 @@ def main(argv=None):
     ap.add_argument("--no-sdpa", action="store_true", help="skip SDPA")
     ap.add_argument("--no-indices", action="store_true", help="skip the index-attention rows")
     ap.add_argument("--profile", action="store_true",
-                    help="print per-kernel CUDA times of our fwd+bwd for the selected rows, then exit")
+                    help="print per-kernel CUDA times of our fwd+bwd (and FlexAttention's, unless "
+                         "--no-flex) for the selected rows, then exit")
     ap.add_argument("--sweep", action="store_true",
                     help="first time candidate tile configs of our kernels on the selected rows")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -548,6 +561,9 @@ def main(argv=None):
     ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="auto",
                     help="structure of our backward (triton_block.BWD_MODE); 'all' times "
                          "each mode in the same run (extra columns)")
+    ap.add_argument("--no-dq-from-ds", action="store_true",
+                    help="full-shape dbias: recompute P in the dQ pass (or atomic dQ) instead "
+                         "of reading back the stored dS (triton_block.DQ_FROM_DS_ENABLED)")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -563,10 +579,12 @@ def main(argv=None):
     bwd_mode, extra_modes = modes[0], modes[1:]
     from flexsparse.ops import triton_block as tb
     tb.BWD_MODE = bwd_mode
+    tb.DQ_FROM_DS_ENABLED = not args.no_dq_from_ds
     if args.profile:
         for mode in modes:
             with _bwd_mode(mode):
-                profile(rows, log=log, tag="" if mode == "auto" else f" [{mode}]")
+                profile(rows, log=log, tag="" if mode == "auto" else f" [{mode}]",
+                        flex=not args.no_flex)
         return 0
     if args.sweep:
         sweep(rows, log=log, modes=modes, passes=tuple(args.sweep_passes.split(",")),

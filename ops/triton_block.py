@@ -932,9 +932,10 @@ MAX_HEAD_DIM = 256
 # dK/dV at 3 stages and dQ on 128x64 tiles (FlexAttention's H100 choice); H100 sweep with
 # the one_launch backward (docs/perf-notes.md change 8): causal 8K 366 -> 377 TFLOP/s,
 # sliding 8K 270 -> 285, document 8K 199 -> 206, full 16K 389 -> 395. hd64 forward on
-# 64x128 tiles: causal 8K 343 -> 362 in the same sweep.
+# 128x128 tiles with 4 warps (FlexAttention's H100 choice): full 8K 391 -> 443, causal 8K
+# 367 -> 373 over the 64x128 tiles of change 8 (change 11).
 _GPU_CONFIGS = {
-    "fwd": {64: (64, 128, 4, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
+    "fwd": {64: (128, 128, 4, 3), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
     "dkdv": {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 4, 1)},
     "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)},
 }
@@ -997,14 +998,31 @@ def _pow2_divisor(pref: int, block: int) -> int:
 # docs/perf-notes.md change 8: causal + (B,H,L,L) bias at 4K 218-271 -> 312 TFLOP/s).
 # (A partial-heavy forward config, 128x128 at 2 stages, was dropped in the same sweep: the
 # default now matches or beats it on sliding and document rows, and it cost a host sync.)
-_BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}}
-# Backward over explicit block-index lists (block-sparse layouts, not the range form): the
-# earlier tiles stay faster there (H100 sweep, docs/perf-notes.md change 9: block-sparse 8K
-# 320 -> 344 TFLOP/s, 16K 352 -> 374).
+# A full-shape dbias (the dK/dV pass stores dS, the dQ pass reads it back): 32-query dK/dV
+# tiles and 128x128 dQ tiles at 3 stages, causal + bias 4K backward 261 -> 277 TFLOP/s
+# (docs/perf-notes.md change 11).
+_BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}, "dkdv": {128: (32, 128, 8, 3)},
+                 "dq": {128: (128, 128, 8, 3)}}
+# Backward over short or irregular per-tile work (explicit block lists; windows, documents
+# and other masks whose column ranges also cut rows below the keys): one warpgroup per
+# program on 64x64 tiles, ~99 KB of shared memory, so two programs share an SM and one's
+# softmax overlaps the other's matmuls. H100, one launch, whole backward (change 11):
+# block-sparse 324 -> 383 (8K) / 346 -> 398 (16K), sliding 287 -> 304 / 281 -> 302,
+# document 207 -> 223 / 300 -> 318, shared-question 338 -> 364 / 369 -> 374 TFLOP/s; but
+# long uniform loops lose (full 16K -1..-3%, causal 16K -5%), so full, causal and
+# prefix-LM keep the big tiles.
+_SHORT_WORK_CONFIGS = {"dkdv": {128: (64, 64, 4, 2)}, "dq": {128: (64, 64, 4, 2)}}
+# Backward over explicit block-index lists (block-sparse layouts, not the range form), when
+# the short-work tiles above do not apply: the earlier tiles (H100 sweep, change 9:
+# block-sparse 320 -> 344 TFLOP/s at 8K, 352 -> 374 at 16K).
 _LIST_FORM_CONFIGS = {"dkdv": {128: (64, 128, 8, 2)}, "dq": {128: (128, 128, 8, 2)}}
 
 
-def _config(kind, D_pad, block_q, block_k, has_bias=False, list_form=False):
+def _config(kind, D_pad, block_q, block_k, has_bias=False, list_form=False,
+            short_work=False):
+    """(BLOCK_M, BLOCK_N, warps, stages) of one pass. has_bias: a bias tile per step (for
+    the backward passes: the full-shape dbias plan whose dQ pass reads the stored dS);
+    short_work: per-tile work is short or irregular (see _SHORT_WORK_CONFIGS)."""
     if kind in CONFIG_OVERRIDE:
         bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
     elif interpreting():
@@ -1014,6 +1032,8 @@ def _config(kind, D_pad, block_q, block_k, has_bias=False, list_form=False):
         bm, bn, warps, stages = _GPU_CONFIGS[kind][key]
         if has_bias and key in _BIAS_CONFIGS.get(kind, {}):
             bm, bn, warps, stages = _BIAS_CONFIGS[kind][key]
+        elif short_work and key in _SHORT_WORK_CONFIGS.get(kind, {}):
+            bm, bn, warps, stages = _SHORT_WORK_CONFIGS[kind][key]
         elif list_form and key in _LIST_FORM_CONFIGS.get(kind, {}):
             bm, bn, warps, stages = _LIST_FORM_CONFIGS[kind][key]
     return _pow2_divisor(bm, block_q), _pow2_divisor(bn, block_k), warps, stages
@@ -1334,13 +1354,15 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
                    *c["bias"][1:])
     list_form = c["q_ranges"]["QF_RANGES"] == 0 and c["kv_ranges"]["KF_RANGES"] == 0
-    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k,
-                                    list_form=list_form)
+    # Short per-tile work: explicit block lists, or column ranges that also hide rows below
+    # the keys (windows, documents); not full, causal or prefix-LM (rev_q).
+    short_work = list_form or (c["flags"]["N_RANGES"] > 0 and not c["rev_q"])
+    cfg = dict(has_bias=dq_from_ds, list_form=list_form, short_work=short_work)
+    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k, **cfg)
     n_kv_tiles = triton.cdiv(Lk, BN)
     dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)
     # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
-    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k,
-                                        list_form=list_form)
+    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, **cfg)
     n_q_tiles = triton.cdiv(Lq, BM2)
     if mode == "one_launch":
         _launch(_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (

@@ -46,17 +46,18 @@ if want scale && [ -f tests/gpu/scale.py ]; then
 fi
 # Tuning aids, not part of "all": per-pass tile sweeps and per-kernel profiles.
 #   SWEEP_ROWS=sliding@8192,document@8192 SWEEP_PASSES=dkdv,dq SWEEP_INDICES=0 bash tests/gpu.sh sweep
-#   PROFILE_ROWS=document@8192 bash tests/gpu.sh profile
+#   (SWEEP_ARGS: more bench flags, e.g. --bwd-mode two_pass --sweep-configs dkdv:64x64x4x2+dq:64x64x4x2)
+#   PROFILE_ROWS=document@8192 PROFILE_ARGS= bash tests/gpu.sh profile   (empty: with Flex)
 if [[ " $parts " == *" sweep "* ]]; then
   timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench --sweep --rows "${SWEEP_ROWS:-causal@8192}" \
-    --sweep-passes "${SWEEP_PASSES:-fwd,dkdv,dq}" --no-flex --no-sdpa --no-indices 2>&1 \
+    --sweep-passes "${SWEEP_PASSES:-fwd,dkdv,dq}" --no-flex --no-sdpa --no-indices ${SWEEP_ARGS:-} 2>&1 \
     | grep -E "^sweep" | tee "$OUT/sweep.log"
   [ "${SWEEP_INDICES:-1}" = 0 ] || timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tail -40 \
     | tee "$OUT/sweep_indices.log"
 fi
 if [[ " $parts " == *" profile "* ]]; then
   timeout "${T_PROFILE:-120}" python3 -m flexsparse.bench --profile --rows "${PROFILE_ROWS:-causal@8192}" \
-    --no-flex --no-sdpa --no-indices > "$OUT/profile.log" 2>&1
+    --no-sdpa --no-indices ${PROFILE_ARGS---no-flex} > "$OUT/profile.log" 2>&1
   grep -vE "^-+$" "$OUT/profile.log" | cut -c1-160 | tail -40
 fi
 # Out-of-bounds check of the kernels on odd sizes: compute-sanitizer memcheck (slow; a few tests).
