@@ -64,7 +64,7 @@ fi
 if [[ " $parts " == *" sanitize "* ]]; then
   timeout "${T_SANITIZE:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -x -p no:cacheprovider tests/gpu/test_triton_gpu.py tests/gpu/test_triton_indices_gpu.py \
-    -k "odd_lengths or fully_masked or noncontiguous" > "$OUT/sanitize.log" 2>&1
+    -k "${SANITIZE_K:-odd_lengths or fully_masked or noncontiguous or full_bias_hd128 or (mask_kinds and bf16) or gqa}" > "$OUT/sanitize.log" 2>&1
   rc=$?; echo "compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -8
 fi

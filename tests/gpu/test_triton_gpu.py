@@ -133,7 +133,7 @@ def mask_kinds(B, Hkv, L):
 KINDS = list(mask_kinds(1, 1, 256))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_mask_kinds(kind, dtype):
     B, Hq, Hkv, L = 2, 4, 2, 1000
@@ -171,6 +171,15 @@ def test_bias(shape, deterministic):
     torch.manual_seed(len(shape))
     check(2, 4, 2, 600, 600, 64, M.causal(), torch.bfloat16, bias_shape=BIAS[shape],
           deterministic=deterministic)
+
+
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_full_bias_hd128(mask):
+    """hd128 with a full-shape dbias: the tiles of _BIAS_CONFIGS (dK/dV stores dS, the dQ
+    pass reads it back), at a length no tile divides."""
+    torch.manual_seed(6)
+    m = M.causal() if mask == "causal" else M.document([250, 350, 77])
+    check(2, 4, 2, 677, 677, 128, m, torch.bfloat16, bias_shape=(2, 4, 677, 677))
 
 
 def test_softcap():
