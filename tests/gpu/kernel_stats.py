@@ -1,5 +1,6 @@
 """Registers, spills and shared memory of the block kernels as compiled at run time (with
-Triton's argument specializations, which the AOT check of aot_compile_check.py lacks).
+Triton's argument specializations; tests/gpu/aot_stats.py gives the same counts off the
+device).
 
     python tests/gpu/kernel_stats.py [--rows causal@8192,sliding@8192] [--d 128]
 
