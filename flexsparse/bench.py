@@ -125,6 +125,18 @@ def make_case(kind, B, L, device="cuda"):
     raise ValueError(f"unknown row kind {kind!r}")
 
 
+def flex_block_mask(desc, mask_mod, per_head, L, dev):
+    """FlexAttention's BlockMask for a row from make_case (None for the full mask)."""
+    if per_head:
+        # create_block_mask evaluates (H, L, L) at once (32 GiB at 16K): build the same
+        # BlockMask (every listed block full) from the layout's lists instead.
+        return desc.to_block_mask()
+    if mask_mod is not None:
+        from torch.nn.attention.flex_attention import create_block_mask
+        return create_block_mask(mask_mod, None, None, L, L, device=dev)
+    return None
+
+
 # ---------------------------------------------------------------- timing
 
 def _bench(fn, grad_to_none=None):
@@ -227,15 +239,9 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log):
 
     if flex:
         try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            from torch.nn.attention.flex_attention import flex_attention
             fa = torch.compile(flex_attention, dynamic=False)
-            bm = None
-            if per_head:
-                # create_block_mask evaluates (H, L, L) at once (32 GiB at 16K): build the
-                # same BlockMask (every listed block full) from the layout's lists instead.
-                bm = desc.to_block_mask()
-            elif mask_mod is not None:
-                bm = create_block_mask(mask_mod, None, None, L, L, device=dev)
+            bm = flex_block_mask(desc, mask_mod, per_head, L, dev)
             if has_bias:
                 def score_mod(score, b, h, qi, kv):
                     return score + bias_g[b, h, qi, kv]
@@ -457,11 +463,9 @@ def profile(cases, log=print, tag="", flex=False):
         steps = {"ours": lambda: flexsparse.attention(q, k, v, desc, bias=bias,
                                                       backend="triton").backward(do)}
         if flex:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            from torch.nn.attention.flex_attention import flex_attention
             fa = torch.compile(flex_attention, dynamic=False)
-            bm = (desc.to_block_mask() if per_head else
-                  create_block_mask(mask_mod, None, None, L, L, device=dev) if mask_mod
-                  else None)
+            bm = flex_block_mask(desc, mask_mod, per_head, L, dev)
             score_mod = ((lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]) if has_bias
                          else None)
             steps["flex"] = lambda: fa(q, k, v, score_mod=score_mod,

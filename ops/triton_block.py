@@ -22,7 +22,6 @@ bitmap index): a head dim of size 1, Hkv or Hq is read at head `h // hdiv` with 
 G or 1. Batch dims of size 1 get stride 0.
 """
 import math
-
 import weakref
 
 import torch
@@ -1010,16 +1009,12 @@ _BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}, "dkdv": {128: (32, 128, 8, 3)},
 # block-sparse 324 -> 383 (8K) / 346 -> 398 (16K), sliding 287 -> 304 / 281 -> 302,
 # document 207 -> 223 / 300 -> 318, shared-question 338 -> 364 / 369 -> 374 TFLOP/s; but
 # long uniform loops lose (full 16K -1..-3%, causal 16K -5%), so full, causal and
-# prefix-LM keep the big tiles.
+# prefix-LM keep the big tiles. (These replaced the explicit-list tiles of change 9,
+# 64x128 / 128x128 at 2 stages: block-sparse 343 -> 378 TFLOP/s at 8K in the bench.)
 _SHORT_WORK_CONFIGS = {"dkdv": {128: (64, 64, 4, 2)}, "dq": {128: (64, 64, 4, 2)}}
-# Backward over explicit block-index lists (block-sparse layouts, not the range form), when
-# the short-work tiles above do not apply: the earlier tiles (H100 sweep, change 9:
-# block-sparse 320 -> 344 TFLOP/s at 8K, 352 -> 374 at 16K).
-_LIST_FORM_CONFIGS = {"dkdv": {128: (64, 128, 8, 2)}, "dq": {128: (128, 128, 8, 2)}}
 
 
-def _config(kind, D_pad, block_q, block_k, has_bias=False, list_form=False,
-            short_work=False):
+def _config(kind, D_pad, block_q, block_k, has_bias=False, short_work=False):
     """(BLOCK_M, BLOCK_N, warps, stages) of one pass. has_bias: a bias tile per step (for
     the backward passes: the full-shape dbias plan whose dQ pass reads the stored dS);
     short_work: per-tile work is short or irregular (see _SHORT_WORK_CONFIGS)."""
@@ -1034,8 +1029,6 @@ def _config(kind, D_pad, block_q, block_k, has_bias=False, list_form=False,
             bm, bn, warps, stages = _BIAS_CONFIGS[kind][key]
         elif short_work and key in _SHORT_WORK_CONFIGS.get(kind, {}):
             bm, bn, warps, stages = _SHORT_WORK_CONFIGS[kind][key]
-        elif list_form and key in _LIST_FORM_CONFIGS.get(kind, {}):
-            bm, bn, warps, stages = _LIST_FORM_CONFIGS[kind][key]
     return _pow2_divisor(bm, block_q), _pow2_divisor(bn, block_k), warps, stages
 
 
@@ -1353,11 +1346,11 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
 
     common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
                    *c["bias"][1:])
+    # Short per-tile work: explicit block lists (not the range form), or column ranges that
+    # also hide rows below the keys (windows, documents); not full, causal or prefix-LM.
     list_form = c["q_ranges"]["QF_RANGES"] == 0 and c["kv_ranges"]["KF_RANGES"] == 0
-    # Short per-tile work: explicit block lists, or column ranges that also hide rows below
-    # the keys (windows, documents); not full, causal or prefix-LM (rev_q).
     short_work = list_form or (c["flags"]["N_RANGES"] > 0 and not c["rev_q"])
-    cfg = dict(has_bias=dq_from_ds, list_form=list_form, short_work=short_work)
+    cfg = dict(has_bias=dq_from_ds, short_work=short_work)
     BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k, **cfg)
     n_kv_tiles = triton.cdiv(Lk, BN)
     dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)

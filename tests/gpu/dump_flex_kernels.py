@@ -22,15 +22,16 @@ def main(argv=None):
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     from flexsparse import bench
     kind, L = args.row.split("@")
     L = int(L)
     B = max(1, bench.TOKENS // L)
     dev = torch.device("cuda")
-    _, mask_mod, _, _, _ = bench.make_case(kind, B, L, device=dev)
-    bm = create_block_mask(mask_mod, None, None, L, L, device=dev) if mask_mod else None
+    fs_mask, mask_mod, per_head, _, _ = bench.make_case(kind, B, L, device=dev)
+    desc = fs_mask.compile(B, bench.H, bench.H, L, L, device=dev)
+    bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
     mk = lambda: torch.randn(B, bench.H, L, args.d, device=dev, dtype=torch.bfloat16,  # noqa
                              requires_grad=True)
     q, k, v = mk(), mk(), mk()
