@@ -186,13 +186,35 @@ def _bwd_mode(mode):
         tb.BWD_MODE = old
 
 
+def load_block_module(path):
+    """A copy of ops/triton_block.py (e.g. `cp ops/triton_block.py /tmp/old_block.py` before
+    a change) as module flexsparse.ops._ab_old, so its relative imports resolve."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flexsparse.ops._ab_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _block_module(mod):
+    """Route the Triton backend's block-mask calls to `mod` inside the block."""
+    from flexsparse.ops import triton_backend
+    old, triton_backend.triton_block = triton_backend.triton_block, mod
+    try:
+        yield
+    finally:
+        triton_backend.triton_block = old
+
+
 def _ours(mode):
     """Implementation name of our kernels with the backward in `mode`."""
     return f"ours {mode}"
 
 
 def time_row(kind, L, D, *, flex=True, sdpa=True, repeat=1, bwd="direct", device=None,
-             extra_modes=(), log=print):
+             extra_modes=(), log=print, old_block=None):
     """Time one row: forward and backward (ms, medians) and TFLOP/s of each implementation.
 
     `bwd="direct"` times the backward alone (see `_time_bwd_direct`); an implementation
@@ -200,17 +222,19 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, repeat=1, bwd="direct", device
     is labelled "(sub)" in the table. `repeat` runs the whole row that many times (the
     implementations interleaved within each run) and keeps the median of the per-run
     medians. `extra_modes`: backward modes of ours to time besides the current BWD_MODE,
-    as implementations named `_ours(mode)`."""
+    as implementations named `_ours(mode)`. `old_block`: another copy of
+    ops/triton_block.py (see load_block_module), timed as implementation "old" in the same
+    runs, for A/B of a kernel change."""
     dev = torch.device(device) if device is not None else torch.device(
         "cuda", torch.cuda.current_device())
     try:
         return _time_row(kind, L, D, dev, flex=flex, sdpa=sdpa, repeat=repeat, bwd=bwd,
-                         extra_modes=extra_modes, log=log)
+                         extra_modes=extra_modes, log=log, old_block=old_block)
     finally:                                     # the row's tensors are gone by now
         _empty_cache(dev)
 
 
-def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log):
+def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old_block):
     import flexsparse
     B = max(1, TOKENS // L)
     torch.manual_seed(0)
@@ -236,6 +260,8 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log):
         contextlib.nullcontext)}
     for mode in extra_modes:
         impls[_ours(mode)] = impls["ours"][:2] + (lambda mode=mode: _bwd_mode(mode),)
+    if old_block is not None:
+        impls["old"] = impls["ours"][:2] + (lambda: _block_module(old_block),)
 
     if flex:
         try:
@@ -303,6 +329,9 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log):
         row[f"{name}_fwd"] = flops_fwd / fwd_ms * 1e-9
         row[f"{name}_bwd"] = 2.5 * flops_fwd / bwd_ms * 1e-9 if bwd_ms > 0 else None
 
+    if row.get("ours_fwd") and row.get("old_fwd"):
+        row["ab_fwd"] = row["ours_fwd"] / row["old_fwd"]
+        row["ab_bwd"] = row["ours_bwd"] / row["old_bwd"]
     if row.get("ours_fwd") and row.get("flex_fwd"):
         row["ratio_fwd"] = row["ours_fwd"] / row["flex_fwd"]
     if row.get("ours_bwd") and row.get("flex_bwd"):
@@ -565,6 +594,9 @@ def main(argv=None):
     ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="auto",
                     help="structure of our backward (triton_block.BWD_MODE); 'all' times "
                          "each mode in the same run (extra columns)")
+    ap.add_argument("--ab-old", metavar="PATH",
+                    help="A/B: also time this copy of ops/triton_block.py in the same runs "
+                         "(implementation 'old'); prints new/old per row")
     ap.add_argument("--no-dq-from-ds", action="store_true",
                     help="full-shape dbias: recompute P in the dQ pass (or atomic dQ) instead "
                          "of reading back the stored dS (triton_block.DQ_FROM_DS_ENABLED)")
@@ -584,6 +616,11 @@ def main(argv=None):
     from flexsparse.ops import triton_block as tb
     tb.BWD_MODE = bwd_mode
     tb.DQ_FROM_DS_ENABLED = not args.no_dq_from_ds
+    old_block = None
+    if args.ab_old:
+        old_block = load_block_module(args.ab_old)
+        old_block.BWD_MODE = bwd_mode
+        old_block.DQ_FROM_DS_ENABLED = tb.DQ_FROM_DS_ENABLED
     if args.profile:
         for mode in modes:
             with _bwd_mode(mode):
@@ -599,13 +636,18 @@ def main(argv=None):
     t0 = time.time()
     for kind, L, D in rows:
         r = time_row(kind, L, D, flex=not args.no_flex, sdpa=not args.no_sdpa,
-                     repeat=args.repeat, bwd=args.bwd, extra_modes=extra_modes, log=log)
+                     repeat=args.repeat, bwd=args.bwd, extra_modes=extra_modes, log=log,
+                     old_block=old_block)
         results.append(r)
         log(format_row(r, extra_modes) + f"  [{time.time() - t0:.0f}s]")
+        if "ab_fwd" in r:
+            log(f"  A/B {r['kind']} {r['L']} D={r['D']}: old fwd {_f(r.get('old_fwd'))} bwd "
+                f"{_f(r.get('old_bwd'))} TFLOP/s; new/old fwd {r['ab_fwd']:.3f} bwd "
+                f"{r['ab_bwd']:.3f}")
         if args.repeat > 1:
             log("  bwd ms per run: " + "; ".join(
                 f"{name} " + " ".join(f"{ms:.3f}" for ms in r[f"{name}_bwd_runs"])
-                for name in ("ours", *map(_ours, extra_modes), "flex", "sdpa")
+                for name in ("ours", *map(_ours, extra_modes), "old", "flex", "sdpa")
                 if f"{name}_bwd_runs" in r))
     table = format_table(results, bwd=args.bwd, repeat=args.repeat, bwd_mode=bwd_mode,
                          extra_modes=extra_modes)

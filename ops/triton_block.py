@@ -117,7 +117,7 @@ def _slot_visible(i, s, e, KIND: tl.constexpr):
 
 
 @triton.jit
-def _visible(i, j, Lq, Lk, qb, kb, block_q, block_k, b, h,
+def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr, b, h,
              DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
              CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
@@ -227,7 +227,7 @@ def _tile_order(pid, n, rev_q):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
-               idx_ptr, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
+               idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, qb, block_q: tl.constexpr, block_k: tl.constexpr,
                qk_scale, cap_log2,
                DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
@@ -238,46 +238,47 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                RANGES: tl.constexpr):
     d_ok = offs_d[:, None] < D
-    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
-    for it in range(n_iters):
-        kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
-        j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
-        j_ok = j[None, :] < Lk
-        kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
-                        not EVEN_N, not EVEN_D)
-        qk = tl.dot(q, kT)
-        if SOFTCAP:
-            s = _tanh(qk * qk_scale) * cap_log2
-        else:
-            s = qk * qk_scale
-        if HAS_BIAS:
-            bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
-                           mask=(i[:, None] < Lq) & j_ok, other=0.0)
-            s += bias.to(tl.float32) * 1.4426950408889634
-        if PARTIAL:
-            s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
-                                                          h, j, Lk, N_RANGES, CR_KINDS, True)
-            vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
-                           DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                           CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                           PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                           s0[None, :], e0[None, :], s1[None, :], e1[None, :],
-                           s2[None, :], e2[None, :], s3[None, :], e3[None, :],
-                           HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
-            s = tl.where(vis, s, float("-inf"))
+    if RANGES >= 0:      # else EMPTY_LIST: no row has a block
+        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        for it in range(n_iters):
+            kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+            j_ok = j[None, :] < Lk
+            kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
+                            not EVEN_N, not EVEN_D)
+            qk = tl.dot(q, kT)
+            if SOFTCAP:
+                s = _tanh(qk * qk_scale) * cap_log2
+            else:
+                s = qk * qk_scale
+            if HAS_BIAS:
+                bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
+                               mask=(i[:, None] < Lq) & j_ok, other=0.0)
+                s += bias.to(tl.float32) * 1.4426950408889634
+            if PARTIAL:
+                s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
+                                                              h, j, Lk, N_RANGES, CR_KINDS, True)
+                vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                               s0[None, :], e0[None, :], s1[None, :], e1[None, :],
+                               s2[None, :], e2[None, :], s3[None, :], e3[None, :],
+                               HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
+                s = tl.where(vis, s, float("-inf"))
 
-        elif not EVEN_N:
-            s = tl.where(j_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_tile(Vh + j[:, None] * svn + offs_d[None, :] * svd, j[:, None] < Lk,
-                       offs_d[None, :] < D, not EVEN_N, not EVEN_D)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+            elif not EVEN_N:
+                s = tl.where(j_ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = _load_tile(Vh + j[:, None] * svn + offs_d[None, :] * svd, j[:, None] < Lk,
+                           offs_d[None, :] < D, not EVEN_N, not EVEN_D)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
     return acc, l_i, m_i
 
 
@@ -291,7 +292,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-              Hq, G, Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2, rev_q,
+              Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr, qk_scale, cap_log2, rev_q,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
               N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -388,8 +389,8 @@ def _bwd_preprocess(O, DO, LSE, GLSE, DEL, LSE2,
 
 
 @triton.jit
-def _zero_skipped(DBh, sdbq, sdbk, j, offs_m, QIp, pc, QIf, fc, nQB, Lq, Lk, block_q,
-                  SUB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _zero_skipped(DBh, sdbq, sdbk, j, offs_m, QIp, pc, QIf, fc, nQB, Lq, Lk, block_q: tl.constexpr,
+                  SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   P_RANGES: tl.constexpr, F_RANGES: tl.constexpr):
     """Write zeros to the dbias tiles of the query blocks that this key tile skips
     (explicit lists are ascending: a merge walk; range-form lists: a range test)."""
@@ -418,7 +419,7 @@ def _zero_skipped(DBh, sdbq, sdbk, j, offs_m, QIp, pc, QIf, fc, nQB, Lq, Lk, blo
 @triton.jit
 def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   Qh, sqm, sqd, DOh, sdm, sdd, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
-                  DQAh, idx_ptr, n_iters, SUB, Lq, Lk, D, kb, block_q, block_k, scale, qk_scale,
+                  DQAh, idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, kb, block_q: tl.constexpr, block_k: tl.constexpr, scale, qk_scale,
                   cap_log2,
                   DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                   CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
@@ -434,64 +435,65 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
     d_okT = offs_d[:, None] < D
     d_ok = offs_d[None, :] < D
     j_ok = j[:, None] < Lk
-    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
-    for it in range(n_iters):
-        qb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
-        i = qb * block_q + (it % SUB) * BLOCK_M + offs_m
-        i_ok = i < Lq
-        qT = _load_tile(Qh + i[None, :] * sqm + offs_d[:, None] * sqd, i_ok[None, :], d_okT,
-                        not EVEN_M, not EVEN_D)
-        if EVEN_M:
-            lse2 = tl.load(LSE2h + i)
-            delta = tl.load(DELh + i)
-        else:
-            lse2 = tl.load(LSE2h + i, mask=i_ok, other=float("inf"))
-            delta = tl.load(DELh + i, mask=i_ok, other=0.0)
-        qk = tl.dot(k, qT)
-        if SOFTCAP:
-            t = _tanh(qk * qk_scale)
-            s = t * cap_log2
-        else:
-            s = qk * qk_scale
-        if HAS_BIAS:
-            bias = tl.load(Bh + i[None, :] * sbq + j[:, None] * sbk, mask=i_ok[None, :] & j_ok,
-                           other=0.0)
-            s += bias.to(tl.float32) * 1.4426950408889634
-        pT = tl.math.exp2(s - lse2[None, :])
-        if PARTIAL:
-            vis = _visible(i[None, :], j[:, None], Lq, Lk, qb, kb, block_q, block_k, b, h,
-                           DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                           CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                           PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                           s0[:, None], e0[:, None], s1[:, None], e1[:, None],
-                           s2[:, None], e2[:, None], s3[:, None], e3[:, None],
-                           HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, False)
-            pT = tl.where(vis, pT, 0.0)
-        do = _load_tile(DOh + i[:, None] * sdm + offs_d[None, :] * sdd, i_ok[:, None], d_ok,
-                        not EVEN_M, not EVEN_D)
-        dv = tl.dot(pT.to(do.dtype), do, dv)
-        dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - delta[None, :])
-        if DB_MODE == 1:
-            tl.store(DBh + i[None, :] * sdbq + j[:, None] * sdbk,
-                     dsT.to(DBh.dtype.element_ty), mask=i_ok[None, :] & j_ok)
-        elif DB_MODE == 2:
-            tl.atomic_add(DBh + i[None, :] * sdbq + j[:, None] * sdbk, dsT,
-                          mask=i_ok[None, :] & j_ok, sem="relaxed")
-        elif DB_MODE == 3:
-            dbacc += tl.sum(dsT, 1)
-        if SOFTCAP:
-            dsT = dsT * (1.0 - t * t)
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
-        if DQ_ATOMIC:
-            # Rows i >= Lq have p = 0 (lse2 = +inf) and columns j >= Lk meet zero K rows, so
-            # only the stores need masking.
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
-            dq_ptrs = DQAh + i[:, None] * D + offs_d[None, :]
-            if EVEN_M and EVEN_D:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+    if RANGES >= 0:      # else EMPTY_LIST: no row has a block
+        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        for it in range(n_iters):
+            qb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            i = qb * block_q + (it % SUB) * BLOCK_M + offs_m
+            i_ok = i < Lq
+            qT = _load_tile(Qh + i[None, :] * sqm + offs_d[:, None] * sqd, i_ok[None, :], d_okT,
+                            not EVEN_M, not EVEN_D)
+            if EVEN_M:
+                lse2 = tl.load(LSE2h + i)
+                delta = tl.load(DELh + i)
             else:
-                tl.atomic_add(dq_ptrs, dq, mask=i_ok[:, None] & d_ok, sem="relaxed")
+                lse2 = tl.load(LSE2h + i, mask=i_ok, other=float("inf"))
+                delta = tl.load(DELh + i, mask=i_ok, other=0.0)
+            qk = tl.dot(k, qT)
+            if SOFTCAP:
+                t = _tanh(qk * qk_scale)
+                s = t * cap_log2
+            else:
+                s = qk * qk_scale
+            if HAS_BIAS:
+                bias = tl.load(Bh + i[None, :] * sbq + j[:, None] * sbk, mask=i_ok[None, :] & j_ok,
+                               other=0.0)
+                s += bias.to(tl.float32) * 1.4426950408889634
+            pT = tl.math.exp2(s - lse2[None, :])
+            if PARTIAL:
+                vis = _visible(i[None, :], j[:, None], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                               s0[:, None], e0[:, None], s1[:, None], e1[:, None],
+                               s2[:, None], e2[:, None], s3[:, None], e3[:, None],
+                               HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, False)
+                pT = tl.where(vis, pT, 0.0)
+            do = _load_tile(DOh + i[:, None] * sdm + offs_d[None, :] * sdd, i_ok[:, None], d_ok,
+                            not EVEN_M, not EVEN_D)
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+            dsT = pT * (dpT - delta[None, :])
+            if DB_MODE == 1:
+                tl.store(DBh + i[None, :] * sdbq + j[:, None] * sdbk,
+                         dsT.to(DBh.dtype.element_ty), mask=i_ok[None, :] & j_ok)
+            elif DB_MODE == 2:
+                tl.atomic_add(DBh + i[None, :] * sdbq + j[:, None] * sdbk, dsT,
+                              mask=i_ok[None, :] & j_ok, sem="relaxed")
+            elif DB_MODE == 3:
+                dbacc += tl.sum(dsT, 1)
+            if SOFTCAP:
+                dsT = dsT * (1.0 - t * t)
+            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk)
+            if DQ_ATOMIC:
+                # Rows i >= Lq have p = 0 (lse2 = +inf) and columns j >= Lk meet zero K rows, so
+                # only the stores need masking.
+                dq = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
+                dq_ptrs = DQAh + i[:, None] * D + offs_d[None, :]
+                if EVEN_M and EVEN_D:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, mask=i_ok[:, None] & d_ok, sem="relaxed")
     return dk, dv, dbacc
 
 
@@ -506,7 +508,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
                    DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                    CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                    PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                   Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
+                   Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale, cap_log2,
                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                    N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                    DB_MODE: tl.constexpr,
@@ -538,7 +540,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
                       DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                       CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                       PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                      Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale,
+                      Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale,
                       cap_log2,
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                       N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
@@ -626,7 +628,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
 @triton.jit
 def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
-                 idx_ptr, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k, qk_scale, cap_log2,
+                 idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, qb, block_q: tl.constexpr, block_k: tl.constexpr, qk_scale, cap_log2,
                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                  CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                  PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
@@ -636,67 +638,69 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, RANGES: tl.constexpr):
     d_okT = offs_d[:, None] < D
-    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
-    for it in range(n_iters):
-        kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
-        j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
-        j_ok = j[None, :] < Lk
-        kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
-                        not EVEN_N, not EVEN_D)
-        vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
-                        not EVEN_N, not EVEN_D)
-        qk = tl.dot(q, kT)
-        if SOFTCAP:
-            t = _tanh(qk * qk_scale)
-            s = t * cap_log2
-        else:
-            s = qk * qk_scale
-        if HAS_BIAS:
-            bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
-                           mask=(i[:, None] < Lq) & j_ok, other=0.0)
-            s += bias.to(tl.float32) * 1.4426950408889634
-        p = tl.math.exp2(s - lse2[:, None])
-        if PARTIAL:
-            s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
-                                                          h, j, Lk, N_RANGES, CR_KINDS, True)
-            vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
-                           DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                           CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                           PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                           s0[None, :], e0[None, :], s1[None, :], e1[None, :],
-                           s2[None, :], e2[None, :], s3[None, :], e3[None, :],
-                           HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
-            p = tl.where(vis, p, 0.0)
+    if RANGES >= 0:      # else EMPTY_LIST: no row has a block
+        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        for it in range(n_iters):
+            kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+            j_ok = j[None, :] < Lk
+            kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
+                            not EVEN_N, not EVEN_D)
+            vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
+                            not EVEN_N, not EVEN_D)
+            qk = tl.dot(q, kT)
+            if SOFTCAP:
+                t = _tanh(qk * qk_scale)
+                s = t * cap_log2
+            else:
+                s = qk * qk_scale
+            if HAS_BIAS:
+                bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
+                               mask=(i[:, None] < Lq) & j_ok, other=0.0)
+                s += bias.to(tl.float32) * 1.4426950408889634
+            p = tl.math.exp2(s - lse2[:, None])
+            if PARTIAL:
+                s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
+                                                              h, j, Lk, N_RANGES, CR_KINDS, True)
+                vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                               s0[None, :], e0[None, :], s1[None, :], e1[None, :],
+                               s2[None, :], e2[None, :], s3[None, :], e3[None, :],
+                               HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
+                p = tl.where(vis, p, 0.0)
 
-        elif not EVEN_N:
-            p = tl.where(j_ok, p, 0.0)
-        dp = tl.dot(do, vT)
-        ds = p * (dp - delta[:, None])
-        if DB_COLSUM:
-            dbacc += tl.sum(ds, 1)
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+            elif not EVEN_N:
+                p = tl.where(j_ok, p, 0.0)
+            dp = tl.dot(do, vT)
+            ds = p * (dp - delta[:, None])
+            if DB_COLSUM:
+                dbacc += tl.sum(ds, 1)
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
     return dq, dbacc
 
 
 @triton.jit
 def _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
-                         idx_ptr, n_iters, SUB, Lq, Lk, D, block_k,
+                         idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, block_k: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          RANGES: tl.constexpr):
     """dQ += dS @ K with dS read back from what the dK/dV pass stored (full-bias dbias)."""
     d_okT = offs_d[:, None] < D
-    lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
-    for it in range(n_iters):
-        kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
-        j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
-        j_ok = j[None, :] < Lk
-        kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
-                        not EVEN_N, not EVEN_D)
-        ds = tl.load(DSh + i[:, None] * sdsq + j[None, :] * sdsk,
-                     mask=(i[:, None] < Lq) & j_ok, other=0.0)
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
+    if RANGES >= 0:      # else EMPTY_LIST: no row has a block
+        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        for it in range(n_iters):
+            kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+            j_ok = j[None, :] < Lk
+            kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
+                            not EVEN_N, not EVEN_D)
+            ds = tl.load(DSh + i[:, None] * sdsq + j[None, :] * sdsk,
+                         mask=(i[:, None] < Lq) & j_ok, other=0.0)
+            dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
     return dq
 
 
@@ -711,7 +715,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                  CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                  PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                 Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2, rev_q,
+                 Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr, scale, qk_scale, cap_log2, rev_q,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                  N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                  DB_COLSUM: tl.constexpr,
@@ -743,7 +747,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                     DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                     CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                     PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                    Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
+                    Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr, scale, qk_scale, cap_log2,
                     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                     N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                     DB_COLSUM: tl.constexpr,
@@ -811,7 +815,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
                       kf_W,
                       DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                       PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                      Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
+                      Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr, qk_scale, cap_log2,
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                       N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                       DB_COLSUM: tl.constexpr,
@@ -875,7 +879,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
                          DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                          CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
                          PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, SUB2, nQB,
+                         Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB1: tl.constexpr, SUB2: tl.constexpr, nQB,
                          n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2, rev_q,
                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
                          N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
@@ -1162,6 +1166,36 @@ def _cached_fact(tensors, compute):
     return value
 
 
+# RANGES of a block list that is empty in every row: its loop is compiled out.
+EMPTY_LIST = -1
+
+
+def _trim_lists(lists, forms):
+    """The RANGES constexpr of each of the four lists, trimmed to what the descriptor uses:
+    EMPTY_LIST where no row has a block (the full mask's partial lists), and for the range
+    form the range slots up to the last one that is non-empty in some row (causal and the
+    full mask use one of the four), so the kernels neither load nor test the others. One
+    host sync per descriptor, cached; untrimmed while a CUDA graph is captured."""
+    tensors = tuple(lists)
+
+    def trimmed():
+        facts = []
+        for count, index, R in zip(tensors[0::2], tensors[1::2], forms):
+            if count.numel() == 0:
+                facts.append(torch.zeros((), dtype=torch.int64, device=count.device))
+                continue
+            used = (count.max() > 0).long()
+            if R > 0:
+                nonempty = (index[..., 1] > index[..., 0]).reshape(-1, R).any(0)
+                slots = torch.arange(1, R + 1, device=index.device) * nonempty
+                used = used * slots.max().clamp(min=1)
+            facts.append(used)
+        got = torch.stack(facts).tolist()
+        return tuple(EMPTY_LIST if n == 0 else (R and n) for n, R in zip(got, forms))
+    value = _cached_fact(tensors, trimmed)
+    return forms if value is None else value
+
+
 def _slot_kinds(cr, Lq) -> int:
     """CR_KINDS: per slot r (2 bits at 2r) KIND_UPPER if every start is 0, KIND_LOWER if
     every end is Lq, else KIND_GENERAL (one host sync per column-range tensor)."""
@@ -1202,6 +1236,7 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
     qc, qc_r = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
     qf, qf_r = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index",
                           dummy_i32)
+    kv_r, kf_r, qc_r, qf_r = _trim_lists(lists, (kv_r, kf_r, qc_r, qf_r))
     preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8)
     bias_args = _bias_args(bias, Hq, Hkv, dummy_i32)
     softcap = float(softcap)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|sanitize ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|sanitize ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -59,6 +59,19 @@ if [[ " $parts " == *" profile "* ]]; then
   timeout "${T_PROFILE:-120}" python3 -m flexsparse.bench --profile --rows "${PROFILE_ROWS:-causal@8192}" \
     --no-sdpa --no-indices ${PROFILE_ARGS---no-flex} > "$OUT/profile.log" 2>&1
   grep -vE "^-+$" "$OUT/profile.log" | cut -c1-160 | tail -40
+fi
+# Nsight Compute on the backward kernels of one row, ours vs FlexAttention's (hardware
+# counters; clocks left alone): NCU_ROW=full@8192 bash tests/gpu.sh ncu
+if [[ " $parts " == *" ncu "* ]]; then
+  timeout "${T_NCU:-300}" ncu --clock-control none --profile-from-start off \
+    -k "regex:${NCU_KERNELS:-_attn_bwd_one_launch|triton_tem_fused_flex_attention_backward}" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 tests/gpu/ncu_row.py "${NCU_ROW:-full@8192}" > "$OUT/ncu.log" 2>&1
+  echo "ncu rc=$?"
+  grep -E "^  [a-z_]+.*\(|Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps Per|Eligible Warps|Executed Ipc A|DRAM Throughput|stalled" "$OUT/ncu.log" \
+    | awk '$NF+0 >= 0.05 || !/stalled/' | head -90
 fi
 # Out-of-bounds check of the kernels on odd sizes: compute-sanitizer memcheck (slow; a few tests).
 if [[ " $parts " == *" sanitize "* ]]; then

@@ -32,7 +32,7 @@ DTYPE = "bf16"
 POINTERS = {"Q": DTYPE, "K": DTYPE, "V": DTYPE, "DO": DTYPE, "DK": DTYPE, "DV": DTYPE,
             "DQ": DTYPE, "Bias": DTYPE, "DB": "fp32", "DBQ": "fp32", "DQA": "fp32",
             "LSE2": "fp32", "DEL": "fp32", "DM": "u8"}
-INTS = {"Hq", "Hkv", "G", "Lq", "Lk", "D", "SUB", "SUB1", "SUB2"}
+INTS = {"Hq", "Hkv", "Lq", "Lk", "D"}
 FLOATS = {"scale", "qk_scale", "cap_log2"}
 
 
@@ -107,23 +107,32 @@ def main():
               DB_MODE=tb.DB_ATOMIC, ZERO_SKIPPED=False, EVEN_D=False, BLOCK_D=D_PAD,
               QC_RANGES=4, QF_RANGES=4, KV_RANGES=4, KF_RANGES=4,
               CR_KINDS=tb.KIND_UPPER | (tb.KIND_LOWER << 2)), False),
+        ("full mask (partial lists EMPTY_LIST, one range), GQA",
+         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=0, HAS_BITS=False,
+              DB_MODE=tb.DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
+              QC_RANGES=tb.EMPTY_LIST, QF_RANGES=1, KV_RANGES=tb.EMPTY_LIST, KF_RANGES=1,
+              CR_KINDS=0, G=4), True),
     ]
     BM0, BN0, W0, S0 = tb._GPU_CONFIGS["fwd"][D_PAD]
+    BQ = BK = 128       # descriptor block size (constexpr, like the sub-tile counts)
     ok = True
     for label, flags, even in variants:
+        flags = dict(dict(G=1), **flags)
         fwd = {k: flags[k] for k in ("HAS_BIAS", "SOFTCAP", "HAS_DM", "N_RANGES", "CR_KINDS",
-                                     "HAS_BITS", "EVEN_D", "BLOCK_D", "KV_RANGES", "KF_RANGES")}
-        fwd.update(EVEN_M=even, EVEN_N=even, BLOCK_M=BM0, BLOCK_N=BN0)
+                                     "HAS_BITS", "EVEN_D", "BLOCK_D", "KV_RANGES", "KF_RANGES", "G")}
+        fwd.update(EVEN_M=even, EVEN_N=even, BLOCK_M=BM0, BLOCK_N=BN0, block_q=BQ, block_k=BK,
+                   SUB=BK // BN0)
         ok &= compile_one(f"_attn_fwd [{label}] ({BM0}x{BN0}, {W0} warps, {S0} stages)",
                           tb._attn_fwd, fwd, W0, S0)
         dkdv = dict(flags, DQ_ATOMIC=True, EVEN_M=even, EVEN_N=even,
-                    BLOCK_M=BM1, BLOCK_N=BN1)
+                    BLOCK_M=BM1, BLOCK_N=BN1, block_q=BQ, block_k=BK, SUB=BQ // BM1)
         dkdv.pop("KV_RANGES")
         dkdv.pop("KF_RANGES")
         ok &= compile_one(f"_attn_bwd_dkdv DQ_ATOMIC [{label}] ({BM1}x{BN1}, {W1} warps, "
                           f"{S1} stages)", tb._attn_bwd_dkdv, dkdv, W1, S1)
         fused = dict(flags, DB_COLSUM=False, EVEN_M1=even, EVEN_N1=even, EVEN_M2=even,
-                     EVEN_N2=even, BLOCK_M1=BM1, BLOCK_N1=BN1, BLOCK_M2=BM2, BLOCK_N2=BN2)
+                     EVEN_N2=even, BLOCK_M1=BM1, BLOCK_N1=BN1, BLOCK_M2=BM2, BLOCK_N2=BN2,
+                     block_q=BQ, block_k=BK, SUB1=BQ // BM1, SUB2=BK // BN2)
         ok &= compile_one(f"_attn_bwd_one_launch [{label}] (dkdv {BM1}x{BN1}, dq {BM2}x{BN2}, "
                           f"{W1} warps, {S1} stages)", tb._attn_bwd_one_launch, fused, W1, S1)
     return 0 if ok else 1

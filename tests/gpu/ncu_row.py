@@ -1,0 +1,53 @@
+"""One forward + backward of a bench row, ours then FlexAttention's, each exactly once after
+a warm-up outside the profiled range: the workload for an Nsight Compute comparison of
+the two backward kernels (tests/gpu.sh ncu runs it under ncu).
+
+    ncu --clock-control none --profile-from-start off -k regex:"..." \
+        python3 tests/gpu/ncu_row.py full@8192 [--d 128]
+
+Warm-up (compiles, autotune-free) runs before cudaProfilerStart, so ncu sees only the
+measured launches.
+"""
+import argparse
+
+import torch
+
+import flexsparse
+from flexsparse import bench
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("row", help="kind@L, e.g. full@8192")
+    ap.add_argument("--d", type=int, default=128)
+    args = ap.parse_args()
+    kind, L = args.row.split("@")
+    L, D = int(L), args.d
+    dev = torch.device("cuda")
+    B = max(1, bench.TOKENS // L)
+    H = bench.H
+    mk = lambda *s: torch.randn(*s, device=dev, dtype=bench.DTYPE, requires_grad=True)  # noqa
+    q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
+    do = torch.randn(B, H, L, D, device=dev, dtype=bench.DTYPE)
+    fs_mask, mask_mod, per_head, _, has_bias = bench.make_case(kind, B, L, device=dev)
+    if has_bias:
+        raise SystemExit("ncu_row: bias rows not supported")
+    desc = fs_mask.compile(B, H, H, L, L, device=dev)
+    from torch.nn.attention.flex_attention import flex_attention
+    fa = torch.compile(flex_attention, dynamic=False)
+    bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
+    steps = [lambda: flexsparse.attention(q, k, v, desc, backend="triton").backward(do),
+             lambda: fa(q, k, v, block_mask=bm).backward(do)]
+    for step in steps:            # compile and warm up
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for step in steps:
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"ncu_row {kind} L={L} D={D}: ours and flex ran once each in the profiled range")
+
+
+if __name__ == "__main__":
+    main()
