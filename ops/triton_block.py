@@ -1168,6 +1168,8 @@ def _cached_fact(tensors, compute):
 
 # RANGES of a block list that is empty in every row: its loop is compiled out.
 EMPTY_LIST = -1
+# Off: every list keeps the RANGES its tensor shape gives (for A/B timing).
+TRIM_LISTS = True
 
 
 def _trim_lists(lists, forms):
@@ -1177,6 +1179,8 @@ def _trim_lists(lists, forms):
     full mask use one of the four), so the kernels neither load nor test the others. One
     host sync per descriptor, cached; untrimmed while a CUDA graph is captured."""
     tensors = tuple(lists)
+    if not TRIM_LISTS:
+        return forms
 
     def trimmed():
         facts = []
