@@ -250,6 +250,8 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
     desc = fs_mask.compile(B, H, H, L, L, device=dev)
     visible = desc.num_visible(batch=B)
     flops_fwd = 4.0 * D * visible
+    from flexsparse.ops import triton_block
+    facts0 = triton_block.FACT_COMPUTES
     row = dict(kind=kind, L=L, D=D, B=B, visible=visible, flops_fwd=flops_fwd)
     where = f"{kind} L={L} D={D}"
 
@@ -324,11 +326,14 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
         bwd_ms = statistics.median(r[1] for r in runs)
         row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = fwd_ms, bwd_ms
         row[f"{name}_bwd_runs"] = [r[1] for r in runs]
+        row[f"{name}_fwd_runs"] = [r[0] for r in runs]
         row[f"{name}_bwd_method"] = ("direct" if all(r[2] == "direct" for r in runs)
                                      else "subtract")
         row[f"{name}_fwd"] = flops_fwd / fwd_ms * 1e-9
         row[f"{name}_bwd"] = 2.5 * flops_fwd / bwd_ms * 1e-9 if bwd_ms > 0 else None
 
+    # host syncs for descriptor facts (ops/triton_block.py _cached_fact): one per new descriptor
+    row["fact_syncs"] = triton_block.FACT_COMPUTES - facts0
     if row.get("ours_fwd") and row.get("old_fwd"):
         row["ab_fwd"] = row["ours_fwd"] / row["old_fwd"]
         row["ab_bwd"] = row["ours_bwd"] / row["old_bwd"]
@@ -639,12 +644,16 @@ def main(argv=None):
                      repeat=args.repeat, bwd=args.bwd, extra_modes=extra_modes, log=log,
                      old_block=old_block)
         results.append(r)
-        log(format_row(r, extra_modes) + f"  [{time.time() - t0:.0f}s]")
+        log(format_row(r, extra_modes) + f"  [{time.time() - t0:.0f}s, "
+            f"{r['fact_syncs']} descriptor-fact syncs]")
         if "ab_fwd" in r:
             log(f"  A/B {r['kind']} {r['L']} D={r['D']}: old fwd {_f(r.get('old_fwd'))} bwd "
                 f"{_f(r.get('old_bwd'))} TFLOP/s; new/old fwd {r['ab_fwd']:.3f} bwd "
                 f"{r['ab_bwd']:.3f}")
         if args.repeat > 1:
+            log("  fwd ms per run: " + "; ".join(
+                f"{name} " + " ".join(f"{ms:.3f}" for ms in r[f"{name}_fwd_runs"])
+                for name in ("ours", "old", "flex", "sdpa") if f"{name}_fwd_runs" in r))
             log("  bwd ms per run: " + "; ".join(
                 f"{name} " + " ".join(f"{ms:.3f}" for ms in r[f"{name}_bwd_runs"])
                 for name in ("ours", *map(_ours, extra_modes), "old", "flex", "sdpa")

@@ -21,6 +21,7 @@ Head broadcast for every per-head tensor (descriptor lists, bias, dense mask, co
 bitmap index): a head dim of size 1, Hkv or Hq is read at head `h // hdiv` with hdiv = Hq,
 G or 1. Batch dims of size 1 get stride 0.
 """
+import collections
 import math
 import weakref
 
@@ -1144,6 +1145,7 @@ def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8):
 
 
 _FACTS = {}
+FACT_COMPUTES = 0       # host syncs for descriptor facts so far (bench reports them per row)
 
 
 def _cached_fact(tensors, compute):
@@ -1159,6 +1161,8 @@ def _cached_fact(tensors, compute):
         return entry[2]
     if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
+    global FACT_COMPUTES
+    FACT_COMPUTES += 1
     value = compute()
     if len(_FACTS) > 1024:
         _FACTS.clear()
@@ -1224,12 +1228,21 @@ def _bias_args(bias, Hq, Hkv, dummy):
             _head_div(bias.shape[1], Hq, Hkv, "bias"))
 
 
-def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
-    B, Hq, Lq, D = query.shape
-    Hkv, Lk = key.shape[1], key.shape[2]
-    if Hq % Hkv != 0:
-        raise ValueError(f"triton: Hq={Hq} not a multiple of Hkv={Hkv}")
-    device = query.device
+# Mask-dependent kernel arguments of the last few (mask tensors, shapes): a call with a
+# descriptor seen before skips rebuilding them (host time per call matters next to 0.3 ms
+# kernels). Entries hold their tensors, so identity checks are safe; kept small for that.
+_MASK_ARGS = collections.OrderedDict()
+MASK_ARGS_CACHE_SIZE = 8
+
+
+def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
+    present = tuple(t for t in mask if t is not None)
+    key = (tuple(None if t is None else id(t) for t in mask),
+           tuple(t._version for t in present), Hq, Hkv, Lq, Lk, block_q, block_k, str(device))
+    hit = _MASK_ARGS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], present)):
+        _MASK_ARGS.move_to_end(key)
+        return hit[1]
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
     dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
     lists = _all_lists(mask, Lq, Lk, block_q, block_k, device)
@@ -1240,26 +1253,41 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
     qc, qc_r = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
     qf, qf_r = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index",
                           dummy_i32)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     kv_r, kf_r, qc_r, qf_r = _trim_lists(lists, (kv_r, kf_r, qc_r, qf_r))
     preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8)
-    bias_args = _bias_args(bias, Hq, Hkv, dummy_i32)
+    # Query tiles last-first when the column ranges only hide rows above the keys (some slot
+    # starts at 0 for every key, none ends at Lq for every key: causal, prefix-LM, so work
+    # grows with the query index; windows and documents also cut rows below), see _tile_order.
+    slot_kinds = [(flags["CR_KINDS"] >> (2 * r)) & 3 for r in range(min(flags["N_RANGES"], 4))]
+    rev_q = int(KIND_UPPER in slot_kinds and KIND_LOWER not in slot_kinds)
+    value = dict(rev_q=rev_q, kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags,
+                 kv_ranges=dict(KV_RANGES=kv_r, KF_RANGES=kf_r),
+                 q_ranges=dict(QC_RANGES=qc_r, QF_RANGES=qf_r), dummy=dummy_i32)
+    if not capturing:       # facts are not computed while capturing: do not keep that
+        _MASK_ARGS[key] = (present, value)
+        while len(_MASK_ARGS) > MASK_ARGS_CACHE_SIZE:
+            _MASK_ARGS.popitem(last=False)
+    return value
+
+
+def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if Hq % Hkv != 0:
+        raise ValueError(f"triton: Hq={Hq} not a multiple of Hkv={Hkv}")
+    c = dict(_mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, query.device))
     softcap = float(softcap)
     if softcap > 0:
         qk_scale, cap_log2 = scale / softcap, softcap * LOG2E
     else:
         qk_scale, cap_log2 = scale * LOG2E, 0.0
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    flags.update(HAS_BIAS=bias is not None, SOFTCAP=softcap > 0, EVEN_D=BLOCK_D == D)
-    # Query tiles last-first when the column ranges only hide rows above the keys (some slot
-    # starts at 0 for every key, none ends at Lq for every key: causal, prefix-LM, so work
-    # grows with the query index; windows and documents also cut rows below), see _tile_order.
-    slot_kinds = [(flags["CR_KINDS"] >> (2 * r)) & 3 for r in range(min(flags["N_RANGES"], 4))]
-    rev_q = int(KIND_UPPER in slot_kinds and KIND_LOWER not in slot_kinds)
-    return dict(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D, rev_q=rev_q,
-                kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags, bias=bias_args,
-                kv_ranges=dict(KV_RANGES=kv_r, KF_RANGES=kf_r),
-                q_ranges=dict(QC_RANGES=qc_r, QF_RANGES=qf_r),
-                qk_scale=qk_scale, cap_log2=cap_log2, dummy=dummy_i32)
+    c["flags"] = dict(c["flags"], HAS_BIAS=bias is not None, SOFTCAP=softcap > 0,
+                      EVEN_D=BLOCK_D == D)
+    c.update(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D,
+             bias=_bias_args(bias, Hq, Hkv, c["dummy"]), qk_scale=qk_scale, cap_log2=cap_log2)
+    return c
 
 
 def _strides(t):

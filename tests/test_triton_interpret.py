@@ -267,6 +267,30 @@ def test_missing_transposed_lists():
         torch.testing.assert_close(a, r, atol=3e-5, rtol=1e-4)
 
 
+def test_list_trimming_and_argument_cache():
+    """Full mask: partial lists compiled out (EMPTY_LIST), one range slot of four; the
+    cached kernel arguments follow an in-place edit of the descriptor (tensor version)."""
+    B, H, L, D = 1, 2, 64, 32
+    q, k, v = qkv(B, H, H, L, L, D, seed=5)
+    mt = M.full().compile(B, H, H, L, L, device=DEV, block_size=(32, 32)).mask_tensors()
+    c = triton_block._common(q, k, v, None, mt, 32, 32, 0.2, 0.0)
+    assert c["kv_ranges"] == dict(KV_RANGES=triton_block.EMPTY_LIST, KF_RANGES=1)
+    assert c["q_ranges"] == dict(QC_RANGES=triton_block.EMPTY_LIST, QF_RANGES=1)
+    ref = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "reference", False)
+    got = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "triton", False)
+    torch.testing.assert_close(got[0], ref[0], atol=3e-5, rtol=1e-4)
+    # Edit in place: key blocks [1, 2) only (range form (lo, hi)); every query sees 32 keys.
+    mt.kv_full_index[..., 0, :] = torch.tensor([1, 2])
+    mt.kv_full_count.fill_(1)
+    c = triton_block._common(q, k, v, None, mt, 32, 32, 0.2, 0.0)
+    assert c["kv_ranges"]["KF_RANGES"] == 1 and c["kv_ranges"]["KV_RANGES"] == -1
+    out, lse = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "triton",
+                                              False)
+    s = (q @ k[:, :, 32:].transpose(-1, -2)) * 0.2
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v[:, :, 32:], atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=3e-5, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- float16
 
 @pytest.mark.parametrize("name", ["causal", "document", "dense", "bits (or_ causal|dense)"])
