@@ -7,6 +7,7 @@ import torch
 from . import masks as masks_mod
 from .descriptor import BlockDescriptor
 from .ops import backends
+from .ops.schema import attention_with_grad
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "reference", "triton", "cuda")
@@ -47,7 +48,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
-    out, lse = torch.ops.flexsparse.attention(
+    out, lse = attention_with_grad(
         query, key, value, bias, *mt, desc.block_size[0], desc.block_size[1], float(scale),
         float(softcap), backend, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--L", type=int, default=256)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--ab-old", metavar="PATH")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile our forward + backward calls (top functions by own time)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     B, H, L, D = 1, 2, args.L, 64
@@ -53,6 +55,17 @@ def main():
             fb = per_call_us(lambda: flexsparse.attention(q, k, v, desc, backend="triton")
                              .backward(do), args.calls)
         print(f"host {name} {args.kind} L={L}: fwd {fwd:.0f} us/call, fwd+bwd {fb:.0f} us/call")
+    if args.profile:
+        import cProfile
+        import pstats
+        step = lambda: flexsparse.attention(q, k, v, desc, backend="triton").backward(do)  # noqa
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     from torch.nn.attention.flex_attention import flex_attention
     fa = torch.compile(flex_attention, dynamic=False)
     bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
