@@ -153,3 +153,31 @@ def test_bad_mask_arguments():
     desc = M.causal().compile(1, 2, 2, 5, 7)
     with pytest.raises(ValueError, match="descriptor"):
         flexsparse.attention(q, k, v, desc)
+
+
+@pytest.mark.parametrize("use", ["out", "lse", "both"])
+def test_eager_autograd_matches_registered(use):
+    """flexsparse.attention's eager autograd.Function and the op's registered autograd
+    (what torch.compile and direct torch.ops callers use) give the same gradients,
+    also when only one of the two outputs reaches the loss."""
+    g = torch.Generator().manual_seed(7)
+    B, H, L, D = 1, 2, 40, 16
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, H, L, L, generator=g, dtype=torch.float64)
+    desc = M.sliding_window(9).compile(B, H, H, L, L, device="cpu", block_size=(16, 16))
+    w_out = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    w_lse = torch.randn(B, H, L, generator=g, dtype=torch.float64)
+
+    def grads(call):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = call(*leaves)
+        loss = {"out": (out * w_out).sum(), "lse": (lse * w_lse).sum(),
+                "both": (out * w_out).sum() + (lse * w_lse).sum()}[use]
+        return torch.autograd.grad(loss, leaves)
+
+    eager = grads(lambda q, k, v, b: flexsparse.attention(q, k, v, desc, bias=b,
+                                                          return_lse=True, scale=0.3))
+    registered = grads(lambda q, k, v, b: torch.ops.flexsparse.attention(
+        q, k, v, b, *desc.mask_tensors(), 16, 16, 0.3, 0.0, "reference", False))
+    for a, r in zip(eager, registered):
+        torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
