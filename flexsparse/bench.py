@@ -176,14 +176,20 @@ def _empty_cache(dev):
 
 
 @contextlib.contextmanager
-def _bwd_mode(mode):
-    """Run our backward in `mode` (triton_block.BWD_MODE) inside the block."""
-    from flexsparse.ops import triton_block as tb
-    old, tb.BWD_MODE = tb.BWD_MODE, mode
+def _swapped(obj, name, value):
+    """obj.name = value inside the block, restored after."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        tb.BWD_MODE = old
+        setattr(obj, name, old)
+
+
+def _bwd_mode(mode):
+    """Run our backward in `mode` (triton_block.BWD_MODE) inside the block."""
+    from flexsparse.ops import triton_block
+    return _swapped(triton_block, "BWD_MODE", mode)
 
 
 def load_block_module(path):
@@ -197,15 +203,10 @@ def load_block_module(path):
     return mod
 
 
-@contextlib.contextmanager
 def _block_module(mod):
     """Route the Triton backend's block-mask calls to `mod` inside the block."""
     from flexsparse.ops import triton_backend
-    old, triton_backend.triton_block = triton_backend.triton_block, mod
-    try:
-        yield
-    finally:
-        triton_backend.triton_block = old
+    return _swapped(triton_backend, "triton_block", mod)
 
 
 def _ours(mode):
@@ -334,7 +335,7 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
 
     # host syncs for descriptor facts (ops/triton_block.py _cached_fact): one per new descriptor
     row["fact_syncs"] = triton_block.FACT_COMPUTES - facts0
-    if row.get("ours_fwd") and row.get("old_fwd"):
+    if row.get("ours_fwd") and row.get("old_fwd") and row.get("ours_bwd") and row.get("old_bwd"):
         row["ab_fwd"] = row["ours_fwd"] / row["old_fwd"]
         row["ab_bwd"] = row["ours_bwd"] / row["old_bwd"]
     if row.get("ours_fwd") and row.get("flex_fwd"):
