@@ -91,6 +91,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, bias, *mask = ctx.saved_tensors
+    if grad_out is None:        # only lse was used (grads are not materialized, see below)
+        grad_out = torch.zeros_like(out)
     bias_requires_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.flexsparse.attention_backward(
         grad_out, grad_lse, query, key, value, out, lse, bias, *mask, *ctx.tail,
@@ -111,18 +113,32 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        output = torch.ops.flexsparse.attention(*args)
+        # An unused lse gets grad None, not a zero tensor (saves a fill and the kernels'
+        # grad_lse reads); _backward fills a missing grad_out itself.
+        ctx.set_materialize_grads(False)
+        output = _below_autograd(torch.ops.flexsparse.attention, args)
         _setup_context(ctx, args, output)
         return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _backward(ctx, grad_out, grad_lse)
+
+
+def _below_autograd(op, args):
+    """op(*args) straight to its CPU / CUDA kernel. The dispatcher's Autograd entry
+    (register_autograd's wrapper) would only find that no graph is needed, at ~20 us of host
+    time per call; eager callers here have already handled autograd."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
 
 
 def attention_with_grad(*args):
     """torch.ops.flexsparse.attention(*args) with autograd: the registered op itself when
     compiling (what torch.compile sees), the eager Function above otherwise."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling():
         return torch.ops.flexsparse.attention(*args)
+    if not torch.is_grad_enabled():
+        return _below_autograd(torch.ops.flexsparse.attention, args)
     return _EagerAttention.apply(*args)

@@ -32,6 +32,7 @@ import triton.language as tl
 from .reference import block_state
 from .schema import MAX_RANGES          # range-form lists: ranges per row _ranges_load reads
 from .triton_compat import interpreting
+from .triton_launch import launch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -1014,8 +1015,10 @@ def _pow2_divisor(pref: int, block: int) -> int:
 # default now matches or beats it on sliding and document rows, and it cost a host sync.)
 # A full-shape dbias (the dK/dV pass stores dS, the dQ pass reads it back): 32-query dK/dV
 # tiles and 128x128 dQ tiles at 3 stages, causal + bias 4K backward 261 -> 277 TFLOP/s
-# (docs/perf-notes.md change 11).
-_BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}, "dkdv": {128: (32, 128, 8, 3)},
+# (docs/perf-notes.md change 11); dK/dV on 64-key tiles with one warpgroup and 4 stages
+# (~110 KB of shared memory: two programs per SM, one's bias reads and dS stores overlap
+# the other's matmuls) 283 -> 302 (change 15).
+_BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}, "dkdv": {128: (32, 64, 4, 4)},
                  "dq": {128: (128, 128, 8, 3)}}
 # Backward over short or irregular per-tile work (explicit block lists; windows, documents
 # and other masks whose column ranges also cut rows below the keys): one warpgroup per
@@ -1313,7 +1316,7 @@ def _launch(kernel, grid, args, kwargs, warps, stages):
     pipeline stages, so that rarely used flag combinations still run."""
     while True:
         try:
-            return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
+            return launch(kernel, grid, args, kwargs, warps, stages)
         except triton.runtime.errors.OutOfResources:
             if stages <= 1:
                 raise
@@ -1362,11 +1365,6 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=device)
     lse2 = torch.empty((B, Hq, Lq), dtype=torch.float32, device=device)
     glse = grad_lse.float().contiguous() if grad_lse is not None else c["dummy"]
-    PRE_M = 64
-    _bwd_preprocess[(triton.cdiv(Lq, PRE_M), B * Hq)](
-        out, grad_out, lse.float().contiguous(), glse, delta, lse2,
-        *_strides(out), *_strides(grad_out), Hq, Lq, D,
-        HAS_GLSE=grad_lse is not None, BLOCK_M=PRE_M, BLOCK_D=c["BLOCK_D"])
 
     # dbias plan (see module docstring of the op): which pass produces it, and where.
     db_mode, db_colsum, finish, zero_skipped = DB_NONE, False, None, False
@@ -1434,6 +1432,14 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
     BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, **cfg)
     n_q_tiles = triton.cdiv(Lq, BM2)
+    # The preprocess kernel is short: launched only now, after the host work above, so the
+    # GPU does not sit idle between it and the main kernels (per-call host time shows in
+    # every timing of a small problem, docs/perf-notes.md change 15).
+    PRE_M = 64
+    _launch(_bwd_preprocess, (triton.cdiv(Lq, PRE_M), B * Hq), (
+        out, grad_out, lse.float().contiguous(), glse, delta, lse2,
+        *_strides(out), *_strides(grad_out), Hq, Lq, D),
+        dict(HAS_GLSE=grad_lse is not None, BLOCK_M=PRE_M, BLOCK_D=c["BLOCK_D"]), 4, 3)
     if mode == "one_launch":
         _launch(_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (
             query, key, value, grad_out, lse2, delta, c["bias"][0], db_ptr, dk, dv, dbq_ptr,

@@ -346,12 +346,13 @@ def test_many_column_ranges(n_ranges):
 # ----------------------------------------------------------------------------- backward modes
 
 def _spy_backward_launches(monkeypatch):
-    """Record (kernel, constexpr kwargs) of every backward launch through _launch."""
+    """Record (kernel, constexpr kwargs) of every backward launch through _launch, but the
+    preprocess kernel's (every mode launches it)."""
     seen = []
     launch = triton_block._launch
 
     def spy(kernel, grid, args, kwargs, warps, stages):
-        if kernel is not triton_block._attn_fwd:
+        if kernel not in (triton_block._attn_fwd, triton_block._bwd_preprocess):
             seen.append((kernel, kwargs))
         return launch(kernel, grid, args, kwargs, warps, stages)
     monkeypatch.setattr(triton_block, "_launch", spy)

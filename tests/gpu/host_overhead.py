@@ -26,6 +26,40 @@ def per_call_us(fn, calls):
     return (time.perf_counter() - t) / calls * 1e6
 
 
+def breakdown(q, k, v, do, desc, calls):
+    """Per-call host time of each layer of our forward and backward."""
+    import triton
+    from flexsparse.ops import triton_block as tb
+    mt = desc.mask_tensors()
+    scale = q.shape[-1] ** -0.5
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = tb.forward(qd, kd, vd, None, mt, 128, 128, scale, 0.0, False)
+    layers = {
+        "triton_block.forward": lambda: tb.forward(qd, kd, vd, None, mt, 128, 128, scale, 0.0,
+                                                   False),
+        "triton_block.backward": lambda: tb.backward(do, None, qd, kd, vd, out, lse, None, mt,
+                                                     128, 128, scale, 0.0, False, False),
+        "op forward": lambda: torch.ops.flexsparse.attention(
+            qd, kd, vd, None, *mt, 128, 128, scale, 0.0, "triton", False),
+        "api forward, no grad": lambda: flexsparse.attention(qd, kd, vd, desc, backend="triton"),
+        "api forward, grad": lambda: flexsparse.attention(q, k, v, desc, backend="triton"),
+    }
+    for name, fn in layers.items():
+        full = per_call_us(fn, calls)
+        with bench._swapped(tb, "_launch", lambda *a, **kw: None):
+            prep = per_call_us(fn, calls)
+        print(f"layer {name:24}: {full:6.0f} us/call, {prep:6.0f} without the launches")
+    o = flexsparse.attention(q, k, v, desc, backend="triton")
+    exposed = {
+        "forward": lambda: flexsparse.attention(qd, kd, vd, desc, backend="triton"),
+        "backward (autograd.grad)": lambda: torch.autograd.grad(o, (q, k, v), do,
+                                                                retain_graph=True),
+    }
+    for name, fn in exposed.items():
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+        print(f"do_bench of a tiny problem, ours {name}: {ms * 1e3:.0f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kind", default="sliding")
@@ -34,6 +68,10 @@ def main():
     ap.add_argument("--ab-old", metavar="PATH")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile our forward + backward calls (top functions by own time)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each layer of our call alone (kernel launches stubbed out "
+                         "for 'prep'), and the do_bench time of a tiny problem, which is the "
+                         "host time a benchmark sees")
     args = ap.parse_args()
     dev = torch.device("cuda")
     B, H, L, D = 1, 2, args.L, 64
@@ -43,7 +81,12 @@ def main():
     do = torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16)
     fs_mask, mask_mod, per_head, _, _ = bench.make_case(args.kind, B, L, device=dev)
     desc = fs_mask.compile(B, H, H, L, L, device=dev)
-    impls = {"ours": contextlib.nullcontext}
+    from flexsparse.ops import triton_launch
+    if args.breakdown:
+        breakdown(q, k, v, do, desc, args.calls)
+    impls = {"ours": contextlib.nullcontext,
+             "ours, Triton's launch path": lambda: bench._swapped(triton_launch, "FAST_LAUNCH",
+                                                                  False)}
     if args.ab_old:
         old = bench.load_block_module(args.ab_old)
         impls["old"] = lambda: bench._block_module(old)
@@ -66,6 +109,7 @@ def main():
         torch.cuda.synchronize()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
     from torch.nn.attention.flex_attention import flex_attention
     fa = torch.compile(flex_attention, dynamic=False)
     bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
@@ -73,6 +117,15 @@ def main():
         fwd = per_call_us(lambda: fa(q, k, v, block_mask=bm), args.calls)
     fb = per_call_us(lambda: fa(q, k, v, block_mask=bm).backward(do), args.calls)
     print(f"host flex {args.kind} L={L}: fwd {fwd:.0f} us/call, fwd+bwd {fb:.0f} us/call")
+    if args.breakdown:
+        import triton
+        qd, kd, vd = (t.detach() for t in (q, k, v))
+        o = fa(q, k, v, block_mask=bm)
+        for name, fn in (("forward", lambda: fa(qd, kd, vd, block_mask=bm)),
+                         ("backward (autograd.grad)",
+                          lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))):
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+            print(f"do_bench of a tiny problem, flex {name}: {ms * 1e3:.0f} us")
 
 
 if __name__ == "__main__":

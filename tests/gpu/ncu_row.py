@@ -30,14 +30,16 @@ def main():
     q, k, v = mk(B, H, L, D), mk(B, H, L, D), mk(B, H, L, D)
     do = torch.randn(B, H, L, D, device=dev, dtype=bench.DTYPE)
     fs_mask, mask_mod, per_head, _, has_bias = bench.make_case(kind, B, L, device=dev)
-    if has_bias:
-        raise SystemExit("ncu_row: bias rows not supported")
+    # the bias row: a (B, H, L, L) bias with dbias, as in the bench
+    bias = mk(B, H, L, L) if has_bias else None
     desc = fs_mask.compile(B, H, H, L, L, device=dev)
     from torch.nn.attention.flex_attention import flex_attention
     fa = torch.compile(flex_attention, dynamic=False)
     bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
-    steps = [lambda: flexsparse.attention(q, k, v, desc, backend="triton").backward(do),
-             lambda: fa(q, k, v, block_mask=bm).backward(do)]
+    score_mod = (lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]) if has_bias else None
+    steps = [lambda: flexsparse.attention(q, k, v, desc, bias=bias,
+                                          backend="triton").backward(do),
+             lambda: fa(q, k, v, score_mod=score_mod, block_mask=bm).backward(do)]
     for step in steps:            # compile and warm up
         step()
     torch.cuda.synchronize()

@@ -214,3 +214,41 @@ def test_deterministic_bitwise():
         results.append([out] + list(torch.autograd.grad(out, (q, k, v, bias), do)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_fast_launch_matches_triton_launch():
+    """ops/triton_launch.py: repeated launches skip Triton's binder and give bitwise the
+    results of Triton's own launch path; a 16-byte-misaligned input (a different
+    specialization) is not served by the kernel cached for aligned inputs."""
+    from flexsparse.ops import triton_launch
+    torch.manual_seed(6)
+    B, Hq, Hkv, L, D = 1, 4, 2, 300, 64
+    base = torch.randn(B * Hq * L * D + 1, device=DEV, dtype=torch.float16)
+    mk = lambda *s: torch.randn(*s, device=DEV, dtype=torch.float16)  # noqa: E731
+    k, v = mk(B, Hkv, L, D), mk(B, Hkv, L, D)
+    do = mk(B, Hq, L, D)
+    q_aligned = base[:-1].view(B, Hq, L, D).clone()
+    q_odd = base[1:].view(B, Hq, L, D)        # data pointer 2 bytes past a 16-byte boundary
+    q_odd.copy_(q_aligned)
+    assert q_odd.data_ptr() % 16 != 0
+
+    def run(q):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flexsparse.attention(qq, kk, vv, M.causal(), backend="triton", deterministic=True)
+        return [out] + list(torch.autograd.grad(out, (qq, kk, vv), do))
+
+    old = triton_launch.FAST_LAUNCH
+    try:
+        triton_launch.FAST_LAUNCH = False
+        want = run(q_aligned)
+        triton_launch.FAST_LAUNCH = True
+        run(q_aligned)                              # first launches: Triton's path, cached
+        hits = triton_launch.FAST_HITS
+        got = run(q_aligned)
+        assert triton_launch.FAST_HITS >= hits + 3  # forward, preprocess, backward kernel(s)
+        got_odd = run(q_odd)
+    finally:
+        triton_launch.FAST_LAUNCH = old
+    for a, b, c in zip(want, got, got_odd):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(c, a)    # its own kernel (alignment): not bitwise promised

@@ -1,0 +1,70 @@
+"""Kernel launches with less host time per call.
+
+`kernel[grid](*args, **kwargs)` costs ~40 µs of host time on the H100 machine for our
+~60-argument kernels: Triton's binder specializes every argument (integer divisibility,
+pointer alignment), hashes the result into a cache key and builds launch metadata, on
+every call (tests/gpu/host_overhead.py, docs/perf-notes.md change 15). Here the first
+launch with a given specialization goes through Triton as usual; later launches whose
+arguments specialize the same way call the compiled kernel's launcher directly.
+
+Our cache key is finer than Triton's, so it never reuses a kernel Triton would not:
+integers and floats by value, tensors by (dtype, 16-byte alignment of the data pointer),
+constexpr keywords by value, plus the device, warps and stages. Only the launcher of the
+compiled kernel is reached into (`CompiledKernel.run` with Triton 3.x's argument order);
+`FAST_LAUNCH = False` or any launch hook (a profiler's) takes Triton's own path.
+"""
+import torch
+import triton
+from triton import knobs
+
+from .triton_compat import interpreting
+
+FAST_LAUNCH = True
+FAST_HITS = 0           # launches that took the direct path (tests read it)
+_COMPILED = {}          # our key -> Triton CompiledKernel
+_PARAMS = {}            # JITFunction -> its parameter names in signature order
+_MAX_ENTRIES = 4096
+
+
+def _no_launch_hooks():
+    """No launch hook installed (Triton's knobs hold empty HookChains by default)."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and (not isinstance(hook, knobs.HookChain) or hook.calls):
+            return False
+    return True
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    return (type(a), a)
+
+
+def launch(kernel, grid, args, kwargs, warps, stages):
+    """kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages), directly through
+    the compiled launcher when an identical specialization was launched before."""
+    global FAST_HITS
+    if not FAST_LAUNCH or interpreting() or not _no_launch_hooks():
+        return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
+    device = torch.cuda.current_device()
+    key = (kernel, device, warps, stages, tuple(kwargs.items()), tuple(map(_arg_key, args)))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
+        if hasattr(compiled, "result"):         # asynchronous compile mode: not cached
+            return compiled
+        if len(_COMPILED) >= _MAX_ENTRIES:
+            _COMPILED.clear()
+        _COMPILED[key] = compiled
+        return compiled
+    names = _PARAMS.get(kernel)
+    if names is None:
+        names = _PARAMS[kernel] = [p.name for p in kernel.params]
+    full = list(args)
+    full += [kwargs[name] for name in names[len(args):]]
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    g = tuple(grid) + (1, 1)
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
+                 None, None, *full)
+    FAST_HITS += 1
+    return compiled
