@@ -23,6 +23,7 @@ G or 1. Batch dims of size 1 get stride 0.
 """
 import collections
 import math
+import operator
 import weakref
 
 import torch
@@ -1249,11 +1250,11 @@ MASK_ARGS_CACHE_SIZE = 8
 
 
 def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
-    present = tuple(t for t in mask if t is not None)
-    key = (tuple(None if t is None else id(t) for t in mask),
-           tuple(t._version for t in present), Hq, Hkv, Lq, Lk, block_q, block_k, str(device))
+    present = [t for t in mask if t is not None]
+    key = (tuple(map(id, mask)), tuple([t._version for t in present]), Hq, Hkv, Lq, Lk,
+           block_q, block_k, device)
     hit = _MASK_ARGS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], present)):
+    if hit is not None and all(map(operator.is_, hit[0], present)):
         _MASK_ARGS.move_to_end(key)
         return hit[1]
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
@@ -1295,12 +1296,17 @@ def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
         qk_scale, cap_log2 = scale / softcap, softcap * LOG2E
     else:
         qk_scale, cap_log2 = scale * LOG2E, 0.0
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = max(16, 1 << (D - 1).bit_length())
     c["flags"] = dict(c["flags"], HAS_BIAS=bias is not None, SOFTCAP=softcap > 0,
                       EVEN_D=BLOCK_D == D)
     c.update(B=B, Hq=Hq, Hkv=Hkv, G=Hq // Hkv, Lq=Lq, Lk=Lk, D=D, BLOCK_D=BLOCK_D,
              bias=_bias_args(bias, Hq, Hkv, c["dummy"]), qk_scale=qk_scale, cap_log2=cap_log2)
     return c
+
+
+def _cdiv(a, b):
+    # plain Python: triton.cdiv is a JIT-aware function, ~7 us of host time per call
+    return -(-a // b)
 
 
 def _strides(t):
@@ -1335,7 +1341,7 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
     c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
     BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k,
                                     c["flags"]["HAS_BIAS"])
-    grid = (triton.cdiv(Lq, BM), B * Hq)
+    grid = (_cdiv(Lq, BM), B * Hq)
     _launch(_attn_fwd, grid, (
         query, key, value, out, lse, c["bias"][0],
         *_strides(query), *_strides(key), *_strides(value), *_strides(out),
@@ -1427,16 +1433,16 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     short_work = list_form or (c["flags"]["N_RANGES"] > 0 and not c["rev_q"])
     cfg = dict(has_bias=dq_from_ds, short_work=short_work)
     BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k, **cfg)
-    n_kv_tiles = triton.cdiv(Lk, BN)
+    n_kv_tiles = _cdiv(Lk, BN)
     dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)
     # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
     BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, **cfg)
-    n_q_tiles = triton.cdiv(Lq, BM2)
+    n_q_tiles = _cdiv(Lq, BM2)
     # The preprocess kernel is short: launched only now, after the host work above, so the
     # GPU does not sit idle between it and the main kernels (per-call host time shows in
     # every timing of a small problem, docs/perf-notes.md change 15).
     PRE_M = 64
-    _launch(_bwd_preprocess, (triton.cdiv(Lq, PRE_M), B * Hq), (
+    _launch(_bwd_preprocess, (_cdiv(Lq, PRE_M), B * Hq), (
         out, grad_out, lse.float().contiguous(), glse, delta, lse2,
         *_strides(out), *_strides(grad_out), Hq, Lq, D),
         dict(HAS_GLSE=grad_lse is not None, BLOCK_M=PRE_M, BLOCK_D=c["BLOCK_D"]), 4, 3)

@@ -8,8 +8,10 @@ launch with a given specialization goes through Triton as usual; later launches 
 arguments specialize the same way call the compiled kernel's launcher directly.
 
 Our cache key is finer than Triton's, so it never reuses a kernel Triton would not:
-integers and floats by value, tensors by (dtype, 16-byte alignment of the data pointer),
-constexpr keywords by value, plus the device, warps and stages. Only the launcher of the
+integers and floats by value, tensors by (dtype, is_cuda, 16-byte alignment of the data
+pointer), constexpr keywords by value, plus the device, warps and stages. (Each argument
+position always gets one Python type from our launchers, so values alone tell the
+specializations apart.) Only the launcher of the
 compiled kernel is reached into (`CompiledKernel.run` with Triton 3.x's argument order);
 `FAST_LAUNCH = False` or any launch hook (a profiler's) takes Triton's own path.
 """
@@ -34,12 +36,6 @@ def _no_launch_hooks():
     return True
 
 
-def _arg_key(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    return (type(a), a)
-
-
 def launch(kernel, grid, args, kwargs, warps, stages):
     """kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages), directly through
     the compiled launcher when an identical specialization was launched before."""
@@ -47,7 +43,21 @@ def launch(kernel, grid, args, kwargs, warps, stages):
     if not FAST_LAUNCH or interpreting() or not _no_launch_hooks():
         return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
     device = torch.cuda.current_device()
-    key = (kernel, device, warps, stages, tuple(kwargs.items()), tuple(map(_arg_key, args)))
+    # One pass over the arguments builds both the key and the launcher's arguments: tensors
+    # go in as raw pointers, which spares the launcher a data_ptr() call and a
+    # cuPointerGetAttribute check per tensor (Triton's launch already checked these tensors
+    # once, and a tensor's key includes is_cuda).
+    spec = []
+    flat = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            p = a.data_ptr()
+            spec.append((a.dtype, a.is_cuda, p % 16 == 0))
+            flat.append(p)
+        else:
+            spec.append(a)
+            flat.append(a)
+    key = (kernel, device, warps, stages, tuple(kwargs.items()), tuple(spec))
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
@@ -60,11 +70,10 @@ def launch(kernel, grid, args, kwargs, warps, stages):
     names = _PARAMS.get(kernel)
     if names is None:
         names = _PARAMS[kernel] = [p.name for p in kernel.params]
-    full = list(args)
-    full += [kwargs[name] for name in names[len(args):]]
+    flat += [kwargs[name] for name in names[len(args):]]
     stream = triton.runtime.driver.active.get_current_stream(device)
     g = tuple(grid) + (1, 1)
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
-                 None, None, *full)
+                 None, None, *flat)
     FAST_HITS += 1
     return compiled
