@@ -12,7 +12,7 @@ by the op's `backend` argument; "auto" is resolved by `choose` before the op is 
 """
 import torch
 
-from .schema import MASK_TENSOR_NAMES, MaskTensors
+from .schema import EAGER_KERNELS, MASK_TENSOR_NAMES, MaskTensors
 
 _N_MASK = len(MASK_TENSOR_NAMES)
 _REGISTRY = {}
@@ -52,7 +52,6 @@ def choose(query, key, value, bias, mask: MaskTensors) -> str:
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
 
-@torch.library.impl("flexsparse::attention", ("CPU", "CUDA"))
 def _attention_impl(query, key, value, bias, *rest):
     mask = MaskTensors(*rest[:_N_MASK])
     block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
@@ -60,9 +59,14 @@ def _attention_impl(query, key, value, bias, *rest):
                                 deterministic)
 
 
-@torch.library.impl("flexsparse::attention_backward", ("CPU", "CUDA"))
 def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
     mask = MaskTensors(*rest[:_N_MASK])
     block_q, block_k, scale, softcap, backend, deterministic, bias_requires_grad = rest[_N_MASK:]
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
                                  block_q, block_k, scale, softcap, deterministic, bias_requires_grad)
+
+
+for _name, _kernel in (("attention", _attention_impl),
+                      ("attention_backward", _attention_backward_impl)):
+    torch.library.impl(f"flexsparse::{_name}", ("CPU", "CUDA"))(_kernel)
+    EAGER_KERNELS[getattr(torch.ops.flexsparse, _name)] = _kernel

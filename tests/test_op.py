@@ -181,3 +181,36 @@ def test_eager_autograd_matches_registered(use):
         q, k, v, b, *desc.mask_tensors(), 16, 16, 0.3, 0.0, "reference", False))
     for a, r in zip(eager, registered):
         torch.testing.assert_close(a, r, rtol=0, atol=1e-12)
+
+
+def test_eager_calls_visible_to_dispatch_modes():
+    """Eager calls skip the dispatcher only when nothing observes it: under a
+    TorchDispatchMode both ops still show up, forward and backward, and give the same
+    results as without the mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    desc = M.causal().compile(1, 2, 2, 24, 24, device="cpu", block_size=(8, 8))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flexsparse.attention(*leaves, desc)
+        return [out.detach()] + list(torch.autograd.grad(out.sum(), leaves))
+
+    plain = run()
+    with Record() as rec:
+        watched = run()
+    assert any("flexsparse.attention.default" in s for s in rec.seen)
+    assert any("flexsparse.attention_backward.default" in s for s in rec.seen)
+    for a, b in zip(plain, watched):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

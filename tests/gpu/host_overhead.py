@@ -119,16 +119,16 @@ def main():
         with torch.no_grad():
             fwd = per_call_us(lambda: fa(q, k, v, block_mask=bm), args.calls)
         fb = per_call_us(lambda: fa(q, k, v, block_mask=bm).backward(do), args.calls)
-    print(f"host flex {args.kind} L={L}: fwd {fwd:.0f} us/call, fwd+bwd {fb:.0f} us/call")
-    if args.breakdown:
-        import triton
-        qd, kd, vd = (t.detach() for t in (q, k, v))
-        o = fa(q, k, v, block_mask=bm)
-        for name, fn in (("forward", lambda: fa(qd, kd, vd, block_mask=bm)),
-                         ("backward (autograd.grad)",
-                          lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))):
-            ms = triton.testing.do_bench(fn, warmup=10, rep=50)
-            print(f"do_bench of a tiny problem, flex {name}: {ms * 1e3:.0f} us")
+        print(f"host flex {args.kind} L={L}: fwd {fwd:.0f} us/call, fwd+bwd {fb:.0f} us/call")
+        if args.breakdown:
+            import triton
+            qd, kd, vd = (t.detach() for t in (q, k, v))
+            o = fa(q, k, v, block_mask=bm)
+            for name, fn in (("forward", lambda: fa(qd, kd, vd, block_mask=bm)),
+                             ("backward (autograd.grad)",
+                              lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))):
+                ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+                print(f"do_bench of a tiny problem, flex {name}: {ms * 1e3:.0f} us")
 
 
 if __name__ == "__main__":
