@@ -141,7 +141,7 @@ def _nothing_observes_dispatch(args) -> bool:
     if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
             or torch.autograd.profiler._is_profiler_enabled):
         return False
-    return all(type(a) is torch.Tensor for a in args[:3])
+    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
 
 
 def _below_autograd(op, args):

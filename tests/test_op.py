@@ -214,3 +214,21 @@ def test_eager_calls_visible_to_dispatch_modes():
     assert any("flexsparse.attention_backward.default" in s for s in rec.seen)
     for a, b in zip(plain, watched):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_eager_backward_skips_dispatcher_when_unobserved(monkeypatch):
+    """With nothing observing the dispatcher, the eager forward and backward call the ops'
+    Python kernels directly (also when grad_lse is None, the usual case)."""
+    from flexsparse.ops import schema
+    called = []
+    for op, kernel in list(schema.EAGER_KERNELS.items()):
+        def spy(*args, _kernel=kernel, _op=op):
+            called.append(str(_op))
+            return _kernel(*args)
+        monkeypatch.setitem(schema.EAGER_KERNELS, op, spy)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    out = flexsparse.attention(q, k, v, M.causal())
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert called == ["flexsparse.attention", "flexsparse.attention_backward"]
