@@ -44,9 +44,10 @@ def breakdown(q, k, v, do, desc, calls):
         "api forward, no grad": lambda: flexsparse.attention(qd, kd, vd, desc, backend="triton"),
         "api forward, grad": lambda: flexsparse.attention(q, k, v, desc, backend="triton"),
     }
+    from flexsparse.ops import triton_launch
     for name, fn in layers.items():
-        full = per_call_us(fn, calls)
-        with bench._swapped(tb, "_launch", lambda *a, **kw: None):
+        full = per_call_us(fn, calls)       # also records the calls' launches
+        with bench._swapped(triton_launch.LaunchPlan, "__call__", lambda self, pointers: None):
             prep = per_call_us(fn, calls)
         print(f"layer {name:24}: {full:6.0f} us/call, {prep:6.0f} without the launches")
     o = flexsparse.attention(q, k, v, desc, backend="triton")
@@ -58,6 +59,65 @@ def breakdown(q, k, v, do, desc, calls):
     for name, fn in exposed.items():
         ms = triton.testing.do_bench(fn, warmup=10, rep=50)
         print(f"do_bench of a tiny problem, ours {name}: {ms * 1e3:.0f} us")
+
+
+def launch_breakdown(q, k, v, do, desc, calls):
+    """Per-launch host time of our direct launch path, split: the whole launch(), the
+    argument pass that builds the cache key and the raw-pointer list, the compiled
+    launcher alone (compiled.run with a prebuilt list), and Triton's own kernel[grid]."""
+    import triton
+    from flexsparse.ops import triton_block as tb
+    from flexsparse.ops import triton_launch as tl_
+    mt = desc.mask_tensors()
+    scale = q.shape[-1] ** -0.5
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    seen = {}
+    real = tl_.launch
+
+    def spy(kernel, grid, args, kwargs, warps, stages):
+        seen[kernel.fn.__name__] = (kernel, grid, args, kwargs, warps, stages)
+        return real(kernel, grid, args, kwargs, warps, stages)
+    tb._CALLS.clear()                       # so that the calls below launch through launch()
+    with bench._swapped(tb, "launch", spy):
+        out, lse = tb.forward(qd, kd, vd, None, mt, 128, 128, scale, 0.0, False)
+        tb.backward(do, None, qd, kd, vd, out, lse, None, mt, 128, 128, scale, 0.0, False, False)
+    device = torch.cuda.current_device()
+    for name, (kernel, grid, args, kwargs, warps, stages) in seen.items():
+        real(kernel, grid, args, kwargs, warps, stages)
+        compiled = [c for key, c in tl_._COMPILED.items() if key[0] is kernel][-1]
+        names = [p.name for p in kernel.params]
+
+        def keypass():
+            spec, flat = [], []
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    p = a.data_ptr()
+                    spec.append((a.dtype, a.is_cuda, p % 16 == 0))
+                    flat.append(p)
+                else:
+                    spec.append(a)
+                    flat.append(a)
+            key = (kernel, device, warps, stages, tuple(kwargs.items()), tuple(spec))
+            tl_._COMPILED.get(key)
+            return flat
+        flat = keypass() + [kwargs[n] for n in names[len(args):]]
+        g = tuple(grid) + (1, 1)
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        run = compiled.run
+        parts = {
+            "launch()": lambda: real(kernel, grid, args, kwargs, warps, stages),
+            "key + pointer pass": keypass,
+            "compiled.run (prebuilt args)": lambda: run(g[0], g[1], g[2], stream,
+                                                        compiled.function,
+                                                        compiled.packed_metadata, None, None,
+                                                        None, *flat),
+            "get_current_stream": lambda: triton.runtime.driver.active.get_current_stream(device),
+            "kernel[grid] (Triton)": lambda: kernel[grid](*args, **kwargs, num_warps=warps,
+                                                          num_stages=stages),
+        }
+        n_args = len(flat)
+        for part, fn in parts.items():
+            print(f"launch {name:22} ({n_args} args) {part:30}: {per_call_us(fn, calls):6.1f} us")
 
 
 def main():
@@ -84,6 +144,7 @@ def main():
     from flexsparse.ops import triton_launch
     if args.breakdown:
         breakdown(q, k, v, do, desc, args.calls)
+        launch_breakdown(q, k, v, do, desc, args.calls)
     impls = {"ours": contextlib.nullcontext,
              "ours, Triton's launch path": lambda: bench._swapped(triton_launch, "FAST_LAUNCH",
                                                                   False)}

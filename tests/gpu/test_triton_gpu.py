@@ -62,13 +62,14 @@ def grads(fn, q, k, v, bias, dtype, dout, dlse):
 
 
 def check(B, Hq, Hkv, Lq, Lk, D, mask, dtype, *, bias_shape=None, softcap=None,
-          deterministic=False):
+          deterministic=False, desc=None):
     q = torch.randn(B, Hq, Lq, D, device=DEV)
     k = torch.randn(B, Hkv, Lk, D, device=DEV)
     v = torch.randn(B, Hkv, Lk, D, device=DEV)
     bias = None if bias_shape is None else torch.randn(bias_shape, device=DEV)
     scale = 1.0 / math.sqrt(D)
-    desc = (mask if mask is not None else M.full()).compile(B, Hq, Hkv, Lq, Lk, device=DEV)
+    if desc is None:
+        desc = (mask if mask is not None else M.full()).compile(B, Hq, Hkv, Lq, Lk, device=DEV)
     vis = desc.to_dense()
     dout = torch.randn(B, Hq, Lq, D, device=DEV, dtype=torch.float64)
     dlse = torch.randn(B, Hq, Lq, device=DEV, dtype=torch.float64)
@@ -214,6 +215,48 @@ def test_deterministic_bitwise():
         results.append([out] + list(torch.autograd.grad(out, (q, k, v, bias), do)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+REPLAY = {   # name -> (B, Hq, Hkv, L, D, mask, dtype, bias shape, softcap, deterministic)
+    "causal gqa odd": (2, 4, 2, 677, 128, M.causal(), torch.bfloat16, None, None, False),
+    "document hd64": (1, 4, 4, 500, 64, M.document([200, 250, 50]), torch.float16, None, None,
+                      False),
+    "full bias, dS": (2, 4, 2, 600, 128, M.causal(), torch.bfloat16, (2, 4, 600, 600), None,
+                      False),
+    "shared bias, atomics": (2, 4, 2, 600, 64, M.causal(), torch.bfloat16, (1, 1, 600, 600),
+                             None, False),
+    "hkv bias, deterministic": (2, 4, 2, 600, 64, M.causal(), torch.bfloat16, (1, 2, 600, 600),
+                                None, True),
+    "row bias, softcap": (1, 4, 2, 500, 128, M.sliding_window(100), torch.bfloat16,
+                          (1, 4, 1, 500), 20.0, False),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY))
+def test_recorded_calls_replay(name):
+    """Repeat calls with one descriptor replay the recorded launches (ops/triton_block.py
+    _Call) with each call's own tensors: fresh inputs every call, each checked."""
+    from flexsparse.ops import triton_launch
+    B, Hq, Hkv, L, D, mask, dtype, bias_shape, softcap, det = REPLAY[name]
+    torch.manual_seed(len(name))
+    desc = mask.compile(B, Hq, Hkv, L, L, device=DEV)
+    hits = triton_launch.FAST_HITS
+    for _ in range(3):
+        check(B, Hq, Hkv, L, L, D, None, dtype, bias_shape=bias_shape, softcap=softcap,
+              deterministic=det, desc=desc)
+    assert triton_launch.FAST_HITS >= hits + 2 * 3      # the later calls: fwd + bwd launches
+
+
+def test_recorded_calls_see_in_place_mask_changes():
+    """A mask tensor written in place after a call: the next call must use the new mask
+    (the recorded call is keyed by the tensors' versions)."""
+    torch.manual_seed(9)
+    B, H, L = 1, 2, 300
+    dm = torch.rand(B, H, L, L, device=DEV) < 0.5
+    desc = M.dense(dm).compile(B, H, H, L, L, device=DEV)
+    check(B, H, H, L, L, 64, None, torch.float16, desc=desc)
+    desc.dense_mask.logical_not_()
+    check(B, H, H, L, L, 64, None, torch.float16, desc=desc)
 
 
 def test_fast_launch_matches_triton_launch():
