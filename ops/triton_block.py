@@ -1030,7 +1030,15 @@ _BIAS_CONFIGS = {"fwd": {128: (128, 64, 8, 3)}, "dkdv": {128: (32, 64, 4, 4)},
 # long uniform loops lose (full 16K -1..-3%, causal 16K -5%), so full, causal and
 # prefix-LM keep the big tiles. (These replaced the explicit-list tiles of change 9,
 # 64x128 / 128x128 at 2 stages: block-sparse 343 -> 378 TFLOP/s at 8K in the bench.)
-_SHORT_WORK_CONFIGS = {"dkdv": {128: (64, 64, 4, 2)}, "dq": {128: (64, 64, 4, 2)}}
+# Forward over short analytic loops (column ranges that also hide rows below the keys, at
+# most FWD_SHORT_BLOCKS key blocks per query block on average): 128x32 tiles, one
+# warpgroup, 3 stages (80 KB of shared memory, two programs per SM, so that one's prologue
+# and epilogue overlap the other's loop). H100 sweep, forward alone (change 19): document
+# 8K (5.5 blocks per row) 0.334-0.336 -> 0.309-0.314 ms; sliding 1024 (8.4-8.7) a tie;
+# document 16K (11.9) 0.523-0.530 -> 0.582-0.585, a loss: hence the threshold of 8.
+_SHORT_WORK_CONFIGS = {"dkdv": {128: (64, 64, 4, 2)}, "dq": {128: (64, 64, 4, 2)},
+                       "fwd": {128: (128, 32, 4, 3)}}
+FWD_SHORT_BLOCKS = 8
 
 
 def _config(kind, D_pad, block_q, block_k, has_bias=False, short_work=False):
@@ -1356,8 +1364,10 @@ def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softca
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]
     c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
+    short_work = (c["flags"]["N_RANGES"] > 0 and not c["rev_q"]
+                  and _mean_blocks_per_row(c) <= FWD_SHORT_BLOCKS)
     BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k,
-                                    c["flags"]["HAS_BIAS"])
+                                    c["flags"]["HAS_BIAS"], short_work)
     o_strides = (Hq * Lq * value.shape[-1], Lq * value.shape[-1], value.shape[-1], 1)
     launch = (_attn_fwd, (_cdiv(Lq, BM), B * Hq), (
         _Q, _K, _V, _OUT, _LSE, c["bias"][0],
@@ -1398,6 +1408,17 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     tensors.update(call.alloc())
     call.run(tensors)
     return call.finish(tensors)
+
+
+def _mean_blocks_per_row(c):
+    """Key blocks a query block visits on average (partial + full lists): one host sync
+    per descriptor, cached; infinite (so: not short) while a CUDA graph is captured."""
+    counts = (c["kv"][0], c["kf"][0])
+
+    def mean_blocks_per_row():
+        return sum(t.float().mean().item() if t.numel() else 0.0 for t in counts)
+    value = _cached_fact(counts, mean_blocks_per_row)
+    return math.inf if value is None else value
 
 
 def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block_q, block_k,
