@@ -136,7 +136,7 @@ def test_changes_that_change_arguments_miss(fake_launches, monkeypatch):
     def compiled(mask, block=32):
         return mask.compile(B, H, H, L, L, device="cpu", block_size=(block, block)).mask_tensors()
     mt = compiled(M.causal())
-    q, k, v, do, out, lse, bias, glse = _inputs(0, (B, H, L, L))
+    q, k, v, do, out, lse, bias, glse = _inputs(0, (B, H, L, L), lse_grad=True)
 
     def fwd(q=q, k=k, bias=None, scale=0.3, softcap=0.0, mask=mt, block=32):
         pool.i = 0
@@ -173,6 +173,14 @@ def test_changes_that_change_arguments_miss(fake_launches, monkeypatch):
     # the same again hits
     fwd(mask=mt_dm)
     assert len(tb._CALLS) == n + 1
+    # backward: grad_lse present or not, deterministic, bias gradient wanted or not
+    bwd_cases = [(None, False, False), (glse, False, False), (None, True, False)]
+    for i, (g, det, want_db) in enumerate(bwd_cases + [(None, False, True)]):
+        n = len(tb._CALLS)
+        pool.i = len(pool.tensors)          # fresh outputs and scratch
+        tb.backward(do, g, q, k, v, out, lse, bias if want_db else None, mt, 32, 32, 0.3, 0.0,
+                    det, want_db)
+        assert len(tb._CALLS) == n + 1, f"backward case {i} reused a recorded call"
 
 
 def test_no_recording_under_the_interpreter_or_with_launch_hooks(monkeypatch):
