@@ -167,6 +167,45 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
 
 
 @triton.jit
+def _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i, j, i_ok, j_ok, HAS_BIAS: tl.constexpr,
+           SOFTCAP: tl.constexpr):
+    """The score in the exp2 domain, qk * scale (through the softcap) + bias * log2(e), and
+    tanh's value for the softcap's derivative (the scaled score when there is none).
+    i, j (and their bounds checks): query and key indices in the tile's orientation."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)
+        s = t * cap_log2
+    else:
+        s = qk * qk_scale
+        t = s
+    if HAS_BIAS:
+        bias = tl.load(Bh + i * sbq + j * sbk, mask=i_ok & j_ok, other=0.0)
+        s += bias.to(tl.float32) * 1.4426950408889634
+    return s, t
+
+
+@triton.jit
+def _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q: tl.constexpr,
+                        block_k: tl.constexpr,
+                        DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                        CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                        PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                        HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
+                        HAS_BITS: tl.constexpr, CHECK_J: tl.constexpr):
+    """_visible for a tile with queries i as rows and keys j as columns (the forward and dQ
+    loops), the column ranges of keys j loaded for this tile."""
+    s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j,
+                                                  Lk, N_RANGES, CR_KINDS, True)
+    return _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
+                    DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                    CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                    PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                    s0[None, :], e0[None, :], s1[None, :], e1[None, :],
+                    s2[None, :], e2[None, :], s3[None, :], e3[None, :],
+                    HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, CHECK_J)
+
+
+@triton.jit
 def _ranges_load(idx_ptr, n, RANGES: tl.constexpr):
     """Range-form list (RANGES > 0): the start block of each of up to 4 ranges
     [lo_r, hi_r) and the cumulative lengths c_r = sum of the lengths before range r."""
@@ -251,24 +290,14 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
                             not EVEN_N, not EVEN_D)
             qk = tl.dot(q, kT)
-            if SOFTCAP:
-                s = _tanh(qk * qk_scale) * cap_log2
-            else:
-                s = qk * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
-                               mask=(i[:, None] < Lq) & j_ok, other=0.0)
-                s += bias.to(tl.float32) * 1.4426950408889634
+            s, _ = _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i[:, None], j[None, :],
+                          i[:, None] < Lq, j_ok, HAS_BIAS, SOFTCAP)
             if PARTIAL:
-                s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
-                                                              h, j, Lk, N_RANGES, CR_KINDS, True)
-                vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
-                               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                               s0[None, :], e0[None, :], s1[None, :], e1[None, :],
-                               s2[None, :], e2[None, :], s3[None, :], e3[None, :],
-                               HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
+                vis = _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q, block_k,
+                                          DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                                          CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                                          PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                                          HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, not EVEN_N)
                 s = tl.where(vis, s, float("-inf"))
 
             elif not EVEN_N:
@@ -456,15 +485,8 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                 lse2 = tl.load(LSE2h + i, mask=i_ok, other=float("inf"))
                 delta = tl.load(DELh + i, mask=i_ok, other=0.0)
             qk = tl.dot(k, qT)
-            if SOFTCAP:
-                t = _tanh(qk * qk_scale)
-                s = t * cap_log2
-            else:
-                s = qk * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(Bh + i[None, :] * sbq + j[:, None] * sbk, mask=i_ok[None, :] & j_ok,
-                               other=0.0)
-                s += bias.to(tl.float32) * 1.4426950408889634
+            s, t = _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i[None, :], j[:, None],
+                          i_ok[None, :], j_ok, HAS_BIAS, SOFTCAP)
             pT = tl.math.exp2(s - lse2[None, :])
             if PARTIAL:
                 vis = _visible(i[None, :], j[:, None], Lq, Lk, qb, kb, block_q, block_k, b, h,
@@ -658,26 +680,15 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
             vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
                             not EVEN_N, not EVEN_D)
             qk = tl.dot(q, kT)
-            if SOFTCAP:
-                t = _tanh(qk * qk_scale)
-                s = t * cap_log2
-            else:
-                s = qk * qk_scale
-            if HAS_BIAS:
-                bias = tl.load(Bh + i[:, None] * sbq + j[None, :] * sbk,
-                               mask=(i[:, None] < Lq) & j_ok, other=0.0)
-                s += bias.to(tl.float32) * 1.4426950408889634
+            s, t = _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i[:, None], j[None, :],
+                          i[:, None] < Lq, j_ok, HAS_BIAS, SOFTCAP)
             p = tl.math.exp2(s - lse2[:, None])
             if PARTIAL:
-                s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b,
-                                                              h, j, Lk, N_RANGES, CR_KINDS, True)
-                vis = _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
-                               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                               PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
-                               s0[None, :], e0[None, :], s1[None, :], e1[None, :],
-                               s2[None, :], e2[None, :], s3[None, :], e3[None, :],
-                               HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, not EVEN_N)
+                vis = _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q, block_k,
+                                          DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
+                                          CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
+                                          PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                                          HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, not EVEN_N)
                 p = tl.where(vis, p, 0.0)
 
             elif not EVEN_N:
