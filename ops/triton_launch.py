@@ -47,17 +47,11 @@ def param_names(kernel):
     return names
 
 
-def launch(kernel, grid, args, kwargs, warps, stages):
-    """kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages), directly through
-    the compiled launcher when an identical specialization was launched before."""
-    global FAST_HITS
-    if not FAST_LAUNCH or interpreting() or not _no_launch_hooks():
-        return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
-    device = torch.cuda.current_device()
-    # One pass over the arguments builds both the key and the launcher's arguments: tensors
-    # go in as raw pointers, which spares the launcher a data_ptr() call and a
-    # cuPointerGetAttribute check per tensor (Triton's launch already checked these tensors
-    # once, and a tensor's key includes is_cuda).
+def key_and_pointers(kernel, device, args, kwargs, warps, stages):
+    """(cache key, launcher arguments) of one launch, in one pass over the arguments:
+    tensors go in as raw pointers, which spares the launcher a data_ptr() call and a
+    cuPointerGetAttribute check per tensor (Triton's launch already checked these tensors
+    once, and a tensor's key includes is_cuda)."""
     spec = []
     flat = []
     for a in args:
@@ -68,7 +62,17 @@ def launch(kernel, grid, args, kwargs, warps, stages):
         else:
             spec.append(a)
             flat.append(a)
-    key = (kernel, device, warps, stages, tuple(kwargs.items()), tuple(spec))
+    return (kernel, device, warps, stages, tuple(kwargs.items()), tuple(spec)), flat
+
+
+def launch(kernel, grid, args, kwargs, warps, stages):
+    """kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages), directly through
+    the compiled launcher when an identical specialization was launched before."""
+    global FAST_HITS
+    if not FAST_LAUNCH or interpreting() or not _no_launch_hooks():
+        return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
+    device = torch.cuda.current_device()
+    key, flat = key_and_pointers(kernel, device, args, kwargs, warps, stages)
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)

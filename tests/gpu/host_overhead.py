@@ -88,16 +88,7 @@ def launch_breakdown(q, k, v, do, desc, calls):
         names = [p.name for p in kernel.params]
 
         def keypass():
-            spec, flat = [], []
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    p = a.data_ptr()
-                    spec.append((a.dtype, a.is_cuda, p % 16 == 0))
-                    flat.append(p)
-                else:
-                    spec.append(a)
-                    flat.append(a)
-            key = (kernel, device, warps, stages, tuple(kwargs.items()), tuple(spec))
+            key, flat = tl_.key_and_pointers(kernel, device, args, kwargs, warps, stages)
             tl_._COMPILED.get(key)
             return flat
         flat = keypass() + [kwargs[n] for n in names[len(args):]]
