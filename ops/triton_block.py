@@ -1192,7 +1192,7 @@ def _cached_fact(tensors, compute):
     if (entry is not None and all(r() is t for r, t in zip(entry[0], tensors))
             and entry[1] == versions):
         return entry[2]
-    if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(tensors[0].device):
         return None
     global FACT_COMPUTES
     FACT_COMPUTES += 1
@@ -1262,21 +1262,59 @@ def _bias_args(bias, Hq, Hkv, dummy):
             _head_div(bias.shape[1], Hq, Hkv, "bias"))
 
 
+def _capturing(device) -> bool:
+    """A CUDA graph is being captured on the current stream: no host syncs, nothing cached."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _mask_key(mask):
+    """(key part, mask tensors present): the mask tensors by identity and version."""
+    present = [t for t in mask if t is not None]
+    return (tuple(map(id, mask)), tuple([t._version for t in present])), present
+
+
+class _MaskKeyedCache:
+    """A small LRU whose keys include _mask_key: each entry holds the mask tensors, so their
+    ids are not reused while it lives, and a hit checks identity. Nothing is kept while a
+    CUDA graph is captured (descriptor facts are not computed then)."""
+
+    def __init__(self, size):
+        self.size = size
+        self._entries = collections.OrderedDict()
+
+    def __len__(self):
+        return len(self._entries)
+
+    def clear(self):
+        self._entries.clear()
+
+    def get(self, key, present):
+        hit = self._entries.get(key)
+        if hit is not None and all(map(operator.is_, hit[0], present)):
+            self._entries.move_to_end(key)
+            return hit[1]
+        return None
+
+    def put(self, key, present, value, device):
+        if _capturing(device):
+            return
+        self._entries[key] = (present, value)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+
 # Mask-dependent kernel arguments of the last few (mask tensors, shapes): a call with a
 # descriptor seen before skips rebuilding them (host time per call matters next to 0.3 ms
-# kernels). Entries hold their tensors, so identity checks are safe; kept small for that.
-_MASK_ARGS = collections.OrderedDict()
-MASK_ARGS_CACHE_SIZE = 8
+# kernels); kept small, since entries hold their tensors.
+_MASK_ARGS = _MaskKeyedCache(8)
 
 
 def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
-    present = [t for t in mask if t is not None]
-    key = (tuple(map(id, mask)), tuple([t._version for t in present]), Hq, Hkv, Lq, Lk,
-           block_q, block_k, device)
-    hit = _MASK_ARGS.get(key)
-    if hit is not None and all(map(operator.is_, hit[0], present)):
-        _MASK_ARGS.move_to_end(key)
-        return hit[1]
+    mkey, present = _mask_key(mask)
+    key = (mkey, Hq, Hkv, Lq, Lk, block_q, block_k, device)
+    hit = _MASK_ARGS.get(key, present)
+    if hit is not None:
+        return hit
     dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
     dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
     lists = _all_lists(mask, Lq, Lk, block_q, block_k, device)
@@ -1287,7 +1325,6 @@ def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
     qc, qc_r = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
     qf, qf_r = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index",
                           dummy_i32)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     kv_r, kf_r, qc_r, qf_r = _trim_lists(lists, (kv_r, kf_r, qc_r, qf_r))
     preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8)
     # Query tiles last-first when the column ranges only hide rows above the keys (some slot
@@ -1298,10 +1335,7 @@ def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
     value = dict(rev_q=rev_q, kv=kv, kf=kf, qc=qc, qf=qf, preds=preds, flags=flags,
                  kv_ranges=dict(KV_RANGES=kv_r, KF_RANGES=kf_r),
                  q_ranges=dict(QC_RANGES=qc_r, QF_RANGES=qf_r), dummy=dummy_i32)
-    if not capturing:       # facts are not computed while capturing: do not keep that
-        _MASK_ARGS[key] = (present, value)
-        while len(_MASK_ARGS) > MASK_ARGS_CACHE_SIZE:
-            _MASK_ARGS.popitem(last=False)
+    _MASK_ARGS.put(key, present, value, device)
     return value
 
 
@@ -1366,7 +1400,7 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
     call = _cached_call(key_, present)
     if call is None:
         call = _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softcap)
-        _keep_call(key_, call, present)
+        _keep_call(key_, call, present, query.device)
     call.run(tensors)
     return out, lse
 
@@ -1415,7 +1449,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
     if call is None:
         call = _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block_q,
                               block_k, scale, softcap, deterministic, bias_requires_grad)
-        _keep_call(key_, call, present)
+        _keep_call(key_, call, present, device)
     tensors.update(call.alloc())
     call.run(tensors)
     return call.finish(tensors)
@@ -1610,15 +1644,13 @@ class _Call:
         for kernel, grid, args, kwargs, warps, stages in self.launches:
             compiled = _launch(kernel, grid, resolve(args, tensors), kwargs, warps, stages)
             plans.append(make_plan(compiled, kernel, grid, args, kwargs, tensors))
-        if all(p is not None for p in plans) and not (
-                tensors["q"].is_cuda and torch.cuda.is_current_stream_capturing()):
+        if all(p is not None for p in plans) and not _capturing(tensors["q"].device):
             names = sorted({name for p in plans for _, name in p.slots})
             self.aligned = tuple((n, tensors[n].data_ptr() % 16 == 0) for n in names)
             self.plans = plans
 
 
-_CALLS = collections.OrderedDict()
-CALL_CACHE_SIZE = 16
+_CALLS = _MaskKeyedCache(16)
 
 
 def _layout(t):
@@ -1629,10 +1661,9 @@ def _call_key(kind, mask, query, key, value, bias, block_q, block_k, scale, soft
     """(key, mask tensors present): everything a call's kernel arguments depend on but
     data pointers. Mask tensors by identity and version (the cache holds them, so an id is
     not reused while its entry lives); other tensors by layout; knobs by value."""
-    present = [t for t in mask if t is not None]
-    key = (kind, tuple(map(id, mask)), tuple([t._version for t in present]), _layout(query),
-           _layout(key), _layout(value), _layout(bias), block_q, block_k, scale, softcap,
-           *[_layout(r) if isinstance(r, torch.Tensor) else r for r in rest],
+    mkey, present = _mask_key(mask)
+    key = (kind, mkey, _layout(query), _layout(key), _layout(value), _layout(bias), block_q,
+           block_k, scale, softcap, *[_layout(r) if isinstance(r, torch.Tensor) else r for r in rest],
            BWD_MODE, DQ_FROM_DS_ENABLED, TRIM_LISTS, tuple(CONFIG_OVERRIDE.items()))
     return key, present
 
@@ -1640,16 +1671,9 @@ def _call_key(kind, mask, query, key, value, bias, block_q, block_k, scale, soft
 def _cached_call(key, present):
     if not direct_launch_allowed():     # the interpreter, a launch hook: build every time
         return None
-    hit = _CALLS.get(key)
-    if hit is not None and all(map(operator.is_, hit[0], present)):
-        return hit[1]
-    return None
+    return _CALLS.get(key, present)
 
 
-def _keep_call(key, call, present):
-    if not direct_launch_allowed() or (present and present[0].is_cuda
-                                       and torch.cuda.is_current_stream_capturing()):
-        return
-    _CALLS[key] = (present, call)
-    while len(_CALLS) > CALL_CACHE_SIZE:
-        _CALLS.popitem(last=False)
+def _keep_call(key, call, present, device):
+    if direct_launch_allowed():
+        _CALLS.put(key, present, call, device)

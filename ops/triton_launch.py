@@ -36,6 +36,11 @@ def _no_launch_hooks():
     return True
 
 
+def direct_launch_allowed() -> bool:
+    """Direct launches are on: FAST_LAUNCH, not the interpreter, no launch hook."""
+    return FAST_LAUNCH and not interpreting() and _no_launch_hooks()
+
+
 def param_names(kernel):
     """The kernel's parameter names in signature order (a JITFunction's, or an interpreted
     one's arg_names)."""
@@ -68,10 +73,9 @@ def key_and_pointers(kernel, device, args, kwargs, warps, stages):
 def launch(kernel, grid, args, kwargs, warps, stages):
     """kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages), directly through
     the compiled launcher when an identical specialization was launched before."""
-    global FAST_HITS
-    if not FAST_LAUNCH or interpreting() or not _no_launch_hooks():
+    if not direct_launch_allowed():
         return kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages)
-    device = torch.cuda.current_device()
+    device = _device()
     key, flat = key_and_pointers(kernel, device, args, kwargs, warps, stages)
     compiled = _COMPILED.get(key)
     if compiled is None:
@@ -82,13 +86,8 @@ def launch(kernel, grid, args, kwargs, warps, stages):
             _COMPILED.clear()
         _COMPILED[key] = compiled
         return compiled
-    names = param_names(kernel)
-    flat += [kwargs[name] for name in names[len(args):]]
-    stream = triton.runtime.driver.active.get_current_stream(device)
-    g = tuple(grid) + (1, 1)
-    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None,
-                 None, None, *flat)
-    FAST_HITS += 1
+    flat += [kwargs[name] for name in param_names(kernel)[len(args):]]
+    _run(compiled, _grid3(grid), device, flat)
     return compiled
 
 
@@ -116,10 +115,6 @@ def resolve(args, tensors):
     return tuple(tensors[a.name] if type(a) is Slot else a for a in args)
 
 
-def direct_launch_allowed() -> bool:
-    return FAST_LAUNCH and not interpreting() and _no_launch_hooks()
-
-
 class LaunchPlan:
     """One recorded launch: the compiled kernel, its grid and its flat argument list with
     the per-call tensors' positions (`slots`: (position, name))."""
@@ -131,15 +126,10 @@ class LaunchPlan:
 
     def __call__(self, pointers):
         """Launch with pointers[name] for every slot (alignment checked by the caller)."""
-        global FAST_HITS
         flat = self.flat.copy()
         for pos, name in self.slots:
             flat[pos] = pointers[name]
-        c = self.compiled
-        g = self.grid
-        c.run(g[0], g[1], g[2], _stream(self.device), c.function, c.packed_metadata, None,
-              None, None, *flat)
-        FAST_HITS += 1
+        _run(self.compiled, self.grid, self.device, flat)
 
 
 def make_plan(compiled, kernel, grid, args, kwargs, tensors):
@@ -159,8 +149,20 @@ def make_plan(compiled, kernel, grid, args, kwargs, tensors):
         else:
             flat.append(a)
     flat += [kwargs[name] for name in names[len(args):]]
+    return LaunchPlan(compiled, _grid3(grid), _device(), flat, slots)
+
+
+def _run(compiled, grid3, device, flat):
+    """The compiled kernel's own launcher (Triton 3.x argument order), no hooks."""
+    global FAST_HITS
+    compiled.run(grid3[0], grid3[1], grid3[2], _stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *flat)
+    FAST_HITS += 1
+
+
+def _grid3(grid):
     g = tuple(grid) + (1, 1)
-    return LaunchPlan(compiled, g[:3], _device(), flat, slots)
+    return g[:3]
 
 
 def _device():

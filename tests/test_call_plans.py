@@ -63,7 +63,7 @@ def fake_launches(monkeypatch):
                                                                                  device))
     monkeypatch.setattr(tb, "_zeros", lambda shape, dtype=None, device=None: pool(shape, dtype,
                                                                                  device))
-    monkeypatch.setattr(tb, "_CALLS", type(tb._CALLS)())
+    monkeypatch.setattr(tb, "_CALLS", tb._MaskKeyedCache(tb._CALLS.size))
     return log, pool
 
 
@@ -184,9 +184,9 @@ def test_changes_that_change_arguments_miss(fake_launches, monkeypatch):
 
 
 def test_no_recording_under_the_interpreter_or_with_launch_hooks(monkeypatch):
-    monkeypatch.setattr(tb, "_CALLS", type(tb._CALLS)())
+    monkeypatch.setattr(tb, "_CALLS", tb._MaskKeyedCache(tb._CALLS.size))
     monkeypatch.setattr(triton_launch, "FAST_LAUNCH", False)
     assert not triton_launch.direct_launch_allowed()
     assert tb._cached_call(("any",), []) is None
-    tb._keep_call(("any",), object(), [])
+    tb._keep_call(("any",), object(), [], torch.device("cpu"))
     assert len(tb._CALLS) == 0
