@@ -1,0 +1,111 @@
+// Reading the block descriptor on the device: the blocks a row of a list visits, and the
+// element predicates of partial blocks. Shared by the forward and backward kernels.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace flexsparse {
+
+// The blocks of one row of a block list, in list order. Explicit lists load the index;
+// range-form lists compute it from up to 4 half-open ranges. Entries outside
+// [0, n_blocks) (a corrupted or hand-made descriptor) come back as -1: callers skip them,
+// so a bad descriptor can hide keys but never makes a kernel read out of bounds.
+struct ListRow {
+  const int32_t* index = nullptr;
+  int count = 0;
+  int ranges = 0;
+  int n_blocks = 0;
+  int lo[4] = {0, 0, 0, 0};
+  int before[4] = {0, 0, 0, 0};   // blocks in the ranges before range r
+
+  __device__ __forceinline__ ListRow() {}
+
+  __device__ __forceinline__ ListRow(const BlockListParams& p, int b, int h, int row) {
+    if (p.count == nullptr) return;
+    int64_t r = b * p.batch_stride + (h / p.head_div) * p.head_stride + row;
+    count = max(__ldg(p.count + r), 0);
+    n_blocks = p.n_blocks;
+    ranges = p.ranges;
+    index = p.index + r * p.width;
+    if (ranges == 0) {
+      count = min(count, p.width);
+    } else {
+      int total = 0;
+      #pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k < ranges) {
+          int a = __ldg(index + 2 * k), e = __ldg(index + 2 * k + 1);
+          lo[k] = a;
+          before[k] = total;
+          total += max(e - a, 0);
+        }
+      }
+      count = min(count, total);
+    }
+  }
+
+  __device__ __forceinline__ int block_at(int t) const {
+    int blk;
+    if (ranges == 0) {
+      blk = __ldg(index + t);
+    } else {
+      blk = lo[0] + t;
+      #pragma unroll
+      for (int k = 1; k < 4; ++k) {
+        if (k < ranges && t >= before[k]) blk = lo[k] + (t - before[k]);
+      }
+    }
+    return (blk >= 0 && blk < n_blocks) ? blk : -1;
+  }
+};
+
+// The tiles one program visits: the partial list's blocks, then the full list's, each
+// block split into `sub` tiles of the kernel's tile size.
+struct TileWalk {
+  ListRow partial, full;
+  int sub = 1;
+
+  __device__ __forceinline__ int n_tiles() const { return (partial.count + full.count) * sub; }
+
+  // Tile t: its tile index along the listed dimension (-1: skip), and whether it needs
+  // element predicates.
+  __device__ __forceinline__ int tile_at(int t, bool& is_partial) const {
+    int np = partial.count * sub;
+    is_partial = t < np;
+    int u = is_partial ? t : t - np;
+    int blk = is_partial ? partial.block_at(u / sub) : full.block_at(u / sub);
+    return blk < 0 ? -1 : blk * sub + (u % sub);
+  }
+};
+
+// Element predicate of a partial block at (query i, key j); i < Lq and j < Lk are
+// checked by the caller. block_q/block_k: the descriptor's block sizes (bitmaps).
+__device__ __forceinline__ bool visible(const PredicateParams& p, int b, int h, int i, int j,
+                                        int block_q, int block_k) {
+  bool vis = true;
+  if (p.col_ranges != nullptr) {
+    const int32_t* cr = p.col_ranges + b * p.cr_sb + (h / p.cr_head_div) * p.cr_sh + j * p.cr_sk;
+    for (int r = 0; r < p.n_col_ranges; ++r) {
+      int s = __ldg(cr + 2 * r), e = __ldg(cr + 2 * r + 1);
+      vis = vis && (i < s || i >= e);
+    }
+  }
+  if (vis && p.dense != nullptr) {
+    vis = __ldg(p.dense + b * p.dense_sb + (h / p.dense_head_div) * p.dense_sh +
+                i * p.dense_sq + j * p.dense_sk) != 0;
+  }
+  if (vis && p.bits_index != nullptr) {
+    int qb = i / block_q, kb = j / block_k;
+    int idx = __ldg(p.bits_index + b * p.bi_sb + (h / p.bi_head_div) * p.bi_sh + qb * p.bi_sq + kb);
+    if (idx >= 0) {
+      int r = i - qb * block_q, c = j - kb * block_k;
+      uint32_t w = static_cast<uint32_t>(__ldg(p.bits + idx * p.bits_sp + r * p.bits_sr + (c >> 5)));
+      vis = (w >> (c & 31)) & 1u;
+    }
+  }
+  return vis;
+}
+
+}  // namespace flexsparse

@@ -1,0 +1,38 @@
+// Entry points of the CUDA kernels, called by the op implementations in attention_ops.cpp.
+// Kept free of torch and CuTe headers so that each side compiles on its own.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "params.h"
+
+#define CUDA_CHECK(expr)                                                              \
+  do {                                                                                \
+    cudaError_t err_ = (expr);                                                        \
+    if (err_ != cudaSuccess)                                                          \
+      throw std::runtime_error(std::string("flexsparse CUDA: ") + #expr + ": " +      \
+                               cudaGetErrorString(err_));                             \
+  } while (0)
+
+namespace flexsparse {
+
+enum class DType { kFloat16, kBFloat16 };
+
+// Hopper forward: out and lse for every query row (fully masked rows: 0 and -inf).
+void fwd_sm90(AttentionParams const& p, DType dtype, cudaStream_t stream);
+// Its tile sizes: the descriptor's block_q must be a multiple of fwd_tile_m(), block_k a
+// multiple of fwd_tile_n(head_dim).
+int fwd_tile_m();
+int fwd_tile_n(int head_dim);
+
+// Hopper backward (bwd_sm90.cu). The caller allocates workspace_bytes(p) bytes of device
+// memory for p.workspace; nothing else is allocated inside.
+size_t bwd_sm90_workspace_bytes(BackwardParams const& p);
+void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
+// What the backward supports beyond the forward's limits (empty string: supported), e.g.
+// a dbias that broadcasts over some dimension.
+std::string bwd_sm90_unsupported(BackwardParams const& p);
+
+}  // namespace flexsparse

@@ -1,0 +1,87 @@
+// Kernel arguments of the CUDA backend, filled once on the host (attention_ops.cpp) from
+// the op's tensors. Semantics of every tensor: docs/design.md ("The op").
+#pragma once
+#include <cstdint>
+
+namespace flexsparse {
+
+// One family of block lists (partial or full) read row by row: the kv lists of a query
+// block (forward, dQ) or the q lists of a key block (dK/dV). count is (Bd, Hd, n_rows);
+// index is either explicit (Bd, Hd, n_rows, width) or the range form
+// (Bd, Hd, n_rows, ranges, 2) of half-open block ranges. Both contiguous (the host makes
+// them so). Batch index b reads row b * batch_stride (0 when Bd == 1), head h reads
+// h / head_div.
+struct BlockListParams {
+  const int32_t* count = nullptr;   // nullptr: the list is empty in every row
+  const int32_t* index = nullptr;
+  int64_t batch_stride = 0;         // in rows
+  int64_t head_stride = 0;          // in rows
+  int head_div = 1;
+  int width = 0;                    // explicit form: entries per row; range form: 2 * ranges
+  int ranges = 0;                   // 0: explicit indices, else the number of ranges per row
+  int n_blocks = 0;                 // blocks along the listed dimension (bounds check)
+};
+
+// Element predicates of partial blocks; all present ones are ANDed.
+struct PredicateParams {
+  // dense bool mask, broadcastable (B, H, Lq, Lk); strides 0 where broadcast.
+  const uint8_t* dense = nullptr;
+  int64_t dense_sb = 0, dense_sh = 0, dense_sq = 0, dense_sk = 0;
+  int dense_head_div = 1;
+  // column ranges (Bc, Hc, Lk, 2m): key column j hides rows in [start_r, end_r).
+  const int32_t* col_ranges = nullptr;
+  int64_t cr_sb = 0, cr_sh = 0, cr_sk = 0;
+  int cr_head_div = 1;
+  int n_col_ranges = 0;
+  // bitmaps of partial blocks: bits_index (Bd, Hd, nQB, nKB), bits (P, block_q, words).
+  const int32_t* bits_index = nullptr;
+  int64_t bi_sb = 0, bi_sh = 0, bi_sq = 0;
+  int bi_head_div = 1;
+  const int32_t* bits = nullptr;
+  int64_t bits_sp = 0, bits_sr = 0;
+};
+
+struct AttentionParams {
+  // query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, D): last dim contiguous.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_sb = 0, q_sh = 0, q_sm = 0;
+  int64_t k_sb = 0, k_sh = 0, k_sn = 0;
+  int64_t v_sb = 0, v_sh = 0, v_sn = 0;
+  // out (B, Hq, Lq, D) contiguous; lse (B, Hq, Lq) float32 contiguous.
+  void* out = nullptr;
+  float* lse = nullptr;
+  // bias broadcastable to (B, Hq, Lq, Lk), the query's dtype; strides 0 where broadcast.
+  const void* bias = nullptr;
+  int64_t bias_sb = 0, bias_sh = 0, bias_sq = 0, bias_sk = 0;
+  int bias_head_div = 1;
+
+  int B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0;
+  int block_q = 128, block_k = 128;   // descriptor block sizes
+  float scale = 1.f;                  // softmax scale
+  float softcap = 0.f;                // 0: none
+  bool reverse_tiles = false;         // heaviest query tiles first (causal-like masks)
+
+  BlockListParams kv_partial, kv_full;   // per query block
+  BlockListParams q_partial, q_full;     // per key block (backward)
+  PredicateParams pred;
+};
+
+// The backward: gradients of out (and optionally lse) to dq, dk, dv and dbias.
+struct BackwardParams {
+  AttentionParams fwd;          // query, key, value, bias, descriptor as in the forward;
+                                // fwd.out / fwd.lse: the forward's outputs (read only)
+  const void* dout = nullptr;   // (B, Hq, Lq, D), last dim contiguous
+  int64_t do_sb = 0, do_sh = 0, do_sm = 0;
+  const float* grad_lse = nullptr;   // nullptr or (B, Hq, Lq) contiguous
+  void* dq = nullptr;           // (B, Hq, Lq, D) contiguous, the query's dtype
+  void* dk = nullptr;           // (B, Hkv, Lk, D) contiguous
+  void* dv = nullptr;           // (B, Hkv, Lk, D) contiguous
+  void* dbias = nullptr;        // nullptr, or the bias's shape, contiguous, its dtype
+  int64_t dbias_sb = 0, dbias_sh = 0, dbias_sq = 0, dbias_sk = 0;   // 0 where broadcast
+  void* workspace = nullptr;    // bwd_sm90_workspace_bytes(...) bytes, uninitialised
+  bool deterministic = false;   // bitwise reproducible dq, dk, dv, dbias
+};
+
+}  // namespace flexsparse

@@ -1,0 +1,72 @@
+// Small CuTe helpers for the Hopper (sm_90a) kernels: warpgroup GEMMs and views of the
+// GMMA accumulator as (row, column). After FlashAttention-3's utils.h, written for our
+// kernels.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace flexsparse::sm90 {
+using namespace cute;
+
+// C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.
+// wait >= 0: wait until at most `wait` batches are in flight before returning.
+template <bool zero_init, int wait, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  constexpr bool kRegA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tCrA));
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (zero_init) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (wait >= 0) warpgroup_wait<wait>();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tCrA));
+}
+
+// GMMA accumulator layout ((2, 2, N/8), MMA_M, MMA_N) viewed as (rows, columns):
+// rows (2, MMA_M), columns (2, N/8, MMA_N).
+template <class Layout>
+__device__ __forceinline__ auto rowcol(Layout l) {
+  static_assert(decltype(rank<0>(l))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The accumulator of S = Q K^T (16-bit P after conversion) as the register A operand of
+// the next wgmma: ((2, 2, 2), MMA_M, N/16 * MMA_N).
+template <class Layout>
+__device__ __forceinline__ auto accumulator_as_a(Layout l) {
+  using X = Underscore;
+  auto d = logical_divide(get<0>(l), Shape<X, X, _2>{});
+  return make_layout(make_layout(get<0>(d), get<1>(d), get<2, 0>(d)), get<1>(l),
+                     coalesce(make_layout(get<2, 1>(d), get<2>(l))));
+}
+
+// A register tensor of `To` with the same (static) layout, converted element-wise.
+template <class To, class Engine, class Layout>
+__device__ __forceinline__ auto convert_type(Tensor<Engine, Layout> const& t) {
+  using From = typename Engine::value_type;
+  constexpr int n = decltype(size(t))::value;
+  Tensor out = make_tensor<To>(t.layout());
+  cutlass::NumericArrayConverter<To, From, n> op;
+  *reinterpret_cast<cutlass::Array<To, n>*>(out.data()) =
+      op(*reinterpret_cast<cutlass::Array<From, n> const*>(t.data()));
+  return out;
+}
+
+// Max / sum over the 4 threads of a quad, which hold one accumulator row between them.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+}  // namespace flexsparse::sm90
