@@ -12,28 +12,46 @@ PACKAGES = ["flexsparse", "flexsparse.ops"]
 PACKAGE_DIR = {"flexsparse": "flexsparse", "flexsparse.ops": "ops"}
 
 
+def cutlass_include():
+    """CUTLASS/CuTe headers from the installed nvidia-cutlass wheel (found, not imported)."""
+    import importlib.util
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    return path if os.path.isdir(os.path.join(path, "cute")) else None
+
+
 def cuda_extensions():
+    """flexsparse._C from csrc/ (sm_90a), when CUDA torch, nvcc and the CUTLASS headers are
+    there (FLEXSPARSE_BUILD_CUDA=0 skips it, =1 makes a missing piece an error)."""
     want = os.environ.get("FLEXSPARSE_BUILD_CUDA")
     if want == "0" or not os.path.isdir("csrc"):
         return [], {}
+
+    def skip(why):
+        if want == "1":
+            raise RuntimeError(f"flexsparse: cannot build the CUDA extension: {why}")
+        print(f"flexsparse: skipping the CUDA extension ({why})", file=sys.stderr)
+        return [], {}
+
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except Exception as err:  # no torch in the build environment
-        print(f"flexsparse: skipping the CUDA extension ({err})", file=sys.stderr)
-        return [], {}
-    if CUDA_HOME is None or (torch.version.cuda is None and want != "1"):
-        print("flexsparse: skipping the CUDA extension (no CUDA toolkit or CPU-only torch)",
-              file=sys.stderr)
-        return [], {}
+        return skip(err)
+    if CUDA_HOME is None or torch.version.cuda is None:
+        return skip("no CUDA toolkit or CPU-only torch")
+    cutlass = cutlass_include()
+    if cutlass is None:
+        return skip("no CUTLASS headers: pip install nvidia-cutlass")
     sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith((".cu", ".cpp")))
-    if not sources:
-        return [], {}
     ext = CUDAExtension(
         "flexsparse._C", sources,
+        include_dirs=[os.path.abspath("csrc"), cutlass],
         extra_compile_args={"cxx": ["-O3"],
-                            "nvcc": ["-O3", "--use_fast_math", "-gencode=arch=compute_90a,code=sm_90a",
-                                     "-gencode=arch=compute_80,code=sm_80"]})
+                            "nvcc": ["-O3", "--use_fast_math", "--expt-relaxed-constexpr",
+                                     "-gencode=arch=compute_90a,code=sm_90a"]})
     return [ext], {"build_ext": BuildExtension}
 
 

@@ -15,4 +15,14 @@ if importlib.util.find_spec("triton") is not None:
     from . import triton_backend
     backends.register(triton_backend)
 
+# CUDA backend: the csrc/ extension, when it was built (setup.py); importing it registers
+# its C++ kernels for the ops defined in schema.py.
+try:
+    from .. import _C  # noqa: F401
+except ImportError:
+    _C = None
+if _C is not None:
+    from . import cuda_backend
+    backends.register(cuda_backend)
+
 __all__ = ["schema", "backends", "reference", "MASK_TENSOR_NAMES", "MaskTensors"]

@@ -57,10 +57,27 @@ torch.library.define(
 )
 
 
+# The CUDA backend's ops: the same schemas without the backend name; their CUDA kernels
+# come from C++ (csrc/attention_ops.cpp), their fakes are the ones below.
+_BACKEND_TAIL = "int block_q, int block_k, float scale, float softcap, bool deterministic"
+torch.library.define(
+    "flexsparse::cuda_attention",
+    f"(Tensor query, Tensor key, Tensor value, Tensor? bias, {_MASK_ARGS}, {_BACKEND_TAIL})"
+    " -> (Tensor out, Tensor lse)",
+)
+torch.library.define(
+    "flexsparse::cuda_attention_backward",
+    f"(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out,"
+    f" Tensor lse, Tensor? bias, {_MASK_ARGS}, {_BACKEND_TAIL}, bool bias_requires_grad)"
+    " -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+)
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@torch.library.register_fake("flexsparse::cuda_attention")
 @torch.library.register_fake("flexsparse::attention")
 def _attention_fake(query, key, value, bias, *args):
     B, Hq, Lq, _ = query.shape
@@ -70,6 +87,7 @@ def _attention_fake(query, key, value, bias, *args):
     return out, lse
 
 
+@torch.library.register_fake("flexsparse::cuda_attention_backward")
 @torch.library.register_fake("flexsparse::attention_backward")
 def _attention_backward_fake(grad_out, grad_lse, query, key, value, out, lse, bias, *args):
     bias_requires_grad = args[-1]

@@ -18,14 +18,28 @@ status=0
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
-  || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+# Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
+t0=$(date +%s)
+MAX_JOBS="${MAX_JOBS:-16}" python3 -m pip install -v --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+  || { echo "install failed"; grep -E "error|Error" "$OUT/install.log" | head -30; tail -20 "$OUT/install.log"; exit 1; }
+echo "install + csrc build: $(( $(date +%s) - t0 )) s"
+python3 -c "from flexsparse.ops import backends; print('backends', backends.available())"
 if want tests; then
   xdist=""; python3 -c "import xdist" 2>/dev/null && xdist="-n ${JOBS:-8}"
   timeout "${T_TESTS:-330}" python3 -m pytest -p no:cacheprovider $xdist tests/gpu \
     > "$OUT/gpu_tests.log" 2>&1
   rc=$?; echo "gpu tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -15
+fi
+if want cuda; then
+  timeout "${T_CUDA:-300}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_cuda_gpu.py \
+    > "$OUT/cuda_tests.log" 2>&1
+  rc=$?; echo "cuda tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/cuda_tests.log" | cut -c1-300 | tail -25
+fi
+if want cudabench; then
+  timeout "${T_CUDABENCH:-240}" python3 tests/gpu/cuda_fwd_bench.py ${CUDABENCH_ROWS:-} 2>&1 \
+    | grep -v Warning | tee "$OUT/cuda_bench.md"
 fi
 if want tests || want demo; then
   timeout 150 python3 -m flexsparse demo 2>&1 | tee "$OUT/demo.txt" | grep -v Warning

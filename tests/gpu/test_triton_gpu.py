@@ -49,20 +49,22 @@ def dense_attention(q, k, v, vis, bias, scale, softcap, lowp):
     return p @ v, lse
 
 
-def grads(fn, q, k, v, bias, dtype, dout, dlse):
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+def grads(fn, q, k, v, bias, dtype, dout, dlse, backward=True):
+    leaves = [t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v)]
     b = None
     if bias is not None:
-        b = bias.detach().to(dtype).requires_grad_()
+        b = bias.detach().to(dtype).requires_grad_(backward)
         leaves.append(b)
     out, lse = fn(*leaves[:3], b)
+    if not backward:
+        return out, lse
     lse_f = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     loss = (out.double() * dout).sum() + (lse_f.double() * dlse).sum()
     return (out, lse) + torch.autograd.grad(loss, leaves)
 
 
 def check(B, Hq, Hkv, Lq, Lk, D, mask, dtype, *, bias_shape=None, softcap=None,
-          deterministic=False, desc=None):
+          deterministic=False, desc=None, backend="triton", backward=True):
     q = torch.randn(B, Hq, Lq, D, device=DEV)
     k = torch.randn(B, Hkv, Lk, D, device=DEV)
     v = torch.randn(B, Hkv, Lk, D, device=DEV)
@@ -76,14 +78,14 @@ def check(B, Hq, Hkv, Lq, Lk, D, mask, dtype, *, bias_shape=None, softcap=None,
 
     def ours(q, k, v, b):
         return flexsparse.attention(q, k, v, desc, bias=b, softcap=softcap, return_lse=True,
-                                    backend="triton", deterministic=deterministic)
+                                    backend=backend, deterministic=deterministic)
 
     def dense(lowp):
         return lambda q, k, v, b: dense_attention(q, k, v, vis, b, scale, softcap or 0.0, lowp)
 
-    got = grads(ours, q, k, v, bias, dtype, dout, dlse)
-    ref = grads(dense(False), q, k, v, bias, torch.float64, dout, dlse)
-    low = grads(dense(True), q, k, v, bias, dtype, dout, dlse)
+    got = grads(ours, q, k, v, bias, dtype, dout, dlse, backward)
+    ref = grads(dense(False), q, k, v, bias, torch.float64, dout, dlse, backward)
+    low = grads(dense(True), q, k, v, bias, dtype, dout, dlse, backward)
     names = ("out", "lse", "dq", "dk", "dv", "dbias")
     report = []
     for name, a, r, lo in zip(names, got, ref, low):

@@ -1,0 +1,288 @@
+// The CUDA backend's op kernels: flexsparse::cuda_attention and
+// flexsparse::cuda_attention_backward, registered for the CUDA dispatch key. Their schemas,
+// fake kernels and autograd are defined once in Python (the op layer); this file checks
+// the tensors, fills the kernel arguments (params.h) and launches (kernels.h).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <Python.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+// The extension module (import flexsparse._C registers the kernels below).
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+namespace flexsparse {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// Head dim of a broadcastable tensor (1, Hkv or Hq) as the divisor of the query head.
+int head_div(int64_t size, int64_t Hq, int64_t Hkv, const char* what) {
+  if (size == Hq) return 1;
+  if (size == Hkv) return static_cast<int>(Hq / Hkv);
+  TORCH_CHECK(size == 1, "flexsparse cuda: ", what, " head dim ", size, " must be 1, Hkv=", Hkv,
+              " or Hq=", Hq);
+  return static_cast<int>(Hq);
+}
+
+int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
+
+// TMA needs the last dim contiguous, 16-byte aligned strides and base.
+Tensor tma_ready(const Tensor& t) {
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < t.dim() - 1; ++d) ok = ok && (t.stride(d) * t.element_size()) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+
+struct Inputs {
+  Tensor q, k, v;
+  OptTensor bias;
+  std::vector<Tensor> keep;   // contiguous copies the kernels read
+};
+
+BlockListParams list_params(const OptTensor& count, const OptTensor& index, int64_t B,
+                            int64_t Hq, int64_t Hkv, int64_t n_rows, int64_t n_blocks,
+                            const char* name, std::vector<Tensor>& keep) {
+  BlockListParams l;
+  TORCH_CHECK(count.has_value() && index.has_value(), "flexsparse cuda: the descriptor's ", name,
+              " lists are missing (the cuda backend needs all eight block lists)");
+  Tensor c = count->to(at::kInt).contiguous();
+  Tensor x = index->to(at::kInt).contiguous();
+  keep.push_back(c);
+  keep.push_back(x);
+  TORCH_CHECK(c.dim() == 3 && c.size(2) == n_rows, "flexsparse cuda: ", name, "_count shape ",
+              c.sizes(), " (expected (Bd, Hd, ", n_rows, "))");
+  const int64_t Bd = c.size(0), Hd = c.size(1);
+  TORCH_CHECK(Bd == 1 || Bd == B, "flexsparse cuda: ", name, "_count batch ", Bd, " for B=", B);
+  TORCH_CHECK((x.dim() == 4 || (x.dim() == 5 && x.size(4) == 2 && x.size(3) <= 4)) &&
+                  x.size(0) == Bd && x.size(1) == Hd && x.size(2) == n_rows,
+              "flexsparse cuda: ", name, "_index shape ", x.sizes());
+  l.count = c.data_ptr<int32_t>();
+  l.index = x.data_ptr<int32_t>();
+  l.batch_stride = Bd == 1 ? 0 : Hd * n_rows;
+  l.head_stride = n_rows;
+  l.head_div = head_div(Hd, Hq, Hkv, name);
+  l.ranges = x.dim() == 5 ? static_cast<int>(x.size(3)) : 0;
+  l.width = x.dim() == 5 ? 2 * l.ranges : static_cast<int>(x.size(3));
+  l.n_blocks = static_cast<int>(n_blocks);
+  return l;
+}
+
+// Fill everything but out/lse. Returns the tensors the kernels read (kept alive by the caller).
+AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTensor& kv_index,
+                            const OptTensor& kv_full_count, const OptTensor& kv_full_index,
+                            const OptTensor& q_count, const OptTensor& q_index,
+                            const OptTensor& q_full_count, const OptTensor& q_full_index,
+                            const OptTensor& dense_mask, const OptTensor& col_ranges,
+                            const OptTensor& partial_bits_index, const OptTensor& partial_bits,
+                            const OptTensor& attn_indices, int64_t block_q, int64_t block_k,
+                            double scale, double softcap, bool need_q_lists) {
+  const Tensor& q = in.q;
+  TORCH_CHECK(q.is_cuda() && in.k.is_cuda() && in.v.is_cuda(), "flexsparse cuda: CUDA tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "flexsparse cuda: dtype ", q.scalar_type(), " (float16 or bfloat16)");
+  TORCH_CHECK(in.k.scalar_type() == q.scalar_type() && in.v.scalar_type() == q.scalar_type(),
+              "flexsparse cuda: query, key and value must share a dtype");
+  TORCH_CHECK(q.dim() == 4 && in.k.dim() == 4 && in.v.dim() == 4, "flexsparse cuda: 4-D q, k, v");
+  TORCH_CHECK(!attn_indices.has_value(), "flexsparse cuda: index masks (attn_indices) are not "
+              "supported by the cuda backend yet");
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hkv = in.k.size(1), Lk = in.k.size(2);
+  TORCH_CHECK(in.k.size(0) == B && in.v.size(0) == B && in.v.size(1) == Hkv && in.v.size(2) == Lk &&
+                  in.k.size(3) == D && in.v.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
+              "flexsparse cuda: shapes q ", q.sizes(), " k ", in.k.sizes(), " v ", in.v.sizes());
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
+  TORCH_CHECK(block_q > 0 && block_q % fwd_tile_m() == 0 && block_k > 0 &&
+                  block_k % fwd_tile_n(static_cast<int>(D)) == 0,
+              "flexsparse cuda: descriptor block size (", block_q, ", ", block_k, ") must be multiples of (",
+              fwd_tile_m(), ", ", fwd_tile_n(static_cast<int>(D)), ")");
+
+  AttentionParams p;
+  in.q = tma_ready(q);
+  in.k = tma_ready(in.k);
+  in.v = tma_ready(in.v);
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.q_sb = in.q.stride(0); p.q_sh = in.q.stride(1); p.q_sm = in.q.stride(2);
+  p.k_sb = in.k.stride(0); p.k_sh = in.k.stride(1); p.k_sn = in.k.stride(2);
+  p.v_sb = in.v.stride(0); p.v_sh = in.v.stride(1); p.v_sn = in.v.stride(2);
+  p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Lq = Lq; p.Lk = Lk; p.D = D;
+  p.block_q = block_q; p.block_k = block_k;
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+
+  if (in.bias.has_value()) {
+    Tensor bias = *in.bias;
+    TORCH_CHECK(bias.dim() == 4, "flexsparse cuda: bias must be 4-D, got ", bias.sizes());
+    if (bias.scalar_type() != q.scalar_type()) bias = bias.to(q.scalar_type());
+    in.keep.push_back(bias);
+    TORCH_CHECK((bias.size(0) == 1 || bias.size(0) == B) && (bias.size(2) == 1 || bias.size(2) == Lq) &&
+                    (bias.size(3) == 1 || bias.size(3) == Lk),
+                "flexsparse cuda: bias shape ", bias.sizes(), " does not broadcast to (", B, ", ", Hq,
+                ", ", Lq, ", ", Lk, ")");
+    p.bias = bias.data_ptr();
+    p.bias_sb = bstride(bias, 0); p.bias_sh = bstride(bias, 1);
+    p.bias_sq = bstride(bias, 2); p.bias_sk = bstride(bias, 3);
+    p.bias_head_div = head_div(bias.size(1), Hq, Hkv, "bias");
+  }
+
+  const int64_t nQB = (Lq + block_q - 1) / block_q, nKB = (Lk + block_k - 1) / block_k;
+  p.kv_partial = list_params(kv_count, kv_index, B, Hq, Hkv, nQB, nKB, "kv", in.keep);
+  p.kv_full = list_params(kv_full_count, kv_full_index, B, Hq, Hkv, nQB, nKB, "kv_full", in.keep);
+  if (need_q_lists) {
+    p.q_partial = list_params(q_count, q_index, B, Hq, Hkv, nKB, nQB, "q", in.keep);
+    p.q_full = list_params(q_full_count, q_full_index, B, Hq, Hkv, nKB, nQB, "q_full", in.keep);
+  }
+
+  PredicateParams& pr = p.pred;
+  if (dense_mask.has_value()) {
+    Tensor dm = *dense_mask;
+    TORCH_CHECK(dm.dim() == 4, "flexsparse cuda: dense_mask must be 4-D, got ", dm.sizes());
+    TORCH_CHECK((dm.size(0) == 1 || dm.size(0) == B) && (dm.size(2) == 1 || dm.size(2) == Lq) &&
+                    (dm.size(3) == 1 || dm.size(3) == Lk),
+                "flexsparse cuda: dense_mask shape ", dm.sizes());
+    if (dm.scalar_type() != at::kBool) dm = dm.ne(0);
+    in.keep.push_back(dm);
+    pr.dense = reinterpret_cast<const uint8_t*>(dm.data_ptr<bool>());
+    pr.dense_sb = bstride(dm, 0); pr.dense_sh = bstride(dm, 1);
+    pr.dense_sq = bstride(dm, 2); pr.dense_sk = bstride(dm, 3);
+    pr.dense_head_div = head_div(dm.size(1), Hq, Hkv, "dense_mask");
+  }
+  if (col_ranges.has_value()) {
+    Tensor cr = col_ranges->to(at::kInt).contiguous();
+    in.keep.push_back(cr);
+    TORCH_CHECK(cr.dim() == 4 && cr.size(2) == Lk && cr.size(3) % 2 == 0 &&
+                    (cr.size(0) == 1 || cr.size(0) == B),
+                "flexsparse cuda: col_ranges shape ", cr.sizes(), " (expected (Bc, Hc, ", Lk, ", 2m))");
+    pr.col_ranges = cr.data_ptr<int32_t>();
+    pr.cr_sb = bstride(cr, 0); pr.cr_sh = bstride(cr, 1); pr.cr_sk = cr.stride(2);
+    pr.cr_head_div = head_div(cr.size(1), Hq, Hkv, "col_ranges");
+    pr.n_col_ranges = static_cast<int>(cr.size(3) / 2);
+  }
+  if (partial_bits_index.has_value()) {
+    TORCH_CHECK(partial_bits.has_value(), "flexsparse cuda: partial_bits_index without partial_bits");
+    Tensor bi = partial_bits_index->to(at::kInt).contiguous();
+    Tensor bits = partial_bits->to(at::kInt).contiguous();
+    in.keep.push_back(bi);
+    in.keep.push_back(bits);
+    TORCH_CHECK(bi.dim() == 4 && bi.size(2) == nQB && bi.size(3) == nKB &&
+                    (bi.size(0) == 1 || bi.size(0) == B),
+                "flexsparse cuda: partial_bits_index shape ", bi.sizes());
+    TORCH_CHECK(bits.dim() == 3 && bits.size(1) == block_q && bits.size(2) == (block_k + 31) / 32,
+                "flexsparse cuda: partial_bits shape ", bits.sizes());
+    pr.bits_index = bi.data_ptr<int32_t>();
+    pr.bi_sb = bstride(bi, 0); pr.bi_sh = bstride(bi, 1); pr.bi_sq = bi.stride(2);
+    pr.bi_head_div = head_div(bi.size(1), Hq, Hkv, "partial_bits_index");
+    pr.bits = bits.data_ptr<int32_t>();
+    pr.bits_sp = bits.stride(0); pr.bits_sr = bits.stride(1);
+  }
+  return p;
+}
+
+DType dtype_of(const Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
+}
+
+void check_sm90(const Tensor& q) {
+  auto* prop = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(prop->major == 9, "flexsparse cuda: kernels are built for sm_90a (Hopper); this GPU is sm_",
+              prop->major, prop->minor);
+}
+
+std::tuple<Tensor, Tensor> cuda_attention(
+    const Tensor& query, const Tensor& key, const Tensor& value, const OptTensor& bias,
+    const OptTensor& kv_count, const OptTensor& kv_index, const OptTensor& kv_full_count,
+    const OptTensor& kv_full_index, const OptTensor& q_count, const OptTensor& q_index,
+    const OptTensor& q_full_count, const OptTensor& q_full_index, const OptTensor& dense_mask,
+    const OptTensor& col_ranges, const OptTensor& partial_bits_index,
+    const OptTensor& partial_bits, const OptTensor& attn_indices, int64_t block_q,
+    int64_t block_k, double scale, double softcap, bool deterministic) {
+  (void)deterministic;   // the forward is deterministic
+  c10::cuda::CUDAGuard guard(query.device());
+  check_sm90(query);
+  Inputs in{query, key, value, bias, {}};
+  AttentionParams p = fill_params(in, kv_count, kv_index, kv_full_count, kv_full_index, q_count,
+                                  q_index, q_full_count, q_full_index, dense_mask, col_ranges,
+                                  partial_bits_index, partial_bits, attn_indices, block_q, block_k,
+                                  scale, softcap, /*need_q_lists=*/false);
+  Tensor out = at::empty(query.sizes(), query.options());
+  Tensor lse = at::empty({p.B, p.Hq, p.Lq}, query.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  if (p.B * p.Hq * p.Lq > 0) fwd_sm90(p, dtype_of(query), at::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
+    const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& query, const Tensor& key,
+    const Tensor& value, const Tensor& out, const Tensor& lse, const OptTensor& bias,
+    const OptTensor& kv_count, const OptTensor& kv_index, const OptTensor& kv_full_count,
+    const OptTensor& kv_full_index, const OptTensor& q_count, const OptTensor& q_index,
+    const OptTensor& q_full_count, const OptTensor& q_full_index, const OptTensor& dense_mask,
+    const OptTensor& col_ranges, const OptTensor& partial_bits_index,
+    const OptTensor& partial_bits, const OptTensor& attn_indices, int64_t block_q,
+    int64_t block_k, double scale, double softcap, bool deterministic, bool bias_requires_grad) {
+  c10::cuda::CUDAGuard guard(query.device());
+  check_sm90(query);
+  Inputs in{query, key, value, bias, {}};
+  BackwardParams bp;
+  bp.fwd = fill_params(in, kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
+                       q_full_count, q_full_index, dense_mask, col_ranges, partial_bits_index,
+                       partial_bits, attn_indices, block_q, block_k, scale, softcap,
+                       /*need_q_lists=*/true);
+  AttentionParams& p = bp.fwd;
+  Tensor o = out.contiguous();
+  Tensor l = lse.to(at::kFloat).contiguous();
+  Tensor dout = tma_ready(grad_out);
+  p.out = o.data_ptr();
+  p.lse = l.data_ptr<float>();
+  bp.dout = dout.data_ptr();
+  bp.do_sb = dout.stride(0); bp.do_sh = dout.stride(1); bp.do_sm = dout.stride(2);
+  Tensor glse;
+  if (grad_lse.has_value()) {
+    glse = grad_lse->to(at::kFloat).contiguous();
+    bp.grad_lse = glse.data_ptr<float>();
+  }
+  Tensor dq = at::empty(in.q.sizes(), query.options());
+  Tensor dk = at::empty(in.k.sizes(), key.options());
+  Tensor dv = at::empty(in.v.sizes(), value.options());
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  Tensor dbias = at::empty({0}, query.options());
+  if (bias.has_value() && bias_requires_grad) {
+    dbias = at::empty(bias->sizes(), bias->options().dtype(query.scalar_type()));
+    bp.dbias = dbias.data_ptr();
+    bp.dbias_sb = bstride(dbias, 0); bp.dbias_sh = bstride(dbias, 1);
+    bp.dbias_sq = bstride(dbias, 2); bp.dbias_sk = bstride(dbias, 3);
+  }
+  bp.deterministic = deterministic;
+  std::string why = bwd_sm90_unsupported(bp);
+  TORCH_CHECK(why.empty(), "flexsparse cuda backward: ", why);
+  Tensor workspace = at::empty({static_cast<int64_t>(bwd_sm90_workspace_bytes(bp))},
+                               query.options().dtype(at::kByte));
+  bp.workspace = workspace.data_ptr();
+  if (p.B * p.Hq * std::max(p.Lq, p.Lk) > 0)
+    bwd_sm90(bp, dtype_of(query), at::cuda::getCurrentCUDAStream());
+  if (dbias.numel() > 0 && bias->scalar_type() != query.scalar_type()) dbias = dbias.to(bias->scalar_type());
+  return {dq, dk, dv, dbias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
+  m.impl("cuda_attention", &cuda_attention);
+  m.impl("cuda_attention_backward", &cuda_attention_backward);
+}
+
+}  // namespace flexsparse

@@ -1,0 +1,62 @@
+"""The CUDA backend: the handwritten Hopper kernels of csrc/, built as `flexsparse._C`.
+
+Its ops, `flexsparse::cuda_attention` and `flexsparse::cuda_attention_backward`, have their
+schemas and fake kernels in Python (schema.py) and their CUDA kernels in C++
+(csrc/attention_ops.cpp, TORCH_LIBRARY_IMPL for the CUDA key): a compiled graph calls
+the C++ kernel through the dispatcher with no Python in between.
+"""
+import torch
+
+NAME = "cuda"
+_HEAD_DIMS = (64, 128, 256)
+_TILE_M = 128
+
+
+def _tile_n(head_dim: int) -> int:
+    return 64 if head_dim == 256 else 128
+
+
+def not_supported_reasons(query, key, value, bias, mask) -> list:
+    reasons = []
+    if not query.is_cuda:
+        return ["cuda: CUDA tensors only"]
+    if torch.cuda.get_device_capability(query.device)[0] != 9:
+        reasons.append("cuda: kernels are built for sm_90a (Hopper) only")
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"cuda: dtype {query.dtype} (float16 or bfloat16)")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        reasons.append("cuda: query, key and value must share a dtype")
+    D = query.shape[-1]
+    if D not in _HEAD_DIMS or value.shape[-1] != D:
+        reasons.append(f"cuda: head dims (D={D}, Dv={value.shape[-1]}): D = Dv in {_HEAD_DIMS}")
+    if mask.attn_indices is not None:
+        reasons.append("cuda: index masks (attn_indices) run on the triton backend")
+    if any(t is None for t in (mask.kv_count, mask.kv_index, mask.kv_full_count,
+                               mask.kv_full_index, mask.q_count, mask.q_index,
+                               mask.q_full_count, mask.q_full_index)):
+        reasons.append("cuda: needs all eight block lists of a descriptor")
+    if bias is not None and bias.dim() != 4:
+        reasons.append("cuda: bias must be 4-D")
+    if mask.dense_mask is not None and mask.dense_mask.dim() != 4:
+        reasons.append("cuda: dense_mask must be 4-D")
+    return reasons
+
+
+def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
+    tn = _tile_n(head_dim)
+    if block_q % _TILE_M or block_k % tn:
+        return [f"cuda: descriptor block size ({block_q}, {block_k}) must be multiples of "
+                f"({_TILE_M}, {tn})"]
+    return []
+
+
+def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
+    return torch.ops.flexsparse.cuda_attention(query, key, value, bias, *mask, block_q,
+                                               block_k, scale, softcap, deterministic)
+
+
+def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
+             scale, softcap, deterministic, bias_requires_grad):
+    return torch.ops.flexsparse.cuda_attention_backward(
+        grad_out, grad_lse, query, key, value, out, lse, bias, *mask, block_q, block_k, scale,
+        softcap, deterministic, bias_requires_grad)
