@@ -219,6 +219,9 @@ std::tuple<Tensor, Tensor> cuda_attention(
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, query.options().dtype(at::kFloat));
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
+  // Heaviest query tiles first: for masks whose work grows with the query index (causal,
+  // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
+  p.reverse_tiles = true;
   if (p.B * p.Hq * p.Lq > 0) fwd_sm90(p, dtype_of(query), at::cuda::getCurrentCUDAStream());
   return {out, lse};
 }

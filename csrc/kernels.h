@@ -26,6 +26,8 @@ void fwd_sm90(AttentionParams const& p, DType dtype, cudaStream_t stream);
 // multiple of fwd_tile_n(head_dim).
 int fwd_tile_m();
 int fwd_tile_n(int head_dim);
+template <int kHeadDim>
+void fwd_sm90_hd(AttentionParams const& p, DType dtype, cudaStream_t stream);
 
 // Hopper backward (bwd_sm90.cu). The caller allocates workspace_bytes(p) bytes of device
 // memory for p.workspace; nothing else is allocated inside.

@@ -33,12 +33,14 @@ def check(*args, **kw):
 def test_mask_kinds(kind, dtype):
     B, Hq, Hkv, L = 2, 4, 2, 1000
     torch.manual_seed(hash(kind) % 1000)
-    mask = T.mask_kinds(B, Hkv, L)[kind]
-    if kind == "bits":      # 64-token descriptor blocks: below the kernel's 128-row tile
-        with pytest.raises(RuntimeError, match="block size"):
-            check(B, Hq, Hkv, L, L, 128, mask, dtype)
-        return
-    check(B, Hq, Hkv, L, L, 128, mask, dtype)
+    check(B, Hq, Hkv, L, L, 128, T.mask_kinds(B, Hkv, L)[kind], dtype)
+
+
+def test_block_size_below_tile_is_refused():
+    """A descriptor of 64-token blocks is finer than the kernel's 128-row query tile."""
+    q = torch.randn(1, 2, 256, 128, device=T.DEV, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="block size"):
+        flexsparse.attention(q, q, q, M.causal(), backend="cuda", block_size=(64, 64))
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])

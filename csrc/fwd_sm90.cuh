@@ -1,0 +1,405 @@
+// Forward attention over a block descriptor on Hopper (sm_90a).
+//
+// One CTA computes a 128-row query tile of one (batch, head) with three warpgroups:
+//   warpgroup 0 (producer, registers given back): one thread issues TMA loads of the
+//     query tile and then, in list order, of the key and value tiles the descriptor lists
+//     for this query block (partial list first, then full list), through two TMA
+//     pipelines (keys, values) of kStages stages each;
+//   warpgroups 1, 2 (consumers, 64 query rows each): S = Q K^T with wgmma from shared
+//     memory, element predicates on partial tiles, online softmax in registers,
+//     O += P V with P as the register A operand.
+// Skipped blocks are never loaded. Rows past Lq and columns past Lk come from TMA as
+// zeros and are masked here; out and lse of rows past Lq are not written.
+// Layout after FlashAttention-3's hopper/ forward (collective mainloop + epilogue).
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#pragma once
+#include "block_lists.cuh"
+#include "kernels.h"
+#include "sm90_utils.cuh"
+
+namespace flexsparse::sm90 {
+
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = kMmaThreads + 128;
+  // Partial tiles stage up to this many column ranges per key in shared memory; masks
+  // with more read them from global memory per score.
+  static constexpr int kMaxStagedRanges = 4;
+
+  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileQK>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V as the (head dim, key) B operand of O += P V: the same bytes, transposed view.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;     // (L, D, H, B)
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{},
+                                       take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    alignas(16) int32_t col_ranges[2][kBlockN * 2 * kMaxStagedRanges];
+    alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;
+  };
+
+  struct KernelParams {
+    AttentionParams p;
+    TmaQ tma_q;
+    TmaKV tma_k;
+    TmaKV tma_v;
+  };
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ char smem_raw[];
+  auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  AttentionParams const& p = kp.p;
+
+  const int m_block = p.reverse_tiles ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.Hq / p.Hkv);
+  const int qb = m_block * kBlockM / p.block_q;
+  TileWalk walk;
+  walk.partial = ListRow(p.kv_partial, b, h, qb);
+  walk.full = ListRow(p.kv_full, b, h, qb);
+  walk.sub = p.block_k / kBlockN;
+  const int n_tiles = walk.n_tiles();
+
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
+  const bool lane_leader = cute::elect_one_sync();
+
+  typename T::Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = T::kBytesKV;
+  pipe_params.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer
+                                    : T::Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x % 128 == 0;
+  pipe_params.num_consumers = T::kMmaThreads;
+  if (threadIdx.x == 0) Barrier::init(&ss.barrier_q, 1);
+  typename T::Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
+  typename T::Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (warp_in_group == 0 && lane_leader && n_tiles > 0) {
+      Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(m_block, 0));
+      auto cta_q = kp.tma_q.get_slice(0);
+      Barrier::arrive_and_expect_tx(&ss.barrier_q, T::kBytesQ);
+      copy(kp.tma_q.with(ss.barrier_q, 0), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+
+      Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+      Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, 0));                       // (N, D, n)
+      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, 0));
+      auto cta_k = kp.tma_k.get_slice(0);
+      auto cta_v = kp.tma_v.get_slice(0);
+      Tensor tKgK = cta_k.partition_S(gK);
+      Tensor tKsK = cta_k.partition_D(sK);
+      Tensor tVgV = cta_v.partition_S(gV);
+      Tensor tVsV = cta_v.partition_D(sV);
+      auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+      for (int t = 0; t < n_tiles; ++t) {
+        bool partial;
+        const int n = walk.tile_at(t, partial);
+        if (n < 0) continue;
+        pipe_k.producer_acquire(write);
+        copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
+             tKsK(_, _, _, write.index()));
+        pipe_v.producer_acquire(write);
+        copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
+             tVsV(_, _, _, write.index()));
+        ++write;
+      }
+    }
+  } else {
+    // ------------------------------------------------------------------ consumers
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    const int tid = threadIdx.x - 128;
+    typename T::TiledMmaQK mma_qk;
+    typename T::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(tOrO);
+
+    // (row, column) of every score this thread holds, within the tile.
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tScS = thr_qk.partition_C(cS);
+    Tensor coord = make_tensor(tScS.data(), rowcol(tScS.layout()));
+    constexpr int kRows = decltype(size<0>(coord))::value;
+    constexpr int kCols = decltype(size<1>(coord))::value;
+    constexpr int kMaxStagedRanges = T::kMaxStagedRanges;
+    constexpr int kStagedPerThread = kBlockN * 2 * kMaxStagedRanges / T::kMmaThreads;
+    constexpr int kBarrierColRanges = 1;
+
+    const float LOG2E = 1.4426950408889634f;
+    const bool has_bias = p.bias != nullptr;
+    const bool has_softcap = p.softcap > 0.f;
+    // Without bias or softcap the row max is kept on the raw scores and the scale is
+    // folded into exp2's argument (one FFMA per score); else scores are taken to the
+    // log2 domain first.
+    const bool log2_scores = has_bias || has_softcap;
+    const float exp_scale = log2_scores ? 1.f : p.scale * LOG2E;
+    const int i0 = m_block * kBlockM;
+    const Element* bias = static_cast<const Element*>(p.bias);
+    if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
+    // Element predicates, at this (batch, head).
+    const PredicateParams& pr = p.pred;
+    const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
+        : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
+    const uint8_t* dense = pr.dense == nullptr ? nullptr
+        : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
+    const int32_t* bits_row = pr.bits_index == nullptr ? nullptr
+        : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh + qb * pr.bi_sq;
+    int buf = 0;
+
+    float row_max[kRows], row_sum[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+
+    if (n_tiles > 0) Barrier::wait(&ss.barrier_q, 0);
+    typename T::PipelineState read;
+    for (int t = 0; t < n_tiles; ++t) {
+      bool partial;
+      const int n = walk.tile_at(t, partial);
+      if (n < 0) continue;
+      // Partial tiles with column ranges: start loading the tile's ranges now, so that the
+      // loads overlap the wait for K and the QK^T wgmma.
+      const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges;
+      int cr_vals[kStagedPerThread];
+      if (staged) {
+        const int w = 2 * p.pred.n_col_ranges;
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < kStagedPerThread; ++x) {
+          const int e = tid + x * T::kMmaThreads;
+          const int col = e / w;
+          const int j = n * kBlockN + col;
+          cr_vals[x] = (col < kBlockN && j < p.Lk) ? __ldg(cr_base + (int64_t)j * p.pred.cr_sk + (e - col * w)) : 0;
+        }
+      }
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipe_k.consumer_wait(read);
+      gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pipe_k.consumer_release(read);
+
+      Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+      const int j0 = n * kBlockN;
+      if (staged) {
+        // Column ranges of this tile's keys into shared memory (double-buffered: the
+        // barrier also tells that every thread is done with the buffer of two tiles ago).
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < kStagedPerThread; ++x) ss.col_ranges[buf][tid + x * T::kMmaThreads] = cr_vals[x];
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierColRanges);
+      }
+      const bool check = partial || j0 + kBlockN > p.Lk;
+      if (log2_scores || check) {
+        const int m_cr = partial ? p.pred.n_col_ranges : 0;
+        uint32_t bits[kRows][kBlockN / 32];
+        bool use_bits = false;
+        if (partial && p.pred.bits_index != nullptr) {
+          const int kb = j0 / p.block_k;
+          const int idx = __ldg(bits_row + kb);
+          use_bits = idx >= 0;
+          if (use_bits) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int row = (i0 + get<0>(coord(r, 0))) % p.block_q;
+              const int32_t* w = p.pred.bits + idx * p.pred.bits_sp + row * p.pred.bits_sr +
+                                 (j0 % p.block_k) / 32;
+              CUTLASS_PRAGMA_UNROLL
+              for (int x = 0; x < kBlockN / 32; ++x) bits[r][x] = __ldg(w + x);
+            }
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          // Columns of the GMMA accumulator: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
+          const int jt = get<1>(coord(0, c));
+          const int j = j0 + jt;
+          int lo[kMaxStagedRanges], hi[kMaxStagedRanges];
+          if (staged) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kMaxStagedRanges; ++r) {
+              lo[r] = r < m_cr ? ss.col_ranges[buf][jt * 2 * m_cr + 2 * r] : 0;
+              hi[r] = r < m_cr ? ss.col_ranges[buf][jt * 2 * m_cr + 2 * r + 1] : 0;
+            }
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const int i = i0 + get<0>(coord(r, 0));
+            float s = S(r, c);
+            if (log2_scores) {
+              s = has_softcap ? p.softcap * tanhf(s * p.scale / p.softcap) : s * p.scale;
+              s *= LOG2E;
+              if (has_bias && i < p.Lq && j < p.Lk)
+                s += LOG2E * static_cast<float>(bias[i * p.bias_sq + j * p.bias_sk]);
+            }
+            if (check) {
+              bool ok = j < p.Lk;
+              if (partial) {
+                ok = ok && i < p.Lq;
+                if (staged) {
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int x = 0; x < kMaxStagedRanges; ++x) ok = ok && (i < lo[x] || i >= hi[x]);
+                } else if (cr_base != nullptr) {
+                  const int32_t* cr = cr_base + (int64_t)min(j, p.Lk - 1) * p.pred.cr_sk;
+                  for (int x = 0; x < m_cr; ++x) ok = ok && (i < __ldg(cr + 2 * x) || i >= __ldg(cr + 2 * x + 1));
+                }
+                if (dense != nullptr)
+                  ok = ok && __ldg(dense + min(i, p.Lq - 1) * p.pred.dense_sq +
+                                   min(j, p.Lk - 1) * p.pred.dense_sk) != 0;
+                if (use_bits) ok = ok && ((bits[r][c / 8] >> ((jt + j0 % p.block_k) & 31)) & 1u);
+              }
+              if (!ok) s = -INFINITY;
+            }
+            S(r, c) = s;
+          }
+        }
+      }
+      if (staged) buf ^= 1;
+      // Online softmax: rescale the running output by exp2(m_old - m_new).
+      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float m = row_max[r];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
+        m = quad_max(m);
+        const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
+        const float alpha = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
+        row_max[r] = m;
+        float sum = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const float e = exp2f(S(r, c) * exp_scale - m_scaled);
+          S(r, c) = e;
+          sum += e;
+        }
+        row_sum[r] = row_sum[r] * alpha + sum;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
+      }
+      Tensor tOrP_ = convert_type<Element>(tSrS);
+      Tensor tOrP = make_tensor(tOrP_.data(), accumulator_as_a(tSrS.layout()));
+      pipe_v.consumer_wait(read);
+      gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+      pipe_v.consumer_release(read);
+      ++read;
+    }
+
+    // ------------------------------------------------------------------ epilogue
+    Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tOcO = thr_pv.partition_C(cO);
+    Tensor ocoord = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
+    Element* out = static_cast<Element*>(p.out) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
+    float* lse = p.lse + ((int64_t)b * p.Hq + h) * p.Lq;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int i = i0 + get<0>(ocoord(r, 0));
+      if (i < p.Lq) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(O); c += 2) {
+          const int d = get<1>(ocoord(r, c));
+          // Columns c, c + 1 of the accumulator are adjacent head-dim entries.
+          auto pair = cutlass::NumericArrayConverter<Element, float, 2>()(
+              cutlass::Array<float, 2>{{O(r, c) * inv, O(r, c + 1) * inv}});
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + (int64_t)i * kHeadDim + d) = pair;
+        }
+        if (tid % 4 == 0)
+          lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+      }
+    }
+  }
+#endif
+}
+
+template <class T>
+void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
+  using Element = typename T::Element;
+  auto gmem = [&](const void* ptr, int L, int H, int64_t sl, int64_t sh, int64_t sb) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(L, p.D, H, p.B), make_stride(sl, _1{}, sh, sb));
+  };
+  typename T::KernelParams kp{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, p.Lq, p.Hq, p.q_sm, p.q_sh, p.q_sb),
+                    typename T::SmemLayoutQ{}, Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k, p.Lk, p.Hkv, p.k_sn, p.k_sh, p.k_sb),
+                    take<0, 2>(typename T::SmemLayoutKV{}),
+                    Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
+                    take<0, 2>(typename T::SmemLayoutKV{}),
+                    Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{})};
+  auto kernel = fwd_kernel<T>;
+  const int smem = sizeof(typename T::SharedStorage);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  dim3 grid((p.Lq + T::kBlockM - 1) / T::kBlockM, p.Hq, p.B);
+  kernel<<<grid, T::kThreads, smem, stream>>>(kp);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flexsparse::sm90
