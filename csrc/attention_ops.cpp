@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <vector>
 
@@ -222,6 +223,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // Heaviest query tiles first: for masks whose work grows with the query index (causal,
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
+  if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
   if (p.B * p.Hq * p.Lq > 0) fwd_sm90(p, dtype_of(query), at::cuda::getCurrentCUDAStream());
   return {out, lse};
 }

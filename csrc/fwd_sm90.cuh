@@ -75,7 +75,7 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    alignas(16) int32_t col_ranges[2][kBlockN * 2 * kMaxStagedRanges];
+    alignas(16) int32_t col_ranges[2][kBlockN * 2 * kMaxStagedRanges];   // [key][slot]
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
@@ -190,7 +190,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     constexpr int kRows = decltype(size<0>(coord))::value;
     constexpr int kCols = decltype(size<1>(coord))::value;
     constexpr int kMaxStagedRanges = T::kMaxStagedRanges;
-    constexpr int kStagedPerThread = kBlockN * 2 * kMaxStagedRanges / T::kMmaThreads;
+    constexpr int kStagedPerThread = kBlockN * 8 / T::kMmaThreads;
+    static_assert(T::kMaxStagedRanges == 4, "staging keeps 4 (start, end) slots per key");
+    static_assert(kRows == 2 && kCols == kBlockN / 4, "GMMA C fragment: 2 rows, N / 4 columns");
+    // This thread's first accumulator row and column within a tile; the others are at
+    // fixed offsets (rows + 8 r, columns + 8 (c / 2) + c % 2: the GMMA C fragment).
+    const int row_base = get<0>(coord(0, 0));
+    const int col_base = get<1>(coord(0, 0));
     constexpr int kBarrierColRanges = 1;
 
     const float LOG2E = 1.4426950408889634f;
@@ -224,18 +230,20 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       bool partial;
       const int n = walk.tile_at(t, partial);
       if (n < 0) continue;
-      // Partial tiles with column ranges: start loading the tile's ranges now, so that the
-      // loads overlap the wait for K and the QK^T wgmma.
-      const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges;
+      // Partial tiles with column ranges: load the tile's ranges now (they land while the
+      // QK^T wgmma runs), 4 (start, end) slots per key, unused slots (0, 0), which hide
+      // nothing. More than 4 ranges per key: read per score from global memory instead.
+      const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
+                          !(p.debug & 4);
       int cr_vals[kStagedPerThread];
       if (staged) {
         const int w = 2 * p.pred.n_col_ranges;
         CUTLASS_PRAGMA_UNROLL
         for (int x = 0; x < kStagedPerThread; ++x) {
-          const int e = tid + x * T::kMmaThreads;
-          const int col = e / w;
+          const int e = tid + x * T::kMmaThreads;      // < kBlockN * 8
+          const int col = e >> 3, slot = e & 7;
           const int j = n * kBlockN + col;
-          cr_vals[x] = (col < kBlockN && j < p.Lk) ? __ldg(cr_base + (int64_t)j * p.pred.cr_sk + (e - col * w)) : 0;
+          cr_vals[x] = (slot < w && j < p.Lk) ? __ldg(cr_base + (int64_t)j * p.pred.cr_sk + slot) : 0;
         }
       }
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -252,68 +260,98 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         for (int x = 0; x < kStagedPerThread; ++x) ss.col_ranges[buf][tid + x * T::kMmaThreads] = cr_vals[x];
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierColRanges);
       }
-      const bool check = partial || j0 + kBlockN > p.Lk;
-      if (log2_scores || check) {
-        const int m_cr = partial ? p.pred.n_col_ranges : 0;
+      // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
+      // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
+      // timing only).
+      const bool check = (partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk;
+      // Scores to the log2 domain (softcap, bias) where needed.
+      if (log2_scores) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int j = j0 + col_base + 8 * (c / 2) + (c & 1);
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const int i = i0 + row_base + 8 * r;
+            float s = S(r, c);
+            s = has_softcap ? p.softcap * tanhf(s * p.scale / p.softcap) : s * p.scale;
+            s *= LOG2E;
+            if (has_bias) {
+              const Element bv = bias[min(i, p.Lq - 1) * p.bias_sq + min(j, p.Lk - 1) * p.bias_sk];
+              s += LOG2E * static_cast<float>(bv);
+            }
+            S(r, c) = s;
+          }
+        }
+      }
+      if (check) {
+        // Visibility without branches: bounds, then each present predicate ANDed in.
+        const bool preds = partial && !(p.debug & 1);
+        bool row_ok[kRows];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) row_ok[r] = i0 + row_base + 8 * r < p.Lq;
         uint32_t bits[kRows][kBlockN / 32];
         bool use_bits = false;
-        if (partial && p.pred.bits_index != nullptr) {
-          const int kb = j0 / p.block_k;
-          const int idx = __ldg(bits_row + kb);
+        if (preds && bits_row != nullptr) {
+          const int idx = __ldg(bits_row + j0 / p.block_k);
           use_bits = idx >= 0;
           if (use_bits) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
-              const int row = (i0 + get<0>(coord(r, 0))) % p.block_q;
-              const int32_t* w = p.pred.bits + idx * p.pred.bits_sp + row * p.pred.bits_sr +
-                                 (j0 % p.block_k) / 32;
+              const int32_t* w = p.pred.bits + idx * p.pred.bits_sp +
+                                 ((i0 + row_base + 8 * r) % p.block_q) * p.pred.bits_sr + (j0 % p.block_k) / 32;
               CUTLASS_PRAGMA_UNROLL
               for (int x = 0; x < kBlockN / 32; ++x) bits[r][x] = __ldg(w + x);
             }
           }
         }
+        const bool ranges2 = preds && staged && p.pred.n_col_ranges <= 2;
+        const bool ranges4 = preds && staged && !ranges2;
+        const bool ranges_global = preds && cr_base != nullptr && !staged;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
-          // Columns of the GMMA accumulator: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
-          const int jt = get<1>(coord(0, c));
+          // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
+          const int jt = col_base + 8 * (c / 2) + (c & 1);
           const int j = j0 + jt;
-          int lo[kMaxStagedRanges], hi[kMaxStagedRanges];
-          if (staged) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kMaxStagedRanges; ++r) {
-              lo[r] = r < m_cr ? ss.col_ranges[buf][jt * 2 * m_cr + 2 * r] : 0;
-              hi[r] = r < m_cr ? ss.col_ranges[buf][jt * 2 * m_cr + 2 * r + 1] : 0;
-            }
-          }
+          const bool col_ok = j < p.Lk;
+          int4 r01 = make_int4(0, 0, 0, 0), r23 = make_int4(0, 0, 0, 0);
+          if (ranges2 || ranges4) r01 = *reinterpret_cast<const int4*>(&ss.col_ranges[buf][jt * 8]);
+          if (ranges4) r23 = *reinterpret_cast<const int4*>(&ss.col_ranges[buf][jt * 8 + 4]);
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) {
-            const int i = i0 + get<0>(coord(r, 0));
-            float s = S(r, c);
-            if (log2_scores) {
-              s = has_softcap ? p.softcap * tanhf(s * p.scale / p.softcap) : s * p.scale;
-              s *= LOG2E;
-              if (has_bias && i < p.Lq && j < p.Lk)
-                s += LOG2E * static_cast<float>(bias[i * p.bias_sq + j * p.bias_sk]);
-            }
-            if (check) {
-              bool ok = j < p.Lk;
-              if (partial) {
-                ok = ok && i < p.Lq;
-                if (staged) {
-                  CUTLASS_PRAGMA_UNROLL
-                  for (int x = 0; x < kMaxStagedRanges; ++x) ok = ok && (i < lo[x] || i >= hi[x]);
-                } else if (cr_base != nullptr) {
-                  const int32_t* cr = cr_base + (int64_t)min(j, p.Lk - 1) * p.pred.cr_sk;
-                  for (int x = 0; x < m_cr; ++x) ok = ok && (i < __ldg(cr + 2 * x) || i >= __ldg(cr + 2 * x + 1));
-                }
-                if (dense != nullptr)
-                  ok = ok && __ldg(dense + min(i, p.Lq - 1) * p.pred.dense_sq +
-                                   min(j, p.Lk - 1) * p.pred.dense_sk) != 0;
-                if (use_bits) ok = ok && ((bits[r][c / 8] >> ((jt + j0 % p.block_k) & 31)) & 1u);
+            const int i = i0 + row_base + 8 * r;
+            bool vis = col_ok & row_ok[r];
+            vis &= (i < r01.x) | (i >= r01.y);
+            vis &= (i < r01.z) | (i >= r01.w);
+            vis &= (i < r23.x) | (i >= r23.y);
+            vis &= (i < r23.z) | (i >= r23.w);
+            if (use_bits) vis &= (bits[r][c / 8] >> (jt & 31)) & 1u;
+            S(r, c) = vis ? S(r, c) : -INFINITY;
+          }
+        }
+        if (ranges_global) {   // more than 4 ranges per key
+          for (int c = 0; c < kCols; ++c) {
+            const int j = min(j0 + col_base + 8 * (c / 2) + (c & 1), p.Lk - 1);
+            const int32_t* cr = cr_base + (int64_t)j * p.pred.cr_sk;
+            for (int x = 0; x < p.pred.n_col_ranges; ++x) {
+              const int lo = __ldg(cr + 2 * x), hi = __ldg(cr + 2 * x + 1);
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int i = i0 + row_base + 8 * r;
+                if (i >= lo && i < hi) S(r, c) = -INFINITY;
               }
-              if (!ok) s = -INFINITY;
             }
-            S(r, c) = s;
+          }
+        }
+        if (preds && dense != nullptr) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int j = min(j0 + col_base + 8 * (c / 2) + (c & 1), p.Lk - 1);
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int i = min(i0 + row_base + 8 * r, p.Lq - 1);
+              const bool d = __ldg(dense + i * p.pred.dense_sq + j * p.pred.dense_sk) != 0;
+              S(r, c) = d ? S(r, c) : -INFINITY;
+            }
           }
         }
       }

@@ -62,6 +62,7 @@ struct AttentionParams {
   float scale = 1.f;                  // softmax scale
   float softcap = 0.f;                // 0: none
   bool reverse_tiles = false;         // heaviest query tiles first (causal-like masks)
+  int debug = 0;                      // FLEXSPARSE_CUDA_DEBUG bits (probes, see fwd_sm90.cuh)
 
   BlockListParams kv_partial, kv_full;   // per query block
   BlockListParams q_partial, q_full;     // per key block (backward)
