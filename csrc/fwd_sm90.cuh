@@ -190,7 +190,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     constexpr int kRows = decltype(size<0>(coord))::value;
     constexpr int kCols = decltype(size<1>(coord))::value;
     constexpr int kMaxStagedRanges = T::kMaxStagedRanges;
-    constexpr int kStagedPerThread = kBlockN * 8 / T::kMmaThreads;
+    constexpr int kStagedPerThread = kBlockN * 4 / T::kMmaThreads;
     static_assert(T::kMaxStagedRanges == 4, "staging keeps 4 (start, end) slots per key");
     static_assert(kRows == 2 && kCols == kBlockN / 4, "GMMA C fragment: 2 rows, N / 4 columns");
     // This thread's first accumulator row and column within a tile; the others are at
@@ -231,19 +231,28 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int n = walk.tile_at(t, partial);
       if (n < 0) continue;
       // Partial tiles with column ranges: load the tile's ranges now (they land while the
-      // QK^T wgmma runs), 4 (start, end) slots per key, unused slots (0, 0), which hide
-      // nothing. More than 4 ranges per key: read per score from global memory instead.
+      // QK^T wgmma runs) as 4 (start, length) slots per key: row i is hidden by a slot iff
+      // unsigned(i - start) < length. Unused slots are (0, 0) and hide nothing; keys past Lk
+      // get a slot that hides every row. More than 4 ranges per key: read per score from
+      // global memory instead (slow path).
       const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
                           !(p.debug & 4);
-      int cr_vals[kStagedPerThread];
+      int2 cr_vals[kStagedPerThread];
       if (staged) {
-        const int w = 2 * p.pred.n_col_ranges;
         CUTLASS_PRAGMA_UNROLL
         for (int x = 0; x < kStagedPerThread; ++x) {
-          const int e = tid + x * T::kMmaThreads;      // < kBlockN * 8
-          const int col = e >> 3, slot = e & 7;
+          const int e = tid + x * T::kMmaThreads;      // (key, slot) pair, < kBlockN * 4
+          const int col = e >> 2, slot = e & 3;
           const int j = n * kBlockN + col;
-          cr_vals[x] = (slot < w && j < p.Lk) ? __ldg(cr_base + (int64_t)j * p.pred.cr_sk + slot) : 0;
+          int2 v = make_int2(0, 0);
+          if (j >= p.Lk) {
+            if (slot == 0) v = make_int2(0, 0x7fffffff);
+          } else if (slot < p.pred.n_col_ranges) {
+            const int32_t* cr = cr_base + (int64_t)j * p.pred.cr_sk + 2 * slot;
+            const int lo = __ldg(cr), hi = __ldg(cr + 1);
+            v = make_int2(lo, max(hi - lo, 0));
+          }
+          cr_vals[x] = v;
         }
       }
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -257,7 +266,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // Column ranges of this tile's keys into shared memory (double-buffered: the
         // barrier also tells that every thread is done with the buffer of two tiles ago).
         CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < kStagedPerThread; ++x) ss.col_ranges[buf][tid + x * T::kMmaThreads] = cr_vals[x];
+        for (int x = 0; x < kStagedPerThread; ++x)
+          reinterpret_cast<int2*>(ss.col_ranges[buf])[tid + x * T::kMmaThreads] = cr_vals[x];
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierColRanges);
       }
       // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
@@ -284,51 +294,44 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
       if (check) {
-        // Visibility without branches: bounds, then each present predicate ANDed in.
+        // Hide invisible scores, each predicate in its own branch-free pass. Rows past Lq
+        // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = partial && !(p.debug & 1);
-        bool row_ok[kRows];
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) row_ok[r] = i0 + row_base + 8 * r < p.Lq;
-        uint32_t bits[kRows][kBlockN / 32];
-        bool use_bits = false;
-        if (preds && bits_row != nullptr) {
-          const int idx = __ldg(bits_row + j0 / p.block_k);
-          use_bits = idx >= 0;
-          if (use_bits) {
+        if (staged && preds) {
+          auto hide_ranges = [&](auto slots) {
+            constexpr int kSlots = decltype(slots)::value;
             CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int32_t* w = p.pred.bits + idx * p.pred.bits_sp +
-                                 ((i0 + row_base + 8 * r) % p.block_q) * p.pred.bits_sr + (j0 % p.block_k) / 32;
+            for (int c = 0; c < kCols; ++c) {
+              // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
+              const int jt = col_base + 8 * (c / 2) + (c & 1);
+              int4 rg[kSlots / 2];
               CUTLASS_PRAGMA_UNROLL
-              for (int x = 0; x < kBlockN / 32; ++x) bits[r][x] = __ldg(w + x);
+              for (int x = 0; x < kSlots / 2; ++x)
+                rg[x] = reinterpret_cast<const int4*>(ss.col_ranges[buf])[jt * 2 + x];
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int i = i0 + row_base + 8 * r;
+                bool hidden = false;
+                CUTLASS_PRAGMA_UNROLL
+                for (int x = 0; x < kSlots / 2; ++x) {
+                  hidden |= unsigned(i - rg[x].x) < unsigned(rg[x].y);
+                  hidden |= unsigned(i - rg[x].z) < unsigned(rg[x].w);
+                }
+                S(r, c) = hidden ? -INFINITY : S(r, c);
+              }
             }
-          }
-        }
-        const bool ranges2 = preds && staged && p.pred.n_col_ranges <= 2;
-        const bool ranges4 = preds && staged && !ranges2;
-        const bool ranges_global = preds && cr_base != nullptr && !staged;
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < kCols; ++c) {
-          // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
-          const int jt = col_base + 8 * (c / 2) + (c & 1);
-          const int j = j0 + jt;
-          const bool col_ok = j < p.Lk;
-          int4 r01 = make_int4(0, 0, 0, 0), r23 = make_int4(0, 0, 0, 0);
-          if (ranges2 || ranges4) r01 = *reinterpret_cast<const int4*>(&ss.col_ranges[buf][jt * 8]);
-          if (ranges4) r23 = *reinterpret_cast<const int4*>(&ss.col_ranges[buf][jt * 8 + 4]);
+          };
+          if (p.pred.n_col_ranges <= 2) hide_ranges(Int<2>{});
+          else hide_ranges(Int<4>{});
+        } else if (j0 + kBlockN > p.Lk) {
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            const int i = i0 + row_base + 8 * r;
-            bool vis = col_ok & row_ok[r];
-            vis &= (i < r01.x) | (i >= r01.y);
-            vis &= (i < r01.z) | (i >= r01.w);
-            vis &= (i < r23.x) | (i >= r23.y);
-            vis &= (i < r23.z) | (i >= r23.w);
-            if (use_bits) vis &= (bits[r][c / 8] >> (jt & 31)) & 1u;
-            S(r, c) = vis ? S(r, c) : -INFINITY;
+          for (int c = 0; c < kCols; ++c) {
+            const bool col_ok = j0 + col_base + 8 * (c / 2) + (c & 1) < p.Lk;
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) S(r, c) = col_ok ? S(r, c) : -INFINITY;
           }
         }
-        if (ranges_global) {   // more than 4 ranges per key
+        if (preds && cr_base != nullptr && !staged) {   // more than 4 ranges per key
           for (int c = 0; c < kCols; ++c) {
             const int j = min(j0 + col_base + 8 * (c / 2) + (c & 1), p.Lk - 1);
             const int32_t* cr = cr_base + (int64_t)j * p.pred.cr_sk;
@@ -337,7 +340,26 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               CUTLASS_PRAGMA_UNROLL
               for (int r = 0; r < kRows; ++r) {
                 const int i = i0 + row_base + 8 * r;
-                if (i >= lo && i < hi) S(r, c) = -INFINITY;
+                S(r, c) = (i >= lo && i < hi) ? -INFINITY : S(r, c);
+              }
+            }
+          }
+        }
+        if (preds && bits_row != nullptr) {
+          const int idx = __ldg(bits_row + j0 / p.block_k);
+          if (idx >= 0) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int32_t* w = p.pred.bits + idx * p.pred.bits_sp +
+                                 ((i0 + row_base + 8 * r) % p.block_q) * p.pred.bits_sr + (j0 % p.block_k) / 32;
+              CUTLASS_PRAGMA_UNROLL
+              for (int x = 0; x < kBlockN / 32; ++x) {
+                const uint32_t word = __ldg(w + x);
+                CUTLASS_PRAGMA_UNROLL
+                for (int c = 8 * x; c < 8 * x + 8; ++c) {   // the 8 columns of this word
+                  const int jt = col_base + 8 * (c / 2) + (c & 1);
+                  S(r, c) = (word >> (jt & 31)) & 1u ? S(r, c) : -INFINITY;
+                }
               }
             }
           }

@@ -41,7 +41,8 @@ def main():
             print("raised RuntimeError:", str(e)[:120])
         return
     for case in ("dtype", "block"):
-        r = subprocess.run([sys.executable, __file__, "raise", case], capture_output=True, text=True)
+        r = subprocess.run([sys.executable, __file__, "raise", case], capture_output=True, text=True,
+                           env=dict(os.environ, FLEXSPARSE_CUDA_TRACE="1"))
         print(f"error path {case}: rc", r.returncode, (r.stdout + r.stderr)[-400:])
     for kind in sys.argv[1].split(",") if len(sys.argv) > 1 else ("document", "causal", "full"):
         B, H, L, D = 2, 16, 8192, 128
