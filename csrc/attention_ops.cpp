@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <vector>
@@ -103,14 +102,14 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
                   in.k.size(3) == D && in.v.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
               "flexsparse cuda: shapes q ", q.sizes(), " k ", in.k.sizes(), " v ", in.v.sizes());
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
-  const bool trace = std::getenv("FLEXSPARSE_CUDA_TRACE") != nullptr;   // probe of a crash
-  if (trace) fprintf(stderr, "fill_params: block check %ld %ld\n", (long)block_q, (long)block_k);
+  // (Also checked in Python before the call: ops/cuda_backend.py.)
   const int64_t tile_m = fwd_tile_m(), tile_n = fwd_tile_n(static_cast<int>(D));
-  if (trace) fprintf(stderr, "fill_params: tiles %ld %ld\n", (long)tile_m, (long)tile_n);
-  TORCH_CHECK(block_q > 0 && block_q % tile_m == 0 && block_k > 0 && block_k % tile_n == 0,
-              "flexsparse cuda: descriptor block size (", block_q, ", ", block_k,
-              ") must be multiples of (", tile_m, ", ", tile_n, ")");
-  if (trace) fprintf(stderr, "fill_params: block check passed\n");
+  if (!(block_q > 0 && block_q % tile_m == 0 && block_k > 0 && block_k % tile_n == 0)) {
+    const std::string msg = "flexsparse cuda: descriptor block size (" + std::to_string(block_q) + ", " +
+                            std::to_string(block_k) + ") must be multiples of (" + std::to_string(tile_m) +
+                            ", " + std::to_string(tile_n) + ")";
+    TORCH_CHECK(false, msg);
+  }
 
   AttentionParams p;
   in.q = tma_ready(q);

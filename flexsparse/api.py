@@ -46,6 +46,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         backend = backends.choose(query, key, value, bias, mt)
     else:
         reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
+        if backend == "cuda" and not reasons:
+            reasons = backends.get("cuda").check_block_size(*desc.block_size, D)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
     out, lse = attention_with_grad(

@@ -39,8 +39,17 @@ def test_mask_kinds(kind, dtype):
 def test_block_size_below_tile_is_refused():
     """A descriptor of 64-token blocks is finer than the kernel's 128-row query tile."""
     q = torch.randn(1, 2, 256, 128, device=T.DEV, dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="block size"):
+    with pytest.raises(ValueError, match="block size"):
         flexsparse.attention(q, q, q, M.causal(), backend="cuda", block_size=(64, 64))
+
+
+def test_error_inside_the_op_reaches_python():
+    """A check inside the C++ op raises RuntimeError (the dispatcher path, no Python check)."""
+    q = torch.randn(1, 2, 256, 128, device=T.DEV, dtype=torch.float16)
+    desc = M.causal().compile(1, 2, 2, 256, 256, device=T.DEV, block_size=(64, 64))
+    with pytest.raises(RuntimeError, match="block size"):
+        torch.ops.flexsparse.cuda_attention(q, q, q, None, *desc.mask_tensors(), 64, 64, 0.1, 0.0,
+                                            False)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
