@@ -225,12 +225,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
 
     if (n_tiles > 0) Barrier::wait(&ss.barrier_q, 0);
-    typename T::PipelineState read_k, read_v;
-    // Per tile: start the column-range loads (before the QK^T wgmma), then after it store
-    // them, hide invisible scores and run the online softmax. The scale of the running
-    // output (exp2(m_old - m_new)) is applied later, when no wgmma writes O.
-    int2 cr_vals[kStagedPerThread];
-    auto start_tile = [&](int n, bool partial) -> bool {
+    typename T::PipelineState read;
+    for (int t = 0; t < n_tiles; ++t) {
+      bool partial;
+      const int n = walk.tile_at(t, partial);
+      if (n < 0) continue;
       // Partial tiles with column ranges: load the tile's ranges now (they land while the
       // QK^T wgmma runs) as 4 (start, length) slots per key: row i is hidden by a slot iff
       // unsigned(i - start) < length. Unused slots are (0, 0) and hide nothing; keys past Lk
@@ -238,6 +237,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // global memory instead (slow path).
       const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
                           !(p.debug & 4);
+      int2 cr_vals[kStagedPerThread];
       if (staged) {
         CUTLASS_PRAGMA_UNROLL
         for (int x = 0; x < kStagedPerThread; ++x) {
@@ -255,10 +255,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           cr_vals[x] = v;
         }
       }
-      return staged;
-    };
-    using FragS = decltype(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    auto finish_scores = [&](FragS& tSrS, int n, bool partial, bool staged, float (&o_scale)[kRows]) {
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipe_k.consumer_wait(read);
+      gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pipe_k.consumer_release(read);
+
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       const int j0 = n * kBlockN;
       if (staged) {
@@ -297,24 +298,31 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = partial && !(p.debug & 1);
         if (staged && preds) {
-          const bool four = p.pred.n_col_ranges > 2;   // else only slots 0, 1 are in use
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; ++c) {
-            // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
-            const int jt = col_base + 8 * (c / 2) + (c & 1);
-            const int4* slots = reinterpret_cast<const int4*>(ss.col_ranges[buf]) + jt * 2;
-            const int4 r01 = slots[0];
-            const int4 r23 = four ? slots[1] : make_int4(0, 0, 0, 0);
+          auto hide_ranges = [&](auto slots) {
+            constexpr int kSlots = decltype(slots)::value;
             CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int i = i0 + row_base + 8 * r;
-              const bool hidden = (unsigned(i - r01.x) < unsigned(r01.y)) |
-                                  (unsigned(i - r01.z) < unsigned(r01.w)) |
-                                  (unsigned(i - r23.x) < unsigned(r23.y)) |
-                                  (unsigned(i - r23.z) < unsigned(r23.w));
-              S(r, c) = hidden ? -INFINITY : S(r, c);
+            for (int c = 0; c < kCols; ++c) {
+              // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
+              const int jt = col_base + 8 * (c / 2) + (c & 1);
+              int4 rg[kSlots / 2];
+              CUTLASS_PRAGMA_UNROLL
+              for (int x = 0; x < kSlots / 2; ++x)
+                rg[x] = reinterpret_cast<const int4*>(ss.col_ranges[buf])[jt * 2 + x];
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int i = i0 + row_base + 8 * r;
+                bool hidden = false;
+                CUTLASS_PRAGMA_UNROLL
+                for (int x = 0; x < kSlots / 2; ++x) {
+                  hidden |= unsigned(i - rg[x].x) < unsigned(rg[x].y);
+                  hidden |= unsigned(i - rg[x].z) < unsigned(rg[x].w);
+                }
+                S(r, c) = hidden ? -INFINITY : S(r, c);
+              }
             }
-          }
+          };
+          if (p.pred.n_col_ranges <= 2) hide_ranges(Int<2>{});
+          else hide_ranges(Int<4>{});
         } else if (j0 + kBlockN > p.Lk) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; ++c) {
@@ -370,84 +378,34 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
       if (staged) buf ^= 1;
-      // Online softmax: the new row max, P = exp2(s - max), the running sums.
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
-      m = quad_max(m);
-      const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
-      o_scale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
-      row_max[r] = m;
-      float sum = 0.f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        const float e = exp2f(S(r, c) * exp_scale - m_scaled);
-        S(r, c) = e;
-        sum += e;
-      }
-      row_sum[r] = row_sum[r] * o_scale[r] + sum;
-      }
-    };
-    auto rescale_o = [&](float (&o_scale)[kRows]) {
+      // Online softmax: rescale the running output by exp2(m_old - m_new).
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
+        float m = row_max[r];
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= o_scale[r];
+        for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
+        m = quad_max(m);
+        const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
+        const float alpha = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
+        row_max[r] = m;
+        float sum = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const float e = exp2f(S(r, c) * exp_scale - m_scaled);
+          S(r, c) = e;
+          sum += e;
+        }
+        row_sum[r] = row_sum[r] * alpha + sum;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
       }
-    };
-    // The next listed tile from t on (skipping entries a bad descriptor put out of range).
-    auto next_tile = [&](int t, int& n, bool& partial) {
-      for (; t < n_tiles; ++t) {
-        n = walk.tile_at(t, partial);
-        if (n >= 0) break;
-      }
-      return t;
-    };
-
-    // Intra-warpgroup overlap (FlashAttention-3): the softmax of tile t runs while the
-    // wgmma of O += P(t-1) V(t-1) is in flight.
-    Tensor tSrS_shape = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor tOrP = make_tensor<Element>(accumulator_as_a(tSrS_shape.layout()));
-    float o_scale[kRows];
-    int n;
-    bool partial;
-    int t = next_tile(0, n, partial);
-    if (t < n_tiles) {
-      {
-        const bool staged = start_tile(n, partial);
-        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        pipe_k.consumer_wait(read_k);
-        gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-        pipe_k.consumer_release(read_k);
-        ++read_k;
-        finish_scores(tSrS, n, partial, staged, o_scale);
-        copy(convert_type<Element>(tSrS), tOrP);
-      }
-      for (t = next_tile(t + 1, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
-        const bool staged = start_tile(n, partial);
-        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        pipe_k.consumer_wait(read_k);
-        gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-        rescale_o(o_scale);
-        pipe_v.consumer_wait(read_v);
-        gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-        warpgroup_wait<1>();
-        pipe_k.consumer_release(read_k);
-        ++read_k;
-        finish_scores(tSrS, n, partial, staged, o_scale);
-        warpgroup_wait<0>();
-        pipe_v.consumer_release(read_v);
-        ++read_v;
-        copy(convert_type<Element>(tSrS), tOrP);
-      }
-      rescale_o(o_scale);
-      pipe_v.consumer_wait(read_v);
-      gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-      pipe_v.consumer_release(read_v);
-      ++read_v;
+      Tensor tOrP_ = convert_type<Element>(tSrS);
+      Tensor tOrP = make_tensor(tOrP_.data(), accumulator_as_a(tSrS.layout()));
+      pipe_v.consumer_wait(read);
+      gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+      pipe_v.consumer_release(read);
+      ++read;
     }
 
     // ------------------------------------------------------------------ epilogue
