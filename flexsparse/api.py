@@ -43,7 +43,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
     mt = desc.mask_tensors()
     if backend == "auto":
-        backend = backends.choose(query, key, value, bias, mt)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, bias))
+        backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size)
     else:
         reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
         if backend == "cuda" and not reasons:

@@ -40,14 +40,21 @@ def not_supported_reasons(name, query, key, value, bias, mask: MaskTensors) -> l
     return get(name).not_supported_reasons(query, key, value, bias, mask)
 
 
-def choose(query, key, value, bias, mask: MaskTensors) -> str:
-    """The first backend in preference order that supports these inputs.
+def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
+           block_size=(128, 128)) -> str:
+    """The first backend in preference order that supports these inputs; "cuda" only where
+    its table of measurements says it wins (cuda_backend.preferred_for).
 
     CPU tensors always get the reference: the Triton interpreter runs on CPU for
     tests, but only when asked for by name.
     """
     if query.device.type == "cpu":
         return "reference"
+    cuda = _REGISTRY.get("cuda")
+    if (cuda is not None and not cuda.not_supported_reasons(query, key, value, bias, mask)
+            and not cuda.check_block_size(*block_size, query.shape[-1])
+            and cuda.preferred_for(query, key, value, bias, mask, needs_grad)):
+        return "cuda"
     for name in _AUTO_ORDER:
         if name in _REGISTRY and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask):
             return name

@@ -42,6 +42,34 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     return reasons
 
 
+# Where "auto" picks this backend (H100, same runs as the Triton kernels; docs/benchmarks.md,
+# "CUDA backend"): forward only (the backward kernels are not in yet), head dim 128, no
+# bias, no dense mask, and at most this share of partial blocks among the listed ones.
+# Measured forward TFLOP/s, cuda vs triton: full 8K 555 vs 517-531, causal 8K 499 vs 465,
+# causal 16K 530 vs 507, prefix-LM 16K 541 vs 492, shared-question 16K 469 vs 454 (10%
+# partial), block-sparse 8K 465 vs 428; but sliding 8K 313 vs 325 (22% partial), document
+# 8K 189 vs 233 (49%), hd64 full 335 vs 431.
+AUTO_MAX_PARTIAL_SHARE = 0.15
+
+
+def _partial_share(mask) -> float:
+    """Partial blocks over all listed blocks (one host sync per descriptor, cached)."""
+    from .triton_block import _cached_fact
+
+    def share():
+        p = mask.kv_count.sum().item()
+        f = mask.kv_full_count.sum().item()
+        return p / max(p + f, 1)
+    value = _cached_fact((mask.kv_count, mask.kv_full_count), share)
+    return 1.0 if value is None else value
+
+
+def preferred_for(query, key, value, bias, mask, needs_grad: bool) -> bool:
+    """Whether "auto" should run these inputs here (they are supported)."""
+    return (not needs_grad and query.shape[-1] == 128 and bias is None
+            and mask.dense_mask is None and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
+
+
 def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
     tn = _tile_n(head_dim)
     if block_q % _TILE_M or block_k % tn:

@@ -126,3 +126,20 @@ def test_opcheck_forward():
     args = (q, k, v, None, *desc.mask_tensors(), *desc.block_size, 0.125, 0.0, False)
     torch.library.opcheck(torch.ops.flexsparse.cuda_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_auto_picks_cuda_for_inference_on_measured_masks():
+    """backend="auto": cuda for a no-grad causal hd128 call (measured faster), triton for
+    the same call with grad (no CUDA backward yet) and for a partial-heavy document mask."""
+    from flexsparse.ops import backends as B
+    q = torch.randn(1, 2, 1024, 128, device=T.DEV, dtype=torch.bfloat16)
+    causal = M.causal().compile(1, 2, 2, 1024, 1024, device=T.DEV)
+    doc = M.document([100] * 10 + [24]).compile(1, 2, 2, 1024, 1024, device=T.DEV)
+    mt = causal.mask_tensors()
+    assert B.choose(q, q, q, None, mt, False, causal.block_size) == "cuda"
+    assert B.choose(q, q, q, None, mt, True, causal.block_size) == "triton"
+    assert B.choose(q, q, q, None, doc.mask_tensors(), False, doc.block_size) == "triton"
+    with torch.no_grad():
+        a = flexsparse.attention(q, q, q, causal)
+    torch.testing.assert_close(a, flexsparse.attention(q, q, q, causal, backend="triton"),
+                               atol=2e-2, rtol=2e-2)
