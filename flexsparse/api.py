@@ -52,9 +52,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
             reasons = backends.get("cuda").check_block_size(*desc.block_size, D)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
-    out, lse = attention_with_grad(
-        query, key, value, bias, *mt, desc.block_size[0], desc.block_size[1], float(scale),
-        float(softcap), backend, bool(deterministic))
+    tail = (desc.block_size[0], desc.block_size[1], float(scale), float(softcap))
+    if backend == "cuda":
+        # The CUDA backend's own op: a compiled graph calls its C++ kernel directly.
+        out, lse = torch.ops.flexsparse.cuda_attention(query, key, value, bias, *mt, *tail,
+                                                       bool(deterministic))
+    else:
+        out, lse = attention_with_grad(query, key, value, bias, *mt, *tail, backend,
+                                       bool(deterministic))
     return (out, lse) if return_lse else out
 
 

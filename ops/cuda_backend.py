@@ -65,7 +65,10 @@ def _partial_share(mask) -> float:
 
 
 def preferred_for(query, key, value, bias, mask, needs_grad: bool) -> bool:
-    """Whether "auto" should run these inputs here (they are supported)."""
+    """Whether "auto" should run these inputs here (they are supported). Not inside
+    torch.compile, where the partial-block share would need a host sync in the graph."""
+    if torch.compiler.is_compiling():
+        return False
     return (not needs_grad and query.shape[-1] == 128 and bias is None
             and mask.dense_mask is None and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
 

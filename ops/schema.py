@@ -108,14 +108,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(query, key, value, out, lse, bias, *mask)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, backward_op=None):
+    """backward_op: the backward op of the forward op being differentiated (default
+    flexsparse::attention_backward)."""
     query, key, value, out, lse, bias, *mask = ctx.saved_tensors
     if grad_out is None:        # only lse was used (grads are not materialized, see below)
         grad_out = torch.zeros_like(out)
     bias_requires_grad = bias is not None and ctx.needs_input_grad[3]
     args = (grad_out, grad_lse, query, key, value, out, lse, bias, *mask, *ctx.tail,
             bias_requires_grad)
-    if ctx.eager:
+    if backward_op is not None:
+        dq, dk, dv, dbias = backward_op(*args)
+    elif ctx.eager:
         dq, dk, dv, dbias = _below_autograd(torch.ops.flexsparse.attention_backward, args)
     else:
         dq, dk, dv, dbias = torch.ops.flexsparse.attention_backward(*args)
@@ -124,6 +128,12 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("flexsparse::attention", _backward, setup_context=_setup_context)
+# The CUDA backend's op: the same saved tensors, its own backward op (C++ kernels too).
+torch.library.register_autograd(
+    "flexsparse::cuda_attention",
+    lambda ctx, grad_out, grad_lse: _backward(
+        ctx, grad_out, grad_lse, torch.ops.flexsparse.cuda_attention_backward),
+    setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):

@@ -143,3 +143,29 @@ def test_auto_picks_cuda_for_inference_on_measured_masks():
         a = flexsparse.attention(q, q, q, causal)
     torch.testing.assert_close(a, flexsparse.attention(q, q, q, causal, backend="triton"),
                                atol=2e-2, rtol=2e-2)
+
+
+def test_compiled_graph_calls_the_cuda_op_one_frame():
+    """torch.compile(fullgraph=True, dynamic=True) over three lengths: one frame, and the
+    graph holds flexsparse.cuda_attention itself (its C++ kernel, no Python in between)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    counter = CompileCounterWithBackend(backend)
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def f(q, k, v, desc):
+        return flexsparse.attention(q, k, v, desc, backend="cuda") * 2
+
+    for L in (300, 517, 1024):
+        q, k, v = (torch.randn(1, 4, L, 128, device=T.DEV, dtype=torch.bfloat16) for _ in range(3))
+        desc = M.causal().compile(1, 4, 4, L, L, device=T.DEV)
+        torch.testing.assert_close(f(q, k, v, desc),
+                                   flexsparse.attention(q, k, v, desc, backend="triton") * 2,
+                                   atol=3e-2, rtol=3e-2)
+    assert counter.frame_count == 1
+    assert any("cuda_attention" in t for t in targets), targets
