@@ -266,6 +266,11 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
     if old_block is not None:
         impls["old"] = impls["ours"][:2] + (lambda: _block_module(old_block),)
 
+    from flexsparse.ops import backends as _backends
+    if "cuda" in _backends.available():      # the csrc kernels: forward only so far
+        impls["cuda"] = (lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda"),
+                         None, contextlib.nullcontext)
+
     if flex:
         try:
             from torch.nn.attention.flex_attention import flex_attention
@@ -303,6 +308,9 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
             try:
                 with ctx():
                     fwd_ms = _bench(fwd_fn)
+                    if grad_fwd is None:                 # forward-only implementation
+                        samples[name].append((fwd_ms, float("nan"), "direct"))
+                        continue
                     if method[name] == "direct":
                         try:
                             bwd_ms = _time_bwd_direct(grad_fwd, inputs, do)
@@ -353,8 +361,8 @@ LABELS = {"full": "full", "causal": "causal", "sliding": "sliding window 1024",
           "block_sparse": "block-sparse 20% + diag", "causal_bias": "causal + full bias (dbias)"}
 
 HEADER = ("| mask | L | D | B | ours fwd | ours bwd | flex fwd | flex bwd | SDPA fwd | SDPA bwd "
-          "| ours/flex fwd | ours/flex bwd |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours/flex fwd | ours/flex bwd | CUDA fwd | CUDA/flex fwd |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def header(extra_modes=()):
@@ -362,6 +370,10 @@ def header(extra_modes=()):
     names, rule = HEADER.split("\n")
     return (names + "".join(f" ours bwd {m} |" for m in extra_modes) + "\n"
             + rule + "---|" * len(extra_modes))
+
+
+def _ratio(r, a, b):
+    return r[a] / r[b] if r.get(a) and r.get(b) else None
 
 
 def _f(x, fmt=".0f"):
@@ -380,7 +392,8 @@ def format_row(r, extra_modes=()):
             f"| {_f(r.get('ours_fwd'))} | {_bwd_cell(r, 'ours')} "
             f"| {_f(r.get('flex_fwd'))} | {_bwd_cell(r, 'flex')} "
             f"| {_f(r.get('sdpa_fwd'))} | {_bwd_cell(r, 'sdpa')} "
-            f"| {_f(r.get('ratio_fwd'), '.2f')} | {_f(r.get('ratio_bwd'), '.2f')} |"
+            f"| {_f(r.get('ratio_fwd'), '.2f')} | {_f(r.get('ratio_bwd'), '.2f')} "
+            f"| {_f(r.get('cuda_fwd'))} | {_f(_ratio(r, 'cuda_fwd', 'flex_fwd'), '.2f')} |"
             + "".join(f" {_bwd_cell(r, _ours(m))} |" for m in extra_modes))
 
 
