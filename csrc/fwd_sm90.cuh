@@ -75,8 +75,7 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    // Column ranges of a partial tile, per consumer warpgroup, double-buffered: [key][slot].
-    alignas(16) int32_t col_ranges[kConsumerWarpgroups][2][kBlockN * 2 * kMaxStagedRanges];
+    alignas(16) int32_t col_ranges[2][kBlockN * 2 * kMaxStagedRanges];   // [key][slot]
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
@@ -174,7 +173,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<232>();
     const int tid = threadIdx.x - 128;
-    const int wg = warpgroup - 1;           // consumer warpgroup: 0 or 1
     typename T::TiledMmaQK mma_qk;
     typename T::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
@@ -192,15 +190,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     constexpr int kRows = decltype(size<0>(coord))::value;
     constexpr int kCols = decltype(size<1>(coord))::value;
     constexpr int kMaxStagedRanges = T::kMaxStagedRanges;
-    constexpr int kStagedPerThread = kBlockN * 4 / 128;
+    constexpr int kStagedPerThread = kBlockN * 4 / T::kMmaThreads;
     static_assert(T::kMaxStagedRanges == 4, "staging keeps 4 (start, end) slots per key");
     static_assert(kRows == 2 && kCols == kBlockN / 4, "GMMA C fragment: 2 rows, N / 4 columns");
     // This thread's first accumulator row and column within a tile; the others are at
     // fixed offsets (rows + 8 r, columns + 8 (c / 2) + c % 2: the GMMA C fragment).
     const int row_base = get<0>(coord(0, 0));
     const int col_base = get<1>(coord(0, 0));
-    constexpr int kBarrierColRanges = 1;   // + warpgroup (1, 2)
-    constexpr int kBarrierSchedule = 3;    // + warpgroup (3, 4)
+    constexpr int kBarrierColRanges = 1;
 
     const float LOG2E = 1.4426950408889634f;
     const bool has_bias = p.bias != nullptr;
@@ -228,12 +225,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
 
     if (n_tiles > 0) Barrier::wait(&ss.barrier_q, 0);
-    typename T::PipelineState read_k, read_v;
-    // Per tile: start the column-range loads (before the QK^T wgmma), then after it store
-    // them, hide invisible scores and run the online softmax. The scale of the running
-    // output (exp2(m_old - m_new)) is applied later, when no wgmma writes O.
-    int2 cr_vals[kStagedPerThread];
-    auto start_tile = [&](int n, bool partial) -> bool {
+    typename T::PipelineState read;
+    for (int t = 0; t < n_tiles; ++t) {
+      bool partial;
+      const int n = walk.tile_at(t, partial);
+      if (n < 0) continue;
       // Partial tiles with column ranges: load the tile's ranges now (they land while the
       // QK^T wgmma runs) as 4 (start, length) slots per key: row i is hidden by a slot iff
       // unsigned(i - start) < length. Unused slots are (0, 0) and hide nothing; keys past Lk
@@ -241,10 +237,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // global memory instead (slow path).
       const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
                           !(p.debug & 4);
+      int2 cr_vals[kStagedPerThread];
       if (staged) {
         CUTLASS_PRAGMA_UNROLL
         for (int x = 0; x < kStagedPerThread; ++x) {
-          const int e = tid % 128 + x * 128;      // (key, slot) pair, < kBlockN * 4
+          const int e = tid + x * T::kMmaThreads;      // (key, slot) pair, < kBlockN * 4
           const int col = e >> 2, slot = e & 3;
           const int j = n * kBlockN + col;
           int2 v = make_int2(0, 0);
@@ -258,10 +255,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           cr_vals[x] = v;
         }
       }
-      return staged;
-    };
-    using FragS = decltype(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    auto finish_scores = [&](FragS& tSrS, int n, bool partial, bool staged, float (&o_scale)[kRows]) {
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      pipe_k.consumer_wait(read);
+      gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pipe_k.consumer_release(read);
+
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       const int j0 = n * kBlockN;
       if (staged) {
@@ -269,8 +267,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // barrier also tells that every thread is done with the buffer of two tiles ago).
         CUTLASS_PRAGMA_UNROLL
         for (int x = 0; x < kStagedPerThread; ++x)
-          reinterpret_cast<int2*>(ss.col_ranges[wg][buf])[tid % 128 + x * 128] = cr_vals[x];
-        cutlass::arch::NamedBarrier::sync(128, kBarrierColRanges + wg);
+          reinterpret_cast<int2*>(ss.col_ranges[buf])[tid + x * T::kMmaThreads] = cr_vals[x];
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierColRanges);
       }
       // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
@@ -300,24 +298,31 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = partial && !(p.debug & 1);
         if (staged && preds) {
-          const bool four = p.pred.n_col_ranges > 2;   // else only slots 0, 1 are in use
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; ++c) {
-            // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
-            const int jt = col_base + 8 * (c / 2) + (c & 1);
-            const int4* slots = reinterpret_cast<const int4*>(ss.col_ranges[wg][buf]) + jt * 2;
-            const int4 r01 = slots[0];
-            const int4 r23 = four ? slots[1] : make_int4(0, 0, 0, 0);
+          auto hide_ranges = [&](auto slots) {
+            constexpr int kSlots = decltype(slots)::value;
             CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int i = i0 + row_base + 8 * r;
-              const bool hidden = (unsigned(i - r01.x) < unsigned(r01.y)) |
-                                  (unsigned(i - r01.z) < unsigned(r01.w)) |
-                                  (unsigned(i - r23.x) < unsigned(r23.y)) |
-                                  (unsigned(i - r23.z) < unsigned(r23.w));
-              S(r, c) = hidden ? -INFINITY : S(r, c);
+            for (int c = 0; c < kCols; ++c) {
+              // Accumulator column c of this thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2.
+              const int jt = col_base + 8 * (c / 2) + (c & 1);
+              int4 rg[kSlots / 2];
+              CUTLASS_PRAGMA_UNROLL
+              for (int x = 0; x < kSlots / 2; ++x)
+                rg[x] = reinterpret_cast<const int4*>(ss.col_ranges[buf])[jt * 2 + x];
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int i = i0 + row_base + 8 * r;
+                bool hidden = false;
+                CUTLASS_PRAGMA_UNROLL
+                for (int x = 0; x < kSlots / 2; ++x) {
+                  hidden |= unsigned(i - rg[x].x) < unsigned(rg[x].y);
+                  hidden |= unsigned(i - rg[x].z) < unsigned(rg[x].w);
+                }
+                S(r, c) = hidden ? -INFINITY : S(r, c);
+              }
             }
-          }
+          };
+          if (p.pred.n_col_ranges <= 2) hide_ranges(Int<2>{});
+          else hide_ranges(Int<4>{});
         } else if (j0 + kBlockN > p.Lk) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; ++c) {
@@ -373,88 +378,34 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
       if (staged) buf ^= 1;
-      // Online softmax: the new row max, P = exp2(s - max), the running sums.
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
-      m = quad_max(m);
-      const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
-      o_scale[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
-      row_max[r] = m;
-      float sum = 0.f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kCols; ++c) {
-        const float e = exp2f(S(r, c) * exp_scale - m_scaled);
-        S(r, c) = e;
-        sum += e;
-      }
-      row_sum[r] = row_sum[r] * o_scale[r] + sum;
-      }
-    };
-    auto rescale_o = [&](float (&o_scale)[kRows]) {
+      // Online softmax: rescale the running output by exp2(m_old - m_new).
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
+        float m = row_max[r];
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= o_scale[r];
+        for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
+        m = quad_max(m);
+        const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
+        const float alpha = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
+        row_max[r] = m;
+        float sum = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const float e = exp2f(S(r, c) * exp_scale - m_scaled);
+          S(r, c) = e;
+          sum += e;
+        }
+        row_sum[r] = row_sum[r] * alpha + sum;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
       }
-    };
-    // The next listed tile from t on (skipping entries a bad descriptor put out of range).
-    auto next_tile = [&](int t, int& n, bool& partial) {
-      for (; t < n_tiles; ++t) {
-        n = walk.tile_at(t, partial);
-        if (n >= 0) break;
-      }
-      return t;
-    };
-
-    // Ping-pong between the two consumer warpgroups (FlashAttention-3's scheduler
-    // barriers): each issues its wgmmas, O += P(t-1) V(t-1) then S(t) = Q K(t)^T, only
-    // after the other has issued its own, so one warpgroup's softmax runs while the
-    // other's matmuls keep the tensor cores busy.
-    auto issue_begin = [&] { cutlass::arch::NamedBarrier::sync(2 * 128, kBarrierSchedule + wg); };
-    auto issue_end = [&] { cutlass::arch::NamedBarrier::arrive(2 * 128, kBarrierSchedule + 1 - wg); };
-    Tensor tSrS_shape = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor tOrP = make_tensor<Element>(accumulator_as_a(tSrS_shape.layout()));
-    float o_scale[kRows];
-    int n;
-    bool partial;
-    // One loop body for every tile (the first one only skips the PV of a previous tile):
-    // a peeled first iteration doubled the unrolled consumer code.
-    bool first = true;
-    if (n_tiles > 0 && wg == 1) issue_end();      // warpgroup 0 issues first
-    for (int t = next_tile(0, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
-      const bool staged = start_tile(n, partial);
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      if (!first) pipe_v.consumer_wait(read_v);
-      pipe_k.consumer_wait(read_k);
-      issue_begin();
-      if (!first) gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-      gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-      issue_end();
-      if (!first) {
-        warpgroup_wait<1>();
-        pipe_v.consumer_release(read_v);
-        ++read_v;
-      }
-      warpgroup_wait<0>();
-      pipe_k.consumer_release(read_k);
-      ++read_k;
-      finish_scores(tSrS, n, partial, staged, o_scale);
-      rescale_o(o_scale);
-      copy(convert_type<Element>(tSrS), tOrP);
-      first = false;
-    }
-    if (!first) {
-      pipe_v.consumer_wait(read_v);
-      issue_begin();
-      gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-      issue_end();
-      warpgroup_wait<0>();
-      pipe_v.consumer_release(read_v);
-      ++read_v;
+      Tensor tOrP_ = convert_type<Element>(tSrS);
+      Tensor tOrP = make_tensor(tOrP_.data(), accumulator_as_a(tSrS.layout()));
+      pipe_v.consumer_wait(read);
+      gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+      pipe_v.consumer_release(read);
+      ++read;
     }
 
     // ------------------------------------------------------------------ epilogue
