@@ -132,9 +132,10 @@ def test_auto_picks_cuda_for_inference_on_measured_masks():
     """backend="auto": cuda for a no-grad causal hd128 call (measured faster), triton for
     the same call with grad (no CUDA backward yet) and for a partial-heavy document mask."""
     from flexsparse.ops import backends as B
-    q = torch.randn(1, 2, 1024, 128, device=T.DEV, dtype=torch.bfloat16)
-    causal = M.causal().compile(1, 2, 2, 1024, 1024, device=T.DEV)
-    doc = M.document([100] * 10 + [24]).compile(1, 2, 2, 1024, 1024, device=T.DEV)
+    L = 4096    # causal: 32 partial blocks of 528 listed (6%); the documents: most partial
+    q = torch.randn(1, 2, L, 128, device=T.DEV, dtype=torch.bfloat16)
+    causal = M.causal().compile(1, 2, 2, L, L, device=T.DEV)
+    doc = M.document([100] * 40 + [96]).compile(1, 2, 2, L, L, device=T.DEV)
     mt = causal.mask_tensors()
     assert B.choose(q, q, q, None, mt, False, causal.block_size) == "cuda"
     assert B.choose(q, q, q, None, mt, True, causal.block_size) == "triton"
