@@ -27,6 +27,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     when `return_lse`.
     """
     _check_qkv(query, key, value)
+    for name, flag in (("return_lse", return_lse), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: must be a bool, got {flag!r}")
+    if isinstance(bias, torch.Tensor) and 2 <= bias.dim() < 4:
+        # SDPA's rule: missing leading dims broadcast; the gradient keeps the bias's shape.
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     desc = compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=query.device, block_size=block_size)
@@ -35,10 +41,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         scale = 1.0 / math.sqrt(D)
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: must be a float, got {type(scale).__name__}")
+    elif not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: must be a finite positive float, got {scale!r}")
     if softcap is None:
         softcap = 0.0
-    elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap <= 0:
-        raise ValueError(f"softcap: must be a positive float or None, got {softcap!r}")
+    elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap: must be a float or None, got {type(softcap).__name__}")
+    elif not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap: must be a finite positive float or None, got {softcap!r}")
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
     mt = desc.mask_tensors()
@@ -75,11 +85,16 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
                              f"inputs have ({Hq}, {Hkv})")
         if mask.device != masks_mod.canonical_device(device):
             raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
+        for name, t in zip(mask.mask_tensors()._fields, mask.mask_tensors()):
+            # every mask tensor but the bitmap pool (P, block_q, words) has a batch dim
+            if name != "partial_bits" and t is not None and t.shape[0] not in (1, B):
+                raise ValueError(f"mask: descriptor tensor {name} has batch {t.shape[0]}, "
+                                 f"inputs have B={B} (it must be 1 or B)")
         return mask
     if mask is None:
         mask = masks_mod.full()
     elif isinstance(mask, torch.Tensor):
-        mask = masks_mod.dense(mask)
+        mask = masks_mod.dense(mask)            # 2-D to 4-D, SDPA's broadcasting
     elif _is_flex_block_mask(mask):
         mask = masks_mod.from_block_mask(mask)
     if not isinstance(mask, masks_mod.Mask):
@@ -112,6 +127,8 @@ def _check_qkv(query, key, value):
         raise ValueError(f"value: has {value.shape[1]} heads but key has {key.shape[1]}")
     if value.shape[2] != key.shape[2]:
         raise ValueError(f"value: length {value.shape[2]} must match key length {key.shape[2]}")
+    if query.shape[3] == 0:
+        raise ValueError(f"query: head dim must be > 0, got shape {tuple(query.shape)}")
     if key.shape[3] != query.shape[3]:
         raise ValueError(f"key: head dim {key.shape[3]} must match query head dim {query.shape[3]}")
     Hq, Hkv = query.shape[1], key.shape[1]

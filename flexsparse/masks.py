@@ -207,10 +207,11 @@ class _Dense(Mask):
             raise TypeError(f"mask: expected a bool tensor, got {type(mask).__name__}")
         if mask.dtype != torch.bool:
             raise TypeError(f"mask: a dense mask must be torch.bool, got {mask.dtype}")
-        if mask.dim() != 4:
-            raise ValueError(f"mask: a dense mask must be 4-D (B|1, H|1, Lq|1, Lk|1), "
-                             f"got shape {tuple(mask.shape)}")
-        self.mask = mask
+        if not 2 <= mask.dim() <= 4:
+            raise ValueError(f"mask: a dense mask must be 2-D to 4-D, broadcastable to "
+                             f"(B, H, Lq, Lk), got shape {tuple(mask.shape)}")
+        # SDPA's rule: missing leading dims broadcast (an (Lq, Lk) mask serves every head).
+        self.mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
     def _parts(self, sz):
         m = self.mask
@@ -567,6 +568,13 @@ def document(lengths, causal: bool = True) -> Mask:
 
 def prefix_lm(prefix_len) -> Mask:
     """Key j is visible iff j < prefix_len or causal. prefix_len: int or (B,) tensor."""
+    if isinstance(prefix_len, bool) or isinstance(prefix_len, float):
+        raise TypeError(f"prefix_len: must be an int or an integer (B,) tensor, got {prefix_len!r}")
+    if isinstance(prefix_len, torch.Tensor) and (prefix_len.dtype.is_floating_point
+                                                 or prefix_len.dtype == torch.bool):
+        raise TypeError(f"prefix_len: tensor dtype must be an integer type, got {prefix_len.dtype}")
+    if isinstance(prefix_len, int) and prefix_len < 0:
+        raise ValueError(f"prefix_len: must be >= 0, got {prefix_len}")
     is_int = isinstance(prefix_len, int)
     p = torch.as_tensor(prefix_len, dtype=torch.int64).detach().clone()
     if p.dim() > 1:

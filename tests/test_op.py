@@ -115,7 +115,7 @@ def _qkv(B=1, Hq=2, Hkv=2, Lq=5, Lk=6, D=4, dtype=torch.float32):
     (lambda q, k, v: (q, torch.cat([k] * 2, 0), torch.cat([v] * 2, 0), {}), ValueError, "batch"),
     (lambda q, k, v: (q, torch.cat([k] * 3, 1)[:, :3], torch.cat([v] * 3, 1)[:, :3], {}), ValueError, "multiple"),
     (lambda q, k, v: (q, k, v, {"bias": torch.randn(1, 2, 5, 4)}), ValueError, "bias"),
-    (lambda q, k, v: (q, k, v, {"bias": torch.randn(2, 5, 6)}), ValueError, "bias"),
+    (lambda q, k, v: (q, k, v, {"bias": torch.randn(3, 5, 6)}), ValueError, "bias"),
     (lambda q, k, v: (q, k, v, {"bias": torch.ones(1, 1, 5, 6, dtype=torch.int64)}), TypeError, "bias"),
     (lambda q, k, v: (q, k, v, {"mask": torch.ones(1, 1, 5, 7, dtype=torch.bool)}), ValueError, "mask"),
     (lambda q, k, v: (q, k, v, {"mask": torch.ones(1, 1, 5, 6)}), TypeError, "mask"),
@@ -232,3 +232,61 @@ def test_eager_backward_skips_dispatcher_when_unobserved(monkeypatch):
     out = flexsparse.attention(q, k, v, M.causal())
     torch.autograd.grad(out.sum(), (q, k, v))
     assert called == ["flexsparse.attention", "flexsparse.attention_backward"]
+
+
+# ---------------------------------------------------------------- bad input, named (issue 19)
+
+@pytest.mark.parametrize("kw,exc,words", [
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale=float("inf")), ValueError, "scale"),
+    (dict(scale=-0.5), ValueError, "scale"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(return_lse="yes"), TypeError, "return_lse"),
+    (dict(deterministic="no"), TypeError, "deterministic"),
+])
+def test_bad_scalars_are_named(kw, exc, words):
+    q = torch.randn(1, 2, 5, 4)
+    with pytest.raises(exc, match=words):
+        flexsparse.attention(q, q, q, M.causal(), **kw)
+
+
+def test_zero_head_dim_is_named():
+    q = torch.randn(1, 2, 5, 0)
+    with pytest.raises(ValueError, match="head dim"):
+        flexsparse.attention(q, q, q)
+
+
+@pytest.mark.parametrize("arg,exc", [(-3, ValueError), (2.7, TypeError), (True, TypeError)])
+def test_prefix_lm_argument_checked(arg, exc):
+    with pytest.raises(exc, match="prefix_len"):
+        M.prefix_lm(arg)
+
+
+@pytest.mark.parametrize("B_used", [1, 3])
+def test_descriptor_batch_must_match(B_used):
+    """A descriptor compiled with per-batch documents for B=2 is refused at B=1 and B=3
+    (B=3 used to crash the Triton kernels; B=1 silently used batch 0)."""
+    lengths = torch.tensor([[3, 5], [4, 4]])
+    desc = M.document(lengths).compile(2, 2, 2, 8, 8)
+    q = torch.randn(B_used, 2, 8, 4)
+    with pytest.raises(ValueError, match="batch"):
+        flexsparse.attention(q, q, q, desc)
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_low_rank_bias_and_mask_broadcast_like_sdpa(dims):
+    g = torch.Generator().manual_seed(dims)
+    q, k, v = (torch.randn(2, 3, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    shape = (6, 7)[:0] + ((3,) if dims == 3 else ()) + (6, 6)
+    bias = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    vis = torch.rand(*shape, generator=g) < 0.7
+    vis[..., 0] = True
+    out = flexsparse.attention(q, k, v, vis, bias=bias)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias.masked_fill(~vis, float("-inf")))
+    torch.testing.assert_close(out, ref)
+    (g1,) = torch.autograd.grad(out.sum(), bias)
+    (g2,) = torch.autograd.grad(ref.sum(), bias)
+    assert g1.shape == bias.shape
+    torch.testing.assert_close(g1, g2)
