@@ -192,12 +192,15 @@ def _prepare(query, key, value):
     return B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5
 
 
-def _gather_rows(x, idx):
-    """x (B, Hkv, Lk, D), idx (B|1, Hkv|1, rows, W) -> (B, Hkv, rows, W, D)."""
+def _gather_rows(x, idx, valid):
+    """x (B, Hkv, Lk, D), idx (B|1, Hkv|1, rows, W) -> (B, Hkv, rows, W, D); entries that
+    are not valid (-1 padding) read nothing: zeros, so a NaN or inf in row 0 (where the
+    padding points after clamping) reaches no other row."""
     B, Hkv, _, D = x.shape
     rows, W = idx.shape[-2:]
     flat = idx.expand(B, Hkv, rows, W).reshape(B, Hkv, rows * W, 1).expand(-1, -1, -1, D)
-    return torch.gather(x, 2, flat).view(B, Hkv, rows, W, D)
+    got = torch.gather(x, 2, flat).view(B, Hkv, rows, W, D)
+    return torch.where(valid.unsqueeze(-1), got, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _index_rows(mask, r0, r1, Lk):
@@ -206,11 +209,13 @@ def _index_rows(mask, r0, r1, Lk):
     return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
-def _gather_bias(bias5, idx, B, Hkv, G, rows, Lk):
-    """Group-form bias (b, hkv|1, g|1, rows|1, Lk|1) gathered at idx -> (B, Hkv, G, rows, W)."""
+def _gather_bias(bias5, idx, valid, B, Hkv, G, rows, Lk):
+    """Group-form bias (b, hkv|1, g|1, rows|1, Lk|1) gathered at idx -> (B, Hkv, G, rows, W);
+    0 at padding entries (they read nothing)."""
     full = bias5.expand(B, Hkv, G, rows, Lk)
     ix = idx.unsqueeze(2).expand(B, Hkv, G, rows, idx.shape[-1])
-    return torch.gather(full, -1, ix)
+    got = torch.gather(full, -1, ix)
+    return torch.where(valid.unsqueeze(2), got, torch.zeros((), dtype=got.dtype, device=got.device))
 
 
 # ---------------------------------------------------------------- forward
@@ -231,11 +236,12 @@ def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale,
         q5 = query[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))
         if index_mode:
             idx, valid = _index_rows(mask, r0, r1, Lk)
-            k_sel = _gather_rows(k5.squeeze(2), idx)
-            v_sel = _gather_rows(v5.squeeze(2), idx)
+            k_sel = _gather_rows(k5.squeeze(2), idx, valid)
+            v_sel = _gather_rows(v5.squeeze(2), idx, valid)
             s, _ = _softcap(torch.einsum("bhgrd,bhrwd->bhgrw", q5, k_sel) * scale, softcap)
             if bias is not None:
-                s = s + _gather_bias(_bias_rows(bias, r0, r1, Hkv, G, cd), idx, B, Hkv, G, rows, Lk)
+                s = s + _gather_bias(_bias_rows(bias, r0, r1, Hkv, G, cd), idx, valid, B, Hkv, G,
+                                     rows, Lk)
             p, l = _softmax_with_lse(s, valid.unsqueeze(2))
             o = torch.einsum("bhgrw,bhrwd->bhgrd", p, v_sel)
         else:
@@ -276,12 +282,12 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask: MaskTe
                 delta = delta - grad_lse[:, :, r0:r1].to(cd).unflatten(1, (Hkv, G))[..., None]
             if index_mode:
                 idx, valid = _index_rows(mask, r0, r1, Lk)
-                k_sel = _gather_rows(k5.squeeze(2), idx)
-                v_sel = _gather_rows(v5.squeeze(2), idx)
+                k_sel = _gather_rows(k5.squeeze(2), idx, valid)
+                v_sel = _gather_rows(v5.squeeze(2), idx, valid)
                 s, t = _softcap(torch.einsum("bhgrd,bhrwd->bhgrw", q5, k_sel) * scale, softcap)
                 if bias is not None:
-                    s = s + _gather_bias(_bias_rows(bias, r0, r1, Hkv, G, cd), idx, B, Hkv, G,
-                                         rows, Lk)
+                    s = s + _gather_bias(_bias_rows(bias, r0, r1, Hkv, G, cd), idx, valid, B,
+                                         Hkv, G, rows, Lk)
                 p = _probs_from_lse(s, valid.unsqueeze(2), lse5)
                 dp = torch.einsum("bhgrd,bhrwd->bhgrw", do5, v_sel)
                 ds = p * (dp - delta)

@@ -170,3 +170,35 @@ def test_random_shapes(data):
     if mask is not None and not isinstance(mask, torch.Tensor):
         mask = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
     compare(mask, vis, B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D, seed=seed, bias_shape=(1, Hq, Lq, Lk))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_index_padding_reads_nothing(backend):
+    """-1 padding reads no key: NaN/inf in key/value/bias row 0 (where clamped padding would
+    point) reaches no row that does not list key 0, forward and backward (issue 17)."""
+    import flexsparse
+    from flexsparse import masks as M
+    if backend == "triton":
+        pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(3)
+    B, H, L, D, W = 1, 2, 9, 16, 4
+    q = torch.randn(B, H, L, D, generator=g)
+    k = torch.randn(B, H, L, D, generator=g)
+    v = torch.randn(B, H, L, D, generator=g)
+    bias = torch.randn(B, H, L, L, generator=g)
+    k[:, :, 0] = float("nan")
+    v[:, :, 0] = float("inf")
+    bias[..., 0] = float("nan")
+    idx = torch.randint(1, L, (B, H, L, W), generator=g, dtype=torch.int32)
+    idx[..., -1] = -1
+    idx[:, :, 3] = -1                      # a fully padded row
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = flexsparse.attention(*leaves[:3], M.indices(idx), bias=leaves[3], backend=backend)
+    assert torch.isfinite(out).all()
+    assert torch.all(out[:, :, 3] == 0)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    for name, gr in zip(("dq", "dk", "dv", "dbias"), grads):
+        rest = gr[:, :, 1:] if name in ("dk", "dv") else gr
+        if name == "dbias":
+            rest = gr[..., 1:]
+        assert torch.isfinite(rest).all(), name
