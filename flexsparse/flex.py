@@ -296,7 +296,9 @@ def from_block_mask(block_mask, *, assume_broadcast: bool = False) -> Mask:
 
     text = f"from_block_mask(<BlockMask {tuple(bm.kv_num_blocks.shape[:2])}, " \
            f"seq_lengths={(Lq, Lk)}, BLOCK_SIZE={(bq, bk)}>)"
-    return _BlockListMask((Lq, Lk), (bq, bk), build, text, device, dims_ok)
+    mask = _BlockListMask((Lq, Lk), (bq, bk), build, text, device, dims_ok)
+    mask.known_sizes = (int(bm.kv_num_blocks.shape[0]), int(bm.kv_num_blocks.shape[1]), Lq, Lk)
+    return mask
 
 
 def _tile(b, h, q, k, f, B_, H_, Bt, Ht):
@@ -339,6 +341,7 @@ def from_mask_mod(mask_mod, B: Optional[int], H: Optional[int], Lq: int, Lk: int
     if recognize:
         m = recognize_mask_mod(mask_mod, Be, He, Lq, Lk, device=device, probes=probes)
         if m is not None:
+            m.known_sizes = (B, H, Lq, Lk)
             return m
     built = _build_from_mask_mod(mask_mod, Be, He, Lq, Lk, bq, bk, device)
 
@@ -347,9 +350,11 @@ def from_mask_mod(mask_mod, B: Optional[int], H: Optional[int], Lq: int, Lk: int
             raise ValueError(f"mask: from_mask_mod was built for (B, H)=({B}, {H}), inputs "
                              f"have (B={Bc}, Hq={Hq})")
     name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
-    return _BlockListMask((Lq, Lk), (bq, bk), lambda Bc, Hq: built,
+    mask = _BlockListMask((Lq, Lk), (bq, bk), lambda Bc, Hq: built,
                           f"from_mask_mod({name}, B={B}, H={H}, Lq={Lq}, Lk={Lk}, "
                           f"block_size={(bq, bk)})", device, dims_ok)
+    mask.known_sizes = (B, H, Lq, Lk)
+    return mask
 
 
 def _build_from_mask_mod(mask_mod, Be, He, Lq, Lk, bq, bk, device):

@@ -20,6 +20,8 @@ from .descriptor import FULL, PARTIAL, SKIP, BlockDescriptor, groups_to_heads
 from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
 from .ops import reference
 
+_UNSET = object()   # an argument left out (None means broadcast for B and H)
+
 DEFAULT_BLOCK_SIZE = (128, 128)
 
 
@@ -117,9 +119,24 @@ class Mask:
             _CACHE.pop(next(iter(_CACHE)))
         return desc
 
-    def to_block_mask(self, B: Optional[int], H: Optional[int], Lq: int, Lk: int, **kwargs):
-        """This mask as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`)."""
+    # (B, H, Lq, Lk) for masks converted from FlexAttention (from_block_mask, from_mask_mod),
+    # which know the sizes they were made for; None for the others.
+    known_sizes: Optional[Tuple[Optional[int], Optional[int], int, int]] = None
+
+    def to_block_mask(self, B=_UNSET, H=_UNSET, Lq: Optional[int] = None,
+                      Lk: Optional[int] = None, **kwargs):
+        """This mask as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`).
+        Masks converted from FlexAttention take their own sizes for the arguments left out."""
         from .flex import to_block_mask
+        known = self.known_sizes
+        if Lq is None or Lk is None:
+            if known is None:
+                raise ValueError("to_block_mask: Lq and Lk are required (this mask was not "
+                                 "converted from FlexAttention, so it has no sizes of its own)")
+            Lq = known[2] if Lq is None else Lq
+            Lk = known[3] if Lk is None else Lk
+        B = (known[0] if known else None) if B is _UNSET else B
+        H = (known[1] if known else None) if H is _UNSET else H
         return to_block_mask(self, B, H, Lq, Lk, **kwargs)
 
     def to_dense(self, B: int, H: int, Lq: int, Lk: int, *, num_kv_heads: Optional[int] = None,

@@ -654,3 +654,22 @@ def test_column_range_descriptor_is_linear_at_1m(name):
     assert max(d.kv_index.shape[-1], d.kv_full_index.shape[-1]) <= width
     assert max(d.q_index.shape[-1], d.q_full_index.shape[-1]) <= width
     assert visited <= nQB * (width + 1)
+
+
+def test_converted_masks_know_their_sizes():
+    """to_block_mask() needs no sizes for masks made by from_mask_mod / from_block_mask
+    (issue 16); other masks still ask for Lq and Lk by name."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q, kv):
+        return q >= kv
+    m = M.from_mask_mod(causal, 2, 4, 256, 256)
+    a, b = m.to_block_mask(), m.to_block_mask(2, 4, 256, 256)
+    assert a.seq_lengths == (256, 256)
+    assert torch.equal(a.kv_num_blocks, b.kv_num_blocks) and torch.equal(a.kv_indices, b.kv_indices)
+    bm = create_block_mask(causal, None, None, 256, 256, device="cpu")
+    back = M.from_block_mask(bm).to_block_mask()
+    assert back.seq_lengths == (256, 256)
+    assert torch.equal(back.to_dense(), bm.to_dense())
+    with pytest.raises(ValueError, match="Lq and Lk"):
+        M.causal().to_block_mask()
