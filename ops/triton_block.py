@@ -161,7 +161,7 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
         p = tl.load(PBI + b * pbi_sb + (h // pbi_hdiv) * pbi_sh + qb * pbi_sq + kb)
         c = j - kb * block_k
         w = tl.load(PB + p.to(tl.int64) * pb_sp + (i - qb * block_q) * pb_sr + (c // 32),
-                    mask=vis & (p >= 0), other=-1)
+                    mask=(vis & (p >= 0)) != 0, other=-1)   # a bool mask for Triton 3.9
         vis = vis & (((w >> (c % 32)) & 1) != 0)
     return vis
 
