@@ -45,11 +45,12 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 # Where "auto" picks this backend (H100, same runs as the Triton kernels; docs/benchmarks.md,
 # "CUDA backend"): forward only (the backward kernels are not in yet), head dim 128, no
 # bias, no dense mask, and at most this share of partial blocks among the listed ones.
-# Measured forward TFLOP/s, cuda vs triton: full 8K 555 vs 517-531, causal 8K 499 vs 465,
-# causal 16K 530 vs 507, prefix-LM 16K 541 vs 492, shared-question 16K 469 vs 454 (10%
-# partial), block-sparse 8K 465 vs 428; but sliding 8K 313 vs 325 (22% partial), document
-# 8K 189 vs 233 (49%), hd64 full 335 vs 431.
-AUTO_MAX_PARTIAL_SHARE = 0.15
+# Forward TFLOP/s, cuda vs triton, final run: full 8K 563 vs 533, causal 8K 493 vs 472
+# (3% partial), causal 16K 543 vs 527, prefix-LM 16K 531 vs 514, block-sparse 8K 448 vs
+# 422 (no partial); shared-question 16K (10% partial) 450 vs 457 and 469 vs 454 in two
+# runs: a tie, left to Triton; sliding 8K (22%) 306 vs 330, document 8K (49%) 188 vs 226,
+# hd64 full 326 vs 425, causal + bias 174 vs 344: Triton.
+AUTO_MAX_PARTIAL_SHARE = 0.08
 
 
 def _partial_share(mask) -> float:
