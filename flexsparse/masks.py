@@ -716,7 +716,7 @@ class _Indices(Mask):
         t = attn_indices
         if not isinstance(t, torch.Tensor):
             raise TypeError("attn_indices: must be an integer tensor")
-        if t.dtype not in (torch.int32, torch.int64, torch.int16):
+        if t.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"attn_indices: must be int32 or int64, got {t.dtype}")
         if t.dim() != 4:
             raise ValueError(f"attn_indices: must be 4-D (B|1, Hkv|1, Lq, W), got shape {tuple(t.shape)}")

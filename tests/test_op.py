@@ -290,3 +290,39 @@ def test_low_rank_bias_and_mask_broadcast_like_sdpa(dims):
     (g2,) = torch.autograd.grad(ref.sum(), bias)
     assert g1.shape == bias.shape
     torch.testing.assert_close(g1, g2)
+
+
+def test_raw_op_contract_default_backend_and_missing_lists():
+    """The raw op: backend="auto" works, and mask tensors may be left out (no mask tensors
+    = full attention; a dense mask alone = that mask), forward and backward (issue 19)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    none = (None,) * 13
+    out, lse = torch.ops.flexsparse.attention(q, k, v, None, *none, 4, 4, 0.5, 0.0, "auto", False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+    torch.testing.assert_close(out, ref)
+    dm = torch.rand(1, 1, 9, 9, generator=g) < 0.6
+    dm[..., 0] = True
+    mt = [None] * 13
+    mt[8] = dm
+    out, _ = torch.ops.flexsparse.attention(q, k, v, None, *mt, 4, 4, 0.5, 0.0, "reference", False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dm, scale=0.5)
+    torch.testing.assert_close(out, ref)
+    g1 = torch.autograd.grad(out.sum(), (q, k, v))
+    g2 = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+
+
+def test_raw_op_mask_tensor_dtypes_named():
+    q = torch.randn(1, 2, 8, 4)
+    mt = [None] * 13
+    mt[12] = torch.zeros(1, 2, 8, 2, dtype=torch.int16)
+    with pytest.raises(TypeError, match="attn_indices"):
+        torch.ops.flexsparse.attention(q, q, q, None, *mt, 4, 4, 0.5, 0.0, "reference", False)
+
+
+def test_int16_index_lists_refused():
+    with pytest.raises(TypeError, match="int32 or int64"):
+        M.indices(torch.zeros(1, 1, 4, 2, dtype=torch.int16))
