@@ -46,10 +46,12 @@ def cuda_extensions():
     if cutlass is None:
         return skip("no CUTLASS headers: pip install nvidia-cutlass")
     sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith((".cu", ".cpp")))
+    # The backward op is registered only once its kernels exist.
+    defines = ["-DFLEXSPARSE_HAS_BACKWARD"] if os.path.exists(os.path.join("csrc", "bwd_sm90.cu")) else []
     ext = CUDAExtension(
         "flexsparse._C", sources,
         include_dirs=[os.path.abspath("csrc"), cutlass],
-        extra_compile_args={"cxx": ["-O3"],
+        extra_compile_args={"cxx": ["-O3"] + defines,
                             "nvcc": ["-O3", "--use_fast_math", "--expt-relaxed-constexpr",
                                      "-gencode=arch=compute_90a,code=sm_90a"]})
     return [ext], {"build_ext": BuildExtension}

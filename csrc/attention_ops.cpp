@@ -232,6 +232,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   return {out, lse};
 }
 
+#ifdef FLEXSPARSE_HAS_BACKWARD   // set by setup.py when csrc/bwd_sm90.cu exists
 std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& query, const Tensor& key,
     const Tensor& value, const Tensor& out, const Tensor& lse, const OptTensor& bias,
@@ -286,12 +287,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   if (dbias.numel() > 0 && bias->scalar_type() != query.scalar_type()) dbias = dbias.to(bias->scalar_type());
   return {dq, dk, dv, dbias};
 }
+#endif
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
   m.impl("cuda_attention", &cuda_attention);
+#ifdef FLEXSPARSE_HAS_BACKWARD
   m.impl("cuda_attention_backward", &cuda_attention_backward);
+#endif
 }
 
 }  // namespace flexsparse

@@ -29,7 +29,8 @@ int fwd_tile_n(int head_dim);
 template <int kHeadDim>
 void fwd_sm90_hd(AttentionParams const& p, DType dtype, cudaStream_t stream);
 
-// Hopper backward (bwd_sm90.cu). The caller allocates workspace_bytes(p) bytes of device
+// Hopper backward (bwd_sm90.cu, not written yet: attention_ops.cpp registers the backward
+// op only when setup.py finds that file and defines FLEXSPARSE_HAS_BACKWARD). The caller allocates workspace_bytes(p) bytes of device
 // memory for p.workspace; nothing else is allocated inside.
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p);
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);

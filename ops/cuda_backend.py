@@ -16,6 +16,12 @@ def _tile_n(head_dim: int) -> int:
     return 64 if head_dim == 256 else 128
 
 
+def has_backward() -> bool:
+    """Whether flexsparse._C registered the backward kernels (csrc/bwd_sm90.cu)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "flexsparse::cuda_attention_backward", "CUDA")
+
+
 def not_supported_reasons(query, key, value, bias, mask) -> list:
     reasons = []
     if not query.is_cuda:

@@ -128,12 +128,19 @@ def _backward(ctx, grad_out, grad_lse, backward_op=None):
 
 
 torch.library.register_autograd("flexsparse::attention", _backward, setup_context=_setup_context)
-# The CUDA backend's op: the same saved tensors, its own backward op (C++ kernels too).
-torch.library.register_autograd(
-    "flexsparse::cuda_attention",
-    lambda ctx, grad_out, grad_lse: _backward(
-        ctx, grad_out, grad_lse, torch.ops.flexsparse.cuda_attention_backward),
-    setup_context=_setup_context)
+# The CUDA backend's op: the same saved tensors, its own backward op (C++ kernels too,
+# registered only once they exist).
+def _cuda_backward(ctx, grad_out, grad_lse):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "flexsparse::cuda_attention_backward", "CUDA"):
+        raise NotImplementedError(
+            "backend='cuda': this build of flexsparse._C has forward kernels only (no "
+            "csrc/bwd_sm90.cu yet); use backend='triton' or 'auto' for training")
+    return _backward(ctx, grad_out, grad_lse, torch.ops.flexsparse.cuda_attention_backward)
+
+
+torch.library.register_autograd("flexsparse::cuda_attention", _cuda_backward,
+                                setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):

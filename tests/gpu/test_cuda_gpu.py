@@ -170,3 +170,11 @@ def test_compiled_graph_calls_the_cuda_op_one_frame():
                                    atol=3e-2, rtol=3e-2)
     assert counter.frame_count == 1
     assert any("cuda_attention" in t for t in targets), targets
+
+
+@pytest.mark.skipif(BACKWARD, reason="the backward kernels are built")
+def test_backward_without_kernels_says_so():
+    q = torch.randn(1, 2, 256, 128, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
+    out = flexsparse.attention(q, q, q, M.causal(), backend="cuda")
+    with pytest.raises(NotImplementedError, match="forward kernels only"):
+        out.sum().backward()
