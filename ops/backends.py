@@ -12,6 +12,7 @@ by the op's `backend` argument; "auto" is resolved by `choose` before the op is 
 """
 import torch
 
+from .reference import LIST_NAMES, complete_mask
 from .schema import EAGER_KERNELS, MASK_TENSOR_NAMES, MaskTensors
 
 _N_MASK = len(MASK_TENSOR_NAMES)
@@ -61,47 +62,10 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
 
-_LIST_NAMES = ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
-               "q_count", "q_index", "q_full_count", "q_full_index")
-
-
-def _lists_from_state(state, value):
-    sel = state == value
-    count = sel.sum(-1).to(torch.int32)
-    order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices
-    W = max(int(count.max().item()) if count.numel() else 0, 1)
-    return count.contiguous(), order[..., :W].to(torch.int32).contiguous()
-
-
-def complete_mask(mask: MaskTensors, Lq, Lk, block_q, block_k, device) -> MaskTensors:
-    """The raw op's contract: any of the eight block lists may be left out. Without kv
-    lists every block is listed (partial where element predicates are given, else full);
-    without q lists they are the transpose of the kv lists. Index masks need none."""
-    if mask.attn_indices is not None or all(getattr(mask, n) is not None for n in _LIST_NAMES):
-        return mask
-    from .reference import block_state
-    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
-    if mask.kv_count is None or mask.kv_full_count is None:
-        has_pred = (mask.dense_mask is not None or mask.col_ranges is not None
-                    or mask.partial_bits_index is not None)
-        state = torch.full((1, 1, nQB, nKB), 1 if has_pred else 2, dtype=torch.int32,
-                           device=device)
-        kv = {}
-    else:
-        state = block_state(mask, 0, nQB, nKB, device)
-        kv = {n: getattr(mask, n) for n in _LIST_NAMES[:4]}
-    built = dict(zip(_LIST_NAMES, [*_lists_from_state(state, 1), *_lists_from_state(state, 2),
-                                   *_lists_from_state(state.transpose(-1, -2), 1),
-                                   *_lists_from_state(state.transpose(-1, -2), 2)]))
-    if kv:
-        built.update(kv)
-    return mask._replace(**built)
-
-
 def _check_op_mask(mask: MaskTensors, block_q, block_k):
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q, block_k: must be positive, got ({block_q}, {block_k})")
-    for name in _LIST_NAMES + ("col_ranges", "partial_bits_index", "partial_bits",
+    for name in LIST_NAMES + ("col_ranges", "partial_bits_index", "partial_bits",
                                "attn_indices"):
         t = getattr(mask, name)
         if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32,

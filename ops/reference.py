@@ -123,6 +123,44 @@ def _bits_visible(mask: MaskTensors, qb0, qb1, rows, Lk, block_q, block_k):
     return vis[:, :, :rows, :Lk]
 
 
+# ---------------------------------------------------------------- the op's block lists
+
+# The eight block lists of a descriptor, in schema order.
+LIST_NAMES = ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
+              "q_count", "q_index", "q_full_count", "q_full_index")
+
+
+def lists_from_state(state, value):
+    """(count, index) of the blocks whose state is `value`, ascending, explicit form."""
+    sel = state == value
+    count = sel.sum(-1).to(torch.int32)
+    order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices
+    W = max(int(count.max().item()) if count.numel() else 0, 1)
+    return count.contiguous(), order[..., :W].to(torch.int32).contiguous()
+
+
+def complete_mask(mask: MaskTensors, Lq, Lk, block_q, block_k, device) -> MaskTensors:
+    """The raw op's contract: any of the eight block lists may be left out. Without kv
+    lists every block is listed (partial where element predicates are given, else full);
+    without q lists they are the transpose of the kv lists. Lists given are kept. Index
+    masks need none."""
+    if mask.attn_indices is not None or all(getattr(mask, n) is not None for n in LIST_NAMES):
+        return mask
+    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
+    if mask.kv_count is None or mask.kv_full_count is None:
+        has_pred = (mask.dense_mask is not None or mask.col_ranges is not None
+                    or mask.partial_bits_index is not None)
+        state = torch.full((1, 1, nQB, nKB), 1 if has_pred else 2, dtype=torch.int32,
+                           device=device)
+    else:
+        state = block_state(mask, 0, nQB, nKB, device)
+    stT = state.transpose(-1, -2)
+    built = [*lists_from_state(state, 1), *lists_from_state(state, 2),
+             *lists_from_state(stT, 1), *lists_from_state(stT, 2)]
+    return mask._replace(**{n: getattr(mask, n) if getattr(mask, n) is not None else t
+                            for n, t in zip(LIST_NAMES, built)})
+
+
 def visible_rows(mask: MaskTensors, r0, r1, Lk, block_q, block_k, Hkv, G):
     """Group-form bool (b, hkv|1, g|1, r1-r0, Lk) of visible entries for query rows [r0, r1).
 

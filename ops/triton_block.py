@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import block_state
+from .reference import LIST_NAMES, complete_mask
 from .schema import MAX_RANGES          # range-form lists: ranges per row _ranges_load reads
 from .triton_compat import interpreting
 from .triton_launch import Slot, direct_launch_allowed, launch, make_plan, resolve
@@ -1086,37 +1086,10 @@ def _bstride(t, dim):
 
 # ---------------------------------------------------------------- descriptor lists
 
-def _lists_from_state(state, value):
-    sel = state == value
-    count = sel.sum(-1).to(torch.int32)
-    order = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices
-    W = max(int(count.max().item()) if count.numel() else 0, 1)
-    return count.contiguous(), order[..., :W].to(torch.int32).contiguous()
-
-
 def _all_lists(mask, Lq, Lk, block_q, block_k, device):
-    """(kv_count, kv_index, kv_full_count, kv_full_index, q_count, ..., q_full_index).
-
-    The API always passes all eight; this fills in what is missing (no descriptor: every
-    block is full, or partial when element predicates are given; no transposed lists:
-    transpose the kv lists)."""
-    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
-    names = ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
-             "q_count", "q_index", "q_full_count", "q_full_index")
-    lists = [getattr(mask, n) for n in names]
-    if all(t is not None for t in lists):
-        return lists
-    if lists[0] is None or lists[2] is None:
-        has_pred = (mask.dense_mask is not None or mask.col_ranges is not None
-                    or mask.partial_bits_index is not None)
-        state = torch.full((1, 1, nQB, nKB), 1 if has_pred else 2, dtype=torch.int32,
-                           device=device)
-    else:
-        state = block_state(mask, 0, nQB, nKB, device)
-    kv = [*_lists_from_state(state, 1), *_lists_from_state(state, 2)]
-    stT = state.transpose(-1, -2)
-    q = [*_lists_from_state(stT, 1), *_lists_from_state(stT, 2)]
-    return [t if t is not None else d for t, d in zip(lists, kv + q)]
+    """The eight block lists (the op layer fills in missing ones: reference.complete_mask)."""
+    full = complete_mask(mask, Lq, Lk, block_q, block_k, device)
+    return [getattr(full, n) for n in LIST_NAMES]
 
 
 def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
