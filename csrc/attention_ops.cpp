@@ -233,6 +233,21 @@ std::tuple<Tensor, Tensor> cuda_attention(
 }
 
 #ifdef FLEXSPARSE_HAS_BACKWARD   // set by setup.py when csrc/bwd_sm90.cu exists
+// The gradient of a bias broadcast to (B, Hq, Lq, Lk): summed over the dimensions where the
+// bias has size 1 (or Hkv heads shared by a group of query heads), in float32.
+Tensor reduce_to_shape(const Tensor& full, const Tensor& bias, int64_t Hkv) {
+  if (full.sizes() == bias.sizes()) return full.to(bias.scalar_type());
+  Tensor g = full.to(at::kFloat);
+  const int64_t B = full.size(0), Hq = full.size(1), Lq = full.size(2), Lk = full.size(3);
+  if (bias.size(1) == Hkv && Hkv != Hq && Hkv != 1)
+    g = g.view({B, Hkv, Hq / Hkv, Lq, Lk}).sum(2);
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < 4; ++d)
+    if (bias.size(d) == 1 && g.size(d) != 1) dims.push_back(d);
+  if (!dims.empty()) g = g.sum(dims, /*keepdim=*/true);
+  return g.to(bias.scalar_type());
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& query, const Tensor& key,
     const Tensor& value, const Tensor& out, const Tensor& lse, const OptTensor& bias,
@@ -269,12 +284,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();
-  Tensor dbias = at::empty({0}, query.options());
+  // dbias: the kernel writes the gradient of every (b, h, i, j) (zero where the descriptor
+  // skips a block); broadcast dimensions of the bias are summed here.
+  Tensor dbias_full;
   if (bias.has_value() && bias_requires_grad) {
-    dbias = at::empty(bias->sizes(), bias->options().dtype(query.scalar_type()));
-    bp.dbias = dbias.data_ptr();
-    bp.dbias_sb = bstride(dbias, 0); bp.dbias_sh = bstride(dbias, 1);
-    bp.dbias_sq = bstride(dbias, 2); bp.dbias_sk = bstride(dbias, 3);
+    dbias_full = at::zeros({p.B, p.Hq, p.Lq, p.Lk}, query.options());
+    bp.dbias = dbias_full.data_ptr();
+    bp.dbias_sb = dbias_full.stride(0); bp.dbias_sh = dbias_full.stride(1);
+    bp.dbias_sq = dbias_full.stride(2); bp.dbias_sk = dbias_full.stride(3);
   }
   bp.deterministic = deterministic;
   std::string why = bwd_sm90_unsupported(bp);
@@ -284,7 +301,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   bp.workspace = workspace.data_ptr();
   if (p.B * p.Hq * std::max(p.Lq, p.Lk) > 0)
     bwd_sm90(bp, dtype_of(query), at::cuda::getCurrentCUDAStream());
-  if (dbias.numel() > 0 && bias->scalar_type() != query.scalar_type()) dbias = dbias.to(bias->scalar_type());
+  Tensor dbias = at::empty({0}, query.options());
+  if (dbias_full.defined()) dbias = reduce_to_shape(dbias_full, *bias, p.Hkv);
   return {dq, dk, dv, dbias};
 }
 #endif

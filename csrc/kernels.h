@@ -29,13 +29,16 @@ int fwd_tile_n(int head_dim);
 template <int kHeadDim>
 void fwd_sm90_hd(AttentionParams const& p, DType dtype, cudaStream_t stream);
 
-// Hopper backward (bwd_sm90.cu, not written yet: attention_ops.cpp registers the backward
-// op only when setup.py finds that file and defines FLEXSPARSE_HAS_BACKWARD). The caller allocates workspace_bytes(p) bytes of device
-// memory for p.workspace; nothing else is allocated inside.
+// Hopper backward (bwd_sm90.cu). The caller allocates bwd_sm90_workspace_bytes(p) bytes of
+// device memory for p.workspace (uninitialised); nothing else is allocated inside.
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p);
+// Query rows of the workspace's per-row arrays: Lq rounded up to the 64-row query step.
+inline int bwd_lq_pad(AttentionParams const& p) { return (p.Lq + 63) / 64 * 64; }
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
-// What the backward supports beyond the forward's limits (empty string: supported), e.g.
-// a dbias that broadcasts over some dimension.
+template <int kHeadDim>
+void bwd_sm90_hd(BackwardParams const& p, DType dtype, cudaStream_t stream);
+// What the backward does not support (empty string: supported), e.g. a dbias that
+// broadcasts over some dimension.
 std::string bwd_sm90_unsupported(BackwardParams const& p);
 
 }  // namespace flexsparse

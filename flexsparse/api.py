@@ -52,14 +52,18 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
     mt = desc.mask_tensors()
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, bias))
     if backend == "auto":
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, bias))
         backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size)
     else:
         reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
         if backend == "cuda" and not reasons:
-            reasons = backends.get("cuda").check_block_size(*desc.block_size, D)
+            cuda = backends.get("cuda")
+            reasons = cuda.check_block_size(*desc.block_size, D)
+            if needs_grad:
+                reasons += cuda.backward_not_supported_reasons(query, *desc.block_size,
+                                                               deterministic)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
     tail = (desc.block_size[0], desc.block_size[1], float(scale), float(softcap))

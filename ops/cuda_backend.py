@@ -80,6 +80,27 @@ def preferred_for(query, key, value, bias, mask, needs_grad: bool) -> bool:
             and mask.dense_mask is None and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
 
 
+# The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles.
+_BWD_HEAD_DIMS = (64, 128)
+
+
+def backward_not_supported_reasons(query, block_q: int, block_k: int, deterministic: bool) -> list:
+    """Why the CUDA backward cannot differentiate this call (empty: it can); checked before
+    the forward runs when gradients are wanted."""
+    reasons = []
+    if not has_backward():
+        reasons.append("cuda: this build of flexsparse._C has forward kernels only")
+    if query.shape[-1] not in _BWD_HEAD_DIMS:
+        reasons.append(f"cuda: backward head dim {query.shape[-1]} (backward: {_BWD_HEAD_DIMS})")
+    if block_q % 64 or block_k % 128:
+        reasons.append(f"cuda: backward needs block sizes that are multiples of (64, 128), got "
+                       f"({block_q}, {block_k})")
+    if deterministic:
+        reasons.append("cuda: deterministic=True (the CUDA backward adds dq with atomics); "
+                       "use backend='triton'")
+    return reasons
+
+
 def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
     tn = _tile_n(head_dim)
     if block_q % _TILE_M or block_k % tn:

@@ -38,7 +38,7 @@ if want cuda; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/cuda_tests.log" | cut -c1-300 | tail -25
 fi
 if want cudabench; then
-  timeout "${T_CUDABENCH:-240}" python3 tests/gpu/cuda_fwd_bench.py ${CUDABENCH_ROWS:-} 2>&1 \
+  timeout "${T_CUDABENCH:-240}" python3 tests/gpu/cuda_bench.py ${CUDABENCH_ROWS:-} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_bench.md"
 fi
 if want tests || want demo; then

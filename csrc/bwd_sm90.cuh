@@ -1,0 +1,526 @@
+// Backward attention over a block descriptor on Hopper (sm_90a).
+//
+// One CTA owns a 128-key tile of one (batch, kv head) and walks, for every query head of
+// its group, the query blocks the descriptor lists for its key block (q lists: partial
+// first, then full), 64 query rows at a time. Three warpgroups:
+//   warpgroup 0 (producer): TMA loads of the key and value tile once, then of the query
+//     and dO tiles of every step through two pipelines;
+//   warpgroups 1, 2 (consumers, 64 keys each), per step:
+//     S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory),
+//     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta) with the element predicates of
+//     partial tiles,
+//     dV += P^T dO and dK += dS^T Q (P^T, dS^T as register operands),
+//     dS^T to shared memory, then dQ = dS K (each warpgroup half of the head dim), added
+//     to a float32 dQ accumulator in global memory with vector atomics.
+// dK and dV stay in registers until the CTA is done and are written once. A preprocess
+// kernel computes delta = rowsum(dO * O) - grad_lse and lse in the log2 domain and zeroes
+// the dQ accumulator; a postprocess kernel scales it into dq.
+// Scores are transposed (keys are the wgmma M dimension) so that P^T and dS^T are
+// already the A operands of the dV and dK products: FlashAttention-2/3's layout.
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#pragma once
+#include "block_lists.cuh"
+#include "kernels.h"
+#include "sm90_utils.cuh"
+
+namespace flexsparse::sm90 {
+
+template <class Element_, int kHeadDim_, int kStages_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;     // query rows per step
+  static constexpr int kBlockN = 128;    // keys per CTA
+  static constexpr int kStages = kStages_;
+  static constexpr int kMmaThreads = 256;
+  static constexpr int kThreads = kMmaThreads + 128;
+
+  using Wg2x1 = Layout<Shape<_2, _1, _1>>;
+  // S^T, dP^T: (keys, queries) over the head dim.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
+      Wg2x1{}));
+  // dV, dK: (keys, head dim) over the queries, A from registers.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Wg2x1{}));
+  // dQ: (queries, head dim) over the keys; each warpgroup takes half of the head dim.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(
+      SmemAtomK{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));      // also dO
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also V
+  // dS stored (queries, keys) with queries contiguous: the MN-major A operand of dQ.
+  using SmemLayoutdS = decltype(tile_to_shape(
+      GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // Transposed views of the same bytes.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+                                          Step<_2, _1, _3>{})));
+
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;     // (L, D, H, B)
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                          GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
+    typename Pipeline::SharedStorage pipe_q;
+    typename Pipeline::SharedStorage pipe_do;
+  };
+
+  struct KernelParams {
+    BackwardParams bp;
+    float* dq_accum;   // (B, Hq, Lq_pad, D)
+    const float* lse2;   // (B, Hq, Lq_pad): lse * log2(e); +inf for empty and padding rows
+    const float* delta;  // (B, Hq, Lq_pad)
+    int Lq_pad;
+    TmaQ tma_q;
+    TmaQ tma_do;
+    TmaK tma_k;
+    TmaK tma_v;
+  };
+};
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kHeadDim = T::kHeadDim;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ char smem_raw[];
+  auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  BackwardParams const& bp = kp.bp;
+  AttentionParams const& p = bp.fwd;
+
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.Hq / p.Hkv;
+  const int kb = n_block * kBlockN / p.block_k;    // the descriptor's key block
+  const int sub = p.block_q / kBlockM;
+
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
+  const bool lane_leader = cute::elect_one_sync();
+
+  typename T::Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = T::kBytesQ;
+  pipe_params.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer
+                                    : T::Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x % 128 == 0;
+  pipe_params.num_consumers = T::kMmaThreads;
+  if (threadIdx.x == 0) Barrier::init(&ss.barrier_kv, 1);
+  typename T::Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
+  typename T::Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename T::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename T::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdSt{});
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp_in_group == 0 && lane_leader) {
+      Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+      Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+      auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+      Barrier::arrive_and_expect_tx(&ss.barrier_kv, 2 * T::kBytesK);
+      auto cta_k = kp.tma_k.get_slice(0);
+      auto cta_v = kp.tma_v.get_slice(0);
+      copy(kp.tma_k.with(ss.barrier_kv, 0),
+           cta_k.partition_S(local_tile(mK(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
+           cta_k.partition_D(sK));
+      copy(kp.tma_v.with(ss.barrier_kv, 0),
+           cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
+           cta_v.partition_D(sV));
+
+      Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
+      Tensor mdO = kp.tma_do.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
+      auto cta_q = kp.tma_q.get_slice(0);
+      auto cta_do = kp.tma_do.get_slice(0);
+      Tensor tQsQ = cta_q.partition_D(sQ);
+      Tensor tdOsdO = cta_do.partition_D(sdO);
+      auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+      auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+      for (int g = 0; g < group; ++g) {
+        const int h = hk * group + g;
+        TileWalk walk;
+        walk.partial = ListRow(p.q_partial, b, h, kb);
+        walk.full = ListRow(p.q_full, b, h, kb);
+        walk.sub = sub;
+        Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
+        Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
+        const int n_tiles = walk.n_tiles();
+        for (int t = 0; t < n_tiles; ++t) {
+          bool partial;
+          const int m = walk.tile_at(t, partial);
+          if (m < 0 || m * kBlockM >= p.Lq) continue;
+          pipe_q.producer_acquire(write);
+          copy(kp.tma_q.with(*pipe_q.producer_get_barrier(write), 0), tQgQ(_, _, _, m),
+               tQsQ(_, _, _, write.index()));
+          pipe_do.producer_acquire(write);
+          copy(kp.tma_do.with(*pipe_do.producer_get_barrier(write), 0), tdOgdO(_, _, _, m),
+               tdOsdO(_, _, _, write.index()));
+          ++write;
+        }
+      }
+    }
+  } else {
+    // ------------------------------------------------------------------ consumers
+    cutlass::arch::warpgroup_reg_alloc<240>();
+    const int tid = threadIdx.x - 128;
+    typename T::TiledMmaSdP mma_sdp;
+    typename T::TiledMmadKV mma_dkv;
+    typename T::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
+    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+    Tensor tdSsdS = thr_sdp.partition_C(sdSt);      // where this thread's dS^T goes
+    Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(tdVrdV);
+    clear(tdKrdK);
+
+    // (key, query) of every score this thread holds, within the tile.
+    Tensor cS = make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tScS = thr_sdp.partition_C(cS);
+    Tensor coord = make_tensor(tScS.data(), rowcol(tScS.layout()));
+    constexpr int kRows = decltype(size<0>(coord))::value;
+    constexpr int kCols = decltype(size<1>(coord))::value;
+    static_assert(kRows == 2 && kCols == kBlockM / 4, "GMMA C fragment: 2 rows, N / 4 columns");
+    // Rows (keys) row_base + 8 r, columns (queries) col_base + 8 (c / 2) + c % 2.
+    const int row_base = get<0>(coord(0, 0));
+    const int col_base = get<1>(coord(0, 0));
+    constexpr int kBarrierdS = 1;
+
+    const float LOG2E = 1.4426950408889634f;
+    const bool has_bias = p.bias != nullptr;
+    const bool has_softcap = p.softcap > 0.f;
+    const bool log2_scores = has_bias || has_softcap;
+    const int j0 = n_block * kBlockN;
+    const int jr[kRows] = {j0 + row_base, j0 + row_base + 8};   // this thread's keys
+    const PredicateParams& pr = p.pred;
+
+    // dQ accumulator coordinates of this thread (queries, head dim).
+    Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    Tensor tdQcdQ = thr_dq.partition_C(cdQ);
+
+    Barrier::wait(&ss.barrier_kv, 0);
+    typename T::PipelineState read;
+    int buf = 0;
+    for (int g = 0; g < group; ++g) {
+      const int h = hk * group + g;
+      TileWalk walk;
+      walk.partial = ListRow(p.q_partial, b, h, kb);
+      walk.full = ListRow(p.q_full, b, h, kb);
+      walk.sub = sub;
+      const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
+      const Element* bias = static_cast<const Element*>(p.bias);
+      if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
+      Element* dbias = static_cast<Element*>(bp.dbias);
+      if (dbias != nullptr) dbias += b * bp.dbias_sb + h * bp.dbias_sh;
+      const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
+          : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
+      const uint8_t* dense = pr.dense == nullptr ? nullptr
+          : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
+      const int32_t* bits_head = pr.bits_index == nullptr ? nullptr
+          : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
+
+      const int n_tiles = walk.n_tiles();
+      for (int t = 0; t < n_tiles; ++t) {
+        bool partial;
+        const int m = walk.tile_at(t, partial);
+        if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
+        const int i0 = m * kBlockM;
+
+        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+        pipe_q.consumer_wait(read);
+        gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
+        pipe_do.consumer_wait(read);
+        gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
+
+        // lse (log2 domain) and delta of this thread's query columns; the padding past Lq
+        // holds +inf and 0, so those columns get P = 0.
+        float lse2[kCols], delta[kCols];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; c += 2) {
+          const int64_t r = row0 + i0 + col_base + 8 * (c / 2);
+          const float2 l = __ldg(reinterpret_cast<const float2*>(kp.lse2 + r));
+          const float2 d = __ldg(reinterpret_cast<const float2*>(kp.delta + r));
+          lse2[c] = l.x; lse2[c + 1] = l.y;
+          delta[c] = d.x; delta[c + 1] = d.y;
+        }
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+        // Element predicates of partial tiles: hidden scores become -inf (raw).
+        if (partial) {
+          if (cr_base != nullptr) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int32_t* cr = cr_base + (int64_t)min(jr[r], p.Lk - 1) * pr.cr_sk;
+              for (int x = 0; x < pr.n_col_ranges; ++x) {
+                const int lo = __ldg(cr + 2 * x), hi = __ldg(cr + 2 * x + 1);
+                CUTLASS_PRAGMA_UNROLL
+                for (int c = 0; c < kCols; ++c) {
+                  const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+                  S(r, c) = unsigned(i - lo) < unsigned(max(hi - lo, 0)) ? -INFINITY : S(r, c);
+                }
+              }
+            }
+          }
+          if (bits_head != nullptr) {
+            const int idx = __ldg(bits_head + (int64_t)(i0 / p.block_q) * pr.bi_sq + kb);
+            if (idx >= 0) {
+              // Both of this thread's keys sit in one 32-bit word of a bitmap row.
+              const int word = (jr[0] % p.block_k) >> 5;
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+                const uint32_t w = static_cast<uint32_t>(__ldg(
+                    pr.bits + idx * pr.bits_sp + (i % p.block_q) * pr.bits_sr + word));
+                CUTLASS_PRAGMA_UNROLL
+                for (int r = 0; r < kRows; ++r)
+                  S(r, c) = (w >> (jr[r] & 31)) & 1u ? S(r, c) : -INFINITY;
+              }
+            }
+          }
+          if (dense != nullptr) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+              const int i = min(i0 + col_base + 8 * (c / 2) + (c & 1), p.Lq - 1);
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int j = min(jr[r], p.Lk - 1);
+                const bool d = __ldg(dense + i * pr.dense_sq + j * pr.dense_sk) != 0;
+                S(r, c) = d ? S(r, c) : -INFINITY;
+              }
+            }
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdPrdP);
+        Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
+        // P^T into S, dS^T (gradient of the raw product Q K^T, unscaled) into dP.
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const float raw = S(r, c);
+            float s, dtanh = 1.f;
+            if (log2_scores) {
+              if (has_softcap) {
+                const float th = tanhf(raw * p.scale / p.softcap);
+                s = p.softcap * th;
+                dtanh = 1.f - th * th;
+              } else {
+                s = raw * p.scale;
+              }
+              s *= LOG2E;
+              if (has_bias)
+                s += LOG2E * static_cast<float>(
+                    bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
+              s = raw == -INFINITY ? -INFINITY : s;
+            } else {
+              s = raw * (p.scale * LOG2E);
+            }
+            const float pv = exp2f(s - lse2[c]);
+            const float ds = pv * (dP(r, c) - delta[c]);
+            if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
+              dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
+            S(r, c) = pv;
+            dP(r, c) = ds * dtanh;
+          }
+        }
+        // dV += P^T dO.
+        Tensor tdVrP_ = convert_type<Element>(tSrS);
+        Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
+        gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
+        // dK += dS^T Q; dS^T also to shared memory for dQ.
+        Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
+        Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
+        gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
+        copy(tdKrdS_, tdSsdS(_, _, _, buf));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+        // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdQrdQ);
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        pipe_q.consumer_release(read);
+        pipe_do.consumer_release(read);
+        ++read;
+        buf ^= 1;
+        float* dq_rows = kp.dq_accum + (row0 + i0) * kHeadDim;
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < size(tdQrdQ); x += 2) {
+          const int qi = get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
+          atomicAdd(reinterpret_cast<float2*>(dq_rows + qi * kHeadDim + d),
+                    make_float2(tdQrdQ(x), tdQrdQ(x + 1)));
+        }
+      }
+    }
+
+    // ------------------------------------------------------------------ epilogue
+    // dK gets the softmax scale here (dQ gets it in the postprocess kernel).
+    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor tcKV = thr_dkv.partition_C(cKV);
+    const int64_t kv_row0 = ((int64_t)b * p.Hkv + hk) * p.Lk;
+    Element* dk = static_cast<Element*>(bp.dk) + kv_row0 * kHeadDim;
+    Element* dv = static_cast<Element*>(bp.dv) + kv_row0 * kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int x = 0; x < size(tdKrdK); x += 2) {
+      // Entries x, x + 1 of the accumulator are adjacent head-dim entries.
+      const int j = j0 + get<0>(tcKV(x)), d = get<1>(tcKV(x));
+      if (j < p.Lk) {
+        using Pair = cutlass::Array<Element, 2>;
+        cutlass::NumericArrayConverter<Element, float, 2> cvt;
+        *reinterpret_cast<Pair*>(dk + (int64_t)j * kHeadDim + d) =
+            cvt(cutlass::Array<float, 2>{{tdKrdK(x) * p.scale, tdKrdK(x + 1) * p.scale}});
+        *reinterpret_cast<Pair*>(dv + (int64_t)j * kHeadDim + d) =
+            cvt(cutlass::Array<float, 2>{{tdVrdV(x), tdVrdV(x + 1)}});
+      }
+    }
+  }
+#endif
+}
+
+// delta = rowsum(dO * O) - grad_lse and lse2 = lse * log2(e) (+inf for rows with no
+// visible key and for the padding up to Lq_pad), one warp per row; zeroes dq_accum.
+template <class Element>
+__global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* lse2,
+                               float* delta, int Lq_pad) {
+  AttentionParams const& p = bp.fwd;
+  const int warps = blockDim.x / 32;
+  const int i = blockIdx.x * warps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = blockIdx.y, b = blockIdx.z;
+  if (i >= Lq_pad) return;
+  const int64_t row = ((int64_t)b * p.Hq + h) * Lq_pad + i;
+  float* acc = dq_accum + row * p.D;
+  for (int d = lane; d < p.D; d += 32) acc[d] = 0.f;
+  float sum = 0.f;
+  float l2 = INFINITY;
+  if (i < p.Lq) {
+    const Element* o = static_cast<const Element*>(p.out) + (((int64_t)b * p.Hq + h) * p.Lq + i) * p.D;
+    const Element* dout = static_cast<const Element*>(bp.dout) + b * bp.do_sb + h * bp.do_sh + i * bp.do_sm;
+    for (int d = lane; d < p.D; d += 32) sum += static_cast<float>(o[d]) * static_cast<float>(dout[d]);
+    const float l = p.lse[((int64_t)b * p.Hq + h) * p.Lq + i];
+    l2 = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  }
+  #pragma unroll
+  for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+  if (lane == 0) {
+    if (bp.grad_lse != nullptr && i < p.Lq) sum -= bp.grad_lse[((int64_t)b * p.Hq + h) * p.Lq + i];
+    delta[row] = sum;
+    lse2[row] = l2;
+  }
+}
+
+// dq = scale * dq_accum (rows below Lq).
+template <class Element>
+__global__ void bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
+  AttentionParams const& p = bp.fwd;
+  const int64_t n = (int64_t)p.B * p.Hq * p.Lq * p.D;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t d = e % p.D, row = e / p.D;             // row over (b, h, i)
+    const int64_t i = row % p.Lq, bh = row / p.Lq;
+    static_cast<Element*>(bp.dq)[e] =
+        static_cast<Element>(dq_accum[(bh * Lq_pad + i) * p.D + d] * p.scale);
+  }
+}
+
+template <class T>
+void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
+  using Element = typename T::Element;
+  AttentionParams const& p = bp.fwd;
+  const int Lq_pad = bwd_lq_pad(p);
+  const int64_t rows = (int64_t)p.B * p.Hq * Lq_pad;
+  float* dq_accum = static_cast<float*>(bp.workspace);
+  float* lse2 = dq_accum + rows * p.D;
+  float* delta = lse2 + rows;
+
+  bwd_preprocess<Element><<<dim3((Lq_pad + 7) / 8, p.Hq, p.B), 256, 0, stream>>>(
+      bp, dq_accum, lse2, delta, Lq_pad);
+  CUDA_CHECK(cudaGetLastError());
+
+  auto gmem = [&](const void* ptr, int L, int H, int64_t sl, int64_t sh, int64_t sb) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(L, p.D, H, p.B), make_stride(sl, _1{}, sh, sb));
+  };
+  auto tile_q = Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{};
+  auto tile_k = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{};
+  typename T::KernelParams kp{
+      bp, dq_accum, lse2, delta, Lq_pad,
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, p.Lq, p.Hq, p.q_sm, p.q_sh, p.q_sb),
+                    take<0, 2>(typename T::SmemLayoutQ{}), tile_q, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(bp.dout, p.Lq, p.Hq, bp.do_sm, bp.do_sh, bp.do_sb),
+                    take<0, 2>(typename T::SmemLayoutQ{}), tile_q, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k, p.Lk, p.Hkv, p.k_sn, p.k_sh, p.k_sb),
+                    typename T::SmemLayoutK{}, tile_k, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
+                    typename T::SmemLayoutK{}, tile_k, _1{})};
+  auto kernel = bwd_kernel<T>;
+  const int smem = sizeof(typename T::SharedStorage);
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
+  kernel<<<grid, T::kThreads, smem, stream>>>(kp);
+  CUDA_CHECK(cudaGetLastError());
+
+  const int64_t n = (int64_t)p.B * p.Hq * p.Lq * p.D;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65536));
+  bwd_postprocess<Element><<<blocks, 256, 0, stream>>>(bp, dq_accum, Lq_pad);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flexsparse::sm90

@@ -1,0 +1,95 @@
+"""A/B of the CUDA backend against our Triton kernels, FlexAttention (compiled, Triton
+path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible entries,
+4*D each forward, 2.5x that backward).
+
+    python tests/gpu/cuda_bench.py [rows] [--no-bwd]   rows: kind@L[@D],... (default: a quick set)
+"""
+import sys
+
+import torch
+import triton.testing
+
+import flexsparse
+from flexsparse.bench import flex_block_mask, make_case
+
+H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
+BWD = "--no-bwd" not in sys.argv
+DEFAULT = "full@8192,causal@8192,causal@16384,document@8192,document@16384,sliding@8192,prefix_lm@16384,shared_question@16384,block_sparse@8192,full@8192@64,causal@8192@64"
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def row(kind, L, D):
+    from torch.nn.attention.flex_attention import flex_attention
+    B = max(1, TOKENS // L)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
+    fs_mask, mask_mod, per_head, sdpa_causal, _ = make_case(kind, B, L, device=q.device)
+    desc = fs_mask.compile(B, H, H, L, L, device=q.device)
+    flops = 4.0 * D * desc.num_visible(batch=B)
+    res = {}
+    ref = flexsparse.attention(q, k, v, desc, backend="triton")
+    got = flexsparse.attention(q, k, v, desc, backend="cuda")
+    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+    res["cuda"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="cuda"))
+    res["triton"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="triton"))
+    fa = bm = None
+    try:
+        fa = torch.compile(flex_attention, dynamic=False)
+        bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
+        res["flex"] = bench(lambda: fa(q, k, v, block_mask=bm))
+    except Exception as e:  # report, keep going
+        print(f"flex {kind}: {type(e).__name__}: {str(e)[:200]}")
+    F = torch.nn.functional
+    if sdpa_causal is not None:
+        res["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal))
+    gerr = float("nan")
+    if BWD and D in (64, 128):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        do = torch.randn_like(q)
+
+        def bwd_of(fn):
+            out = fn(qg, kg, vg)
+            return lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
+        runs = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda"),
+                "triton": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="triton")}
+        if bm is not None:
+            runs["flex"] = lambda a, b, c: fa(a, b, c, block_mask=bm)
+        if sdpa_causal is not None:
+            runs["sdpa"] = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=sdpa_causal)
+        g_cuda, g_tri = bwd_of(runs["cuda"])(), bwd_of(runs["triton"])()
+        gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                   for a, b in zip(g_cuda, g_tri))
+        for name, fn in runs.items():
+            try:
+                res[name + "_bwd"] = bench(bwd_of(fn))
+            except Exception as e:  # report, keep going
+                print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
+    tf = {n: (2.5 if n.endswith("_bwd") else 1.0) * flops / ms * 1e-9 for n, ms in res.items()}
+    names = ("cuda", "triton", "flex", "sdpa", "cuda_bwd", "triton_bwd", "flex_bwd", "sdpa_bwd")
+    cells = " | ".join(f"{tf.get(n, float('nan')):6.0f}" for n in names)
+    ratio = tf["cuda"] / tf["flex"] if "flex" in tf else float("nan")
+    ratio_b = tf["cuda_bwd"] / tf["flex_bwd"] if "flex_bwd" in tf and "cuda_bwd" in tf else float("nan")
+    print(f"| {kind} | {L // 1024}K | {D} | {cells} | {ratio:.2f} / {ratio_b:.2f} | {err:.1e} / {gerr:.1e} |",
+          flush=True)
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    spec = args[0] if args else DEFAULT
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K")
+    print("| mask | L | D | cuda fwd | triton fwd | flex fwd | sdpa fwd | cuda bwd | triton bwd "
+          "| flex bwd | sdpa bwd | cuda/flex fwd / bwd | rel err vs triton out / grads |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for item in spec.split(","):
+        parts = item.split("@")
+        try:
+            row(parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else 128)
+        except Exception as e:  # report, keep going
+            print(f"| {item} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
