@@ -266,6 +266,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
                        partial_bits, attn_indices, block_q, block_k, scale, softcap,
                        /*need_q_lists=*/true);
   AttentionParams& p = bp.fwd;
+  if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
   Tensor o = out.contiguous();
   Tensor l = lse.to(at::kFloat).contiguous();
   Tensor dout = tma_ready(grad_out);

@@ -10,8 +10,9 @@
 //     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta) with the element predicates of
 //     partial tiles,
 //     dV += P^T dO and dK += dS^T Q (P^T, dS^T as register operands),
-//     dS^T to shared memory, then dQ = dS K (each warpgroup half of the head dim), added
-//     to a float32 dQ accumulator in global memory with vector atomics.
+//     dS^T to shared memory, then dQ = dS K (each warpgroup half of the head dim), staged
+//     in shared memory and added to a float32 dQ accumulator in global memory with one
+//     bulk asynchronous reduction per warpgroup (cp.reduce.async.bulk).
 // dK and dV stay in registers until the CTA is done and are written once. A preprocess
 // kernel computes delta = rowsum(dO * O) - grad_lse and lse in the log2 domain and zeroes
 // the dQ accumulator; a postprocess kernel scales it into dq.
@@ -93,6 +94,11 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
     array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    // dQ of one step in each consumer thread's register order (dq_slot), one half per
+    // warpgroup: what the bulk reduction adds to the accumulator.
+    alignas(128) float dq[kBlockM * kHeadDim];
+    alignas(16) float lse2[kStages][kBlockM];    // per step, beside the query tile
+    alignas(16) float delta[kStages][kBlockM];   // per step, beside the dO tile
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
@@ -100,7 +106,7 @@ struct BwdTraits {
 
   struct KernelParams {
     BackwardParams bp;
-    float* dq_accum;   // (B, Hq, Lq_pad, D)
+    float* dq_accum;   // (B, Hq, Lq_pad / 64, 2, 64 * D / 2): each 64-row step's dQ, dq_slot order
     const float* lse2;   // (B, Hq, Lq_pad): lse * log2(e); +inf for empty and padding rows
     const float* delta;  // (B, Hq, Lq_pad)
     int Lq_pad;
@@ -110,6 +116,16 @@ struct BwdTraits {
     TmaK tma_v;
   };
 };
+
+// Where entry x of consumer thread t's dQ fragment sits within its warpgroup's half of a
+// step (128 threads): pairs of adjacent head-dim entries, thread-major, so that the
+// stores to shared memory are conflict-free and the postprocess reads coalesced.
+__device__ __forceinline__ int dq_slot(int x, int t) { return (x >> 1) * 256 + 2 * (t % 128) + (x & 1); }
+
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
+}
 
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -134,7 +150,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const bool lane_leader = cute::elect_one_sync();
 
   typename T::Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = T::kBytesQ;
+  // Each stage: a query (dO) tile and its 64 lse2 (delta) values.
+  pipe_params.transaction_bytes = T::kBytesQ + kBlockM * sizeof(float);
   pipe_params.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer
                                     : T::Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x % 128 == 0;
@@ -193,12 +210,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           bool partial;
           const int m = walk.tile_at(t, partial);
           if (m < 0 || m * kBlockM >= p.Lq) continue;
+          const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
           pipe_q.producer_acquire(write);
-          copy(kp.tma_q.with(*pipe_q.producer_get_barrier(write), 0), tQgQ(_, _, _, m),
-               tQsQ(_, _, _, write.index()));
+          auto* bar_q = pipe_q.producer_get_barrier(write);
+          copy(kp.tma_q.with(*bar_q, 0), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
+          SM90_BULK_COPY_G2S::copy(kp.lse2 + rows, bar_q, ss.lse2[write.index()], kBlockM * sizeof(float));
           pipe_do.producer_acquire(write);
-          copy(kp.tma_do.with(*pipe_do.producer_get_barrier(write), 0), tdOgdO(_, _, _, m),
-               tdOsdO(_, _, _, write.index()));
+          auto* bar_do = pipe_do.producer_get_barrier(write);
+          copy(kp.tma_do.with(*bar_do, 0), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
+          SM90_BULK_COPY_G2S::copy(kp.delta + rows, bar_do, ss.delta[write.index()], kBlockM * sizeof(float));
           ++write;
         }
       }
@@ -238,6 +258,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int row_base = get<0>(coord(0, 0));
     const int col_base = get<1>(coord(0, 0));
     constexpr int kBarrierdS = 1;
+    const int wg = tid / 128;                   // consumer warpgroup: its keys, its dQ half
+    const int kBarrierdQ = 2 + wg;
+    const bool dq_leader = tid % 128 == 0;      // issues this warpgroup's bulk reductions
+    float* sdQ = ss.dq + wg * (kBlockM * kHeadDim / 2);
 
     const float LOG2E = 1.4426950408889634f;
     const bool has_bias = p.bias != nullptr;
@@ -246,10 +270,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int j0 = n_block * kBlockN;
     const int jr[kRows] = {j0 + row_base, j0 + row_base + 8};   // this thread's keys
     const PredicateParams& pr = p.pred;
-
-    // dQ accumulator coordinates of this thread (queries, head dim).
-    Tensor cdQ = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    Tensor tdQcdQ = thr_dq.partition_C(cdQ);
 
     Barrier::wait(&ss.barrier_kv, 0);
     typename T::PipelineState read;
@@ -286,17 +306,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_do.consumer_wait(read);
         gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
 
-        // lse (log2 domain) and delta of this thread's query columns; the padding past Lq
-        // holds +inf and 0, so those columns get P = 0.
-        float lse2[kCols], delta[kCols];
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < kCols; c += 2) {
-          const int64_t r = row0 + i0 + col_base + 8 * (c / 2);
-          const float2 l = __ldg(reinterpret_cast<const float2*>(kp.lse2 + r));
-          const float2 d = __ldg(reinterpret_cast<const float2*>(kp.delta + r));
-          lse2[c] = l.x; lse2[c + 1] = l.y;
-          delta[c] = d.x; delta[c + 1] = d.y;
-        }
+        // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
+        // padding past Lq holds +inf and 0, so those columns get P = 0.
+        const float* lse2 = ss.lse2[read.index()] + col_base;
+        const float* delta = ss.delta[read.index()] + col_base;
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
@@ -372,8 +385,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             } else {
               s = raw * (p.scale * LOG2E);
             }
-            const float pv = exp2f(s - lse2[c]);
-            const float ds = pv * (dP(r, c) - delta[c]);
+            const int ic = 8 * (c / 2) + (c & 1);
+            const float pv = exp2f(s - lse2[ic]);
+            const float ds = pv * (dP(r, c) - delta[ic]);
             if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
               dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
             S(r, c) = pv;
@@ -393,7 +407,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
         // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+        if (!(p.debug & 16)) gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+        // (Probe switches, FLEXSPARSE_CUDA_DEBUG: 8 = no dQ reduction, 16 = no dQ at all;
+        // wrong results, timing only.)
+        if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdQrdQ);
         warpgroup_fence_operand(tdVrdV);
@@ -402,15 +419,22 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_do.consumer_release(read);
         ++read;
         buf ^= 1;
-        float* dq_rows = kp.dq_accum + (row0 + i0) * kHeadDim;
-        CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < size(tdQrdQ); x += 2) {
-          const int qi = get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
-          atomicAdd(reinterpret_cast<float2*>(dq_rows + qi * kHeadDim + d),
-                    make_float2(tdQrdQ(x), tdQrdQ(x + 1)));
+        if (!(p.debug & 24)) {
+          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
+          CUTLASS_PRAGMA_UNROLL
+          for (int x = 0; x < size(tdQrdQ); x += 2)
+            *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
+          if (dq_leader) {
+            bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
+                            kBlockM * kHeadDim / 2 * sizeof(float));
+            tma_store_arrive();
+          }
         }
       }
     }
+    if (dq_leader) tma_store_wait<0>();         // shared memory outlives the reductions
 
     // ------------------------------------------------------------------ epilogue
     // dK gets the softmax scale here (dQ gets it in the postprocess kernel).
@@ -467,16 +491,31 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
   }
 }
 
-// dq = scale * dq_accum (rows below Lq).
-template <class Element>
-__global__ void bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
+// dq = scale * dq_accum, one 64-row step per CTA of 256 threads: thread t reads the
+// entries consumer thread t wrote (dq_slot) and finds their (row, column) as the dQ
+// product's thread slice t holds them.
+template <class T>
+__global__ void __launch_bounds__(256)
+bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM, kHeadDim = T::kHeadDim;
   AttentionParams const& p = bp.fwd;
-  const int64_t n = (int64_t)p.B * p.Hq * p.Lq * p.D;
-  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t d = e % p.D, row = e / p.D;             // row over (b, h, i)
-    const int64_t i = row % p.Lq, bh = row / p.Lq;
-    static_cast<Element*>(bp.dq)[e] =
-        static_cast<Element>(dq_accum[(bh * Lq_pad + i) * p.D + d] * p.scale);
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  typename T::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const float* acc = dq_accum + (((int64_t)b * p.Hq + h) * Lq_pad + m * kBlockM) * kHeadDim +
+                     (tid / 128) * (kBlockM * kHeadDim / 2);
+  Element* dq = static_cast<Element*>(bp.dq) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
+  CUTLASS_PRAGMA_UNROLL
+  for (int x = 0; x < size(tdQcdQ); x += 2) {
+    const int i = m * kBlockM + get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
+    const float2 v = *reinterpret_cast<const float2*>(acc + dq_slot(x, tid));
+    if (i < p.Lq) {
+      cutlass::NumericArrayConverter<Element, float, 2> cvt;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + (int64_t)i * kHeadDim + d) =
+          cvt(cutlass::Array<float, 2>{{v.x * p.scale, v.y * p.scale}});
+    }
   }
 }
 
@@ -517,9 +556,7 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 
-  const int64_t n = (int64_t)p.B * p.Hq * p.Lq * p.D;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65536));
-  bwd_postprocess<Element><<<blocks, 256, 0, stream>>>(bp, dq_accum, Lq_pad);
+  bwd_postprocess<T><<<dim3(Lq_pad / T::kBlockM, p.Hq, p.B), 256, 0, stream>>>(bp, dq_accum, Lq_pad);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -16,10 +16,15 @@ def _tile_n(head_dim: int) -> int:
     return 64 if head_dim == 256 else 128
 
 
+# Whether flexsparse._C registered the backward kernels (csrc/bwd_sm90.cu). This module is
+# imported after flexsparse._C (ops/__init__.py), so the answer is known and fixed here;
+# a plain bool also keeps the check traceable inside torch.compile.
+_HAS_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key(
+    "flexsparse::cuda_attention_backward", "CUDA")
+
+
 def has_backward() -> bool:
-    """Whether flexsparse._C registered the backward kernels (csrc/bwd_sm90.cu)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        "flexsparse::cuda_attention_backward", "CUDA")
+    return _HAS_BACKWARD
 
 
 def not_supported_reasons(query, key, value, bias, mask) -> list:

@@ -14,6 +14,7 @@ from flexsparse.bench import flex_block_mask, make_case
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv
+CUDA_ONLY = "--cuda-only" in sys.argv     # probes: the CUDA columns alone
 DEFAULT = "full@8192,causal@8192,causal@16384,document@8192,document@16384,sliding@8192,prefix_lm@16384,shared_question@16384,block_sparse@8192,full@8192@64,causal@8192@64"
 
 
@@ -34,16 +35,17 @@ def row(kind, L, D):
     got = flexsparse.attention(q, k, v, desc, backend="cuda")
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
     res["cuda"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="cuda"))
-    res["triton"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="triton"))
     fa = bm = None
-    try:
-        fa = torch.compile(flex_attention, dynamic=False)
-        bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
-        res["flex"] = bench(lambda: fa(q, k, v, block_mask=bm))
-    except Exception as e:  # report, keep going
-        print(f"flex {kind}: {type(e).__name__}: {str(e)[:200]}")
+    if not CUDA_ONLY:
+        res["triton"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="triton"))
+        try:
+            fa = torch.compile(flex_attention, dynamic=False)
+            bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
+            res["flex"] = bench(lambda: fa(q, k, v, block_mask=bm))
+        except Exception as e:  # report, keep going
+            print(f"flex {kind}: {type(e).__name__}: {str(e)[:200]}")
     F = torch.nn.functional
-    if sdpa_causal is not None:
+    if sdpa_causal is not None and not CUDA_ONLY:
         res["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal))
     gerr = float("nan")
     if BWD and D in (64, 128):
@@ -55,13 +57,15 @@ def row(kind, L, D):
             return lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
         runs = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda"),
                 "triton": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="triton")}
-        if bm is not None:
-            runs["flex"] = lambda a, b, c: fa(a, b, c, block_mask=bm)
-        if sdpa_causal is not None:
-            runs["sdpa"] = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=sdpa_causal)
         g_cuda, g_tri = bwd_of(runs["cuda"])(), bwd_of(runs["triton"])()
         gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item()
                    for a, b in zip(g_cuda, g_tri))
+        if bm is not None:
+            runs["flex"] = lambda a, b, c: fa(a, b, c, block_mask=bm)
+        if sdpa_causal is not None and not CUDA_ONLY:
+            runs["sdpa"] = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=sdpa_causal)
+        if CUDA_ONLY:
+            runs = {"cuda": runs["cuda"]}
         for name, fn in runs.items():
             try:
                 res[name + "_bwd"] = bench(bwd_of(fn))
