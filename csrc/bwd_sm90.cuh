@@ -362,6 +362,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         warpgroup_fence_operand(tdPrdP);
         Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
         // P^T into S, dS^T (gradient of the raw product Q K^T, unscaled) into dP.
+        if (!(p.debug & 64))
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
           const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
@@ -397,19 +398,20 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // dV += P^T dO.
         Tensor tdVrP_ = convert_type<Element>(tSrS);
         Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
-        gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
+        if (!(p.debug & 128)) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         // dK += dS^T Q; dS^T also to shared memory for dQ.
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
         Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
-        gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
-        copy(tdKrdS_, tdSsdS(_, _, _, buf));
+        if (!(p.debug & 128)) gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
+        if (!(p.debug & 32)) copy(tdKrdS_, tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
         // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         if (!(p.debug & 16)) gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
-        // (Probe switches, FLEXSPARSE_CUDA_DEBUG: 8 = no dQ reduction, 16 = no dQ at all;
-        // wrong results, timing only.)
+        // (Probe switches, FLEXSPARSE_CUDA_DEBUG: 8 = no dQ reduction, 16 = no dQ at all,
+        // 32 = no dS store, 64 = no P / dS arithmetic, 128 = no dV / dK products; wrong
+        // results, timing only.)
         if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdQrdQ);
