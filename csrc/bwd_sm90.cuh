@@ -361,16 +361,34 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdPrdP);
         Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
-        // P^T into S, dS^T (gradient of the raw product Q K^T, unscaled) into dP.
-        if (!(p.debug & 64))
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < kCols; ++c) {
-          const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+        // P^T into S, dS^T (the gradient of the raw product Q K^T, unscaled) into dP.
+        // Columns c, c + 1 are adjacent queries: their lse2 and delta are read in pairs.
+        if (!log2_scores && dbias == nullptr) {
+          const float scale_log2 = p.scale * LOG2E;
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            const float raw = S(r, c);
-            float s, dtanh = 1.f;
-            if (log2_scores) {
+          for (int c = 0; c < kCols; c += 2) {
+            const int ic = 8 * (c / 2);
+            const float2 l = *reinterpret_cast<const float2*>(lse2 + ic);
+            const float2 d = *reinterpret_cast<const float2*>(delta + ic);
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const float p0 = exp2f(S(r, c) * scale_log2 - l.x);
+              const float p1 = exp2f(S(r, c + 1) * scale_log2 - l.y);
+              S(r, c) = p0;
+              S(r, c + 1) = p1;
+              dP(r, c) = p0 * (dP(r, c) - d.x);
+              dP(r, c + 1) = p1 * (dP(r, c + 1) - d.y);
+            }
+          }
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+            const int ic = 8 * (c / 2) + (c & 1);
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const float raw = S(r, c);
+              float s, dtanh = 1.f;
               if (has_softcap) {
                 const float th = tanhf(raw * p.scale / p.softcap);
                 s = p.softcap * th;
@@ -383,57 +401,49 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                 s += LOG2E * static_cast<float>(
                     bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
               s = raw == -INFINITY ? -INFINITY : s;
-            } else {
-              s = raw * (p.scale * LOG2E);
+              const float pv = exp2f(s - lse2[ic]);
+              const float ds = pv * (dP(r, c) - delta[ic]);
+              if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
+                dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
+              S(r, c) = pv;
+              dP(r, c) = ds * dtanh;
             }
-            const int ic = 8 * (c / 2) + (c & 1);
-            const float pv = exp2f(s - lse2[ic]);
-            const float ds = pv * (dP(r, c) - delta[ic]);
-            if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
-              dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
-            S(r, c) = pv;
-            dP(r, c) = ds * dtanh;
           }
         }
-        // dV += P^T dO.
+        // Issue order after FlashAttention-3: dV, then (dS^T in shared memory from both
+        // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
         Tensor tdVrP_ = convert_type<Element>(tSrS);
         Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
-        if (!(p.debug & 128)) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
-        // dK += dS^T Q; dS^T also to shared memory for dQ.
+        gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
         Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
-        if (!(p.debug & 128)) gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
-        if (!(p.debug & 32)) copy(tdKrdS_, tdSsdS(_, _, _, buf));
+        copy(tdKrdS_, tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
         // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        if (!(p.debug & 16)) gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
-        // (Probe switches, FLEXSPARSE_CUDA_DEBUG: 8 = no dQ reduction, 16 = no dQ at all,
-        // 32 = no dS store, 64 = no P / dS arithmetic, 128 = no dV / dK products; wrong
-        // results, timing only.)
-        if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
-        warpgroup_wait<0>();
+        gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+        pipe_do.consumer_release(read);
+        gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
         warpgroup_fence_operand(tdQrdQ);
+        buf ^= 1;
+        if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
+        cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < size(tdQrdQ); x += 2)
+          *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
+        if (dq_leader) {
+          bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
+                          kBlockM * kHeadDim / 2 * sizeof(float));
+          tma_store_arrive();
+        }
+        warpgroup_wait<0>();                    // dK done
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
         pipe_q.consumer_release(read);
-        pipe_do.consumer_release(read);
         ++read;
-        buf ^= 1;
-        if (!(p.debug & 24)) {
-          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
-          CUTLASS_PRAGMA_UNROLL
-          for (int x = 0; x < size(tdQrdQ); x += 2)
-            *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
-          if (dq_leader) {
-            bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
-                            kBlockM * kHeadDim / 2 * sizeof(float));
-            tma_store_arrive();
-          }
-        }
       }
     }
     if (dq_leader) tma_store_wait<0>();         // shared memory outlives the reductions
