@@ -40,6 +40,9 @@ struct BwdTraits {
   static constexpr int kStages = kStages_;
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
+  // Column ranges per key staged in shared memory once per head; masks with more are read
+  // from global memory per partial tile.
+  static constexpr int kMaxStagedRanges = 4;
 
   using Wg2x1 = Layout<Shape<_2, _1, _1>>;
   // S^T, dP^T: (keys, queries) over the head dim.
@@ -99,6 +102,9 @@ struct BwdTraits {
     alignas(128) float dq[kBlockM * kHeadDim];
     alignas(16) float lse2[kStages][kBlockM];    // per step, beside the query tile
     alignas(16) float delta[kStages][kBlockM];   // per step, beside the dO tile
+    // Column ranges of the CTA's keys for the current head, as (start, length) slots: a
+    // key hides query i iff unsigned(i - start) < length; unused slots are (0, 0).
+    alignas(16) int2 col_ranges[kBlockN][kMaxStagedRanges];
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
@@ -291,6 +297,23 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
       const int32_t* bits_head = pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
+      // The keys are the CTA's for the whole walk: their column ranges are read once.
+      const bool staged = cr_base != nullptr && pr.n_col_ranges <= T::kMaxStagedRanges;
+      if (staged) {
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
+        for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
+          const int key = e / T::kMaxStagedRanges, slot = e % T::kMaxStagedRanges;
+          const int j = j0 + key;
+          int2 v = make_int2(0, 0);
+          if (j < p.Lk && slot < pr.n_col_ranges) {
+            const int32_t* cr = cr_base + (int64_t)j * pr.cr_sk + 2 * slot;
+            const int lo = __ldg(cr), hi = __ldg(cr + 1);
+            v = make_int2(lo, max(hi - lo, 0));
+          }
+          ss.col_ranges[key][slot] = v;
+        }
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+      }
 
       const int n_tiles = walk.n_tiles();
       for (int t = 0; t < n_tiles; ++t) {
@@ -315,7 +338,21 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
         // Element predicates of partial tiles: hidden scores become -inf (raw).
         if (partial) {
-          if (cr_base != nullptr) {
+          if (staged) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int4* slots = reinterpret_cast<const int4*>(ss.col_ranges[row_base + 8 * r]);
+              const int4 a = slots[0];
+              const int4 z = pr.n_col_ranges > 2 ? slots[1] : make_int4(0, 0, 0, 0);
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+                const bool hidden = unsigned(i - a.x) < unsigned(a.y) || unsigned(i - a.z) < unsigned(a.w) ||
+                                    unsigned(i - z.x) < unsigned(z.y) || unsigned(i - z.z) < unsigned(z.w);
+                S(r, c) = hidden ? -INFINITY : S(r, c);
+              }
+            }
+          } else if (cr_base != nullptr) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               const int32_t* cr = cr_base + (int64_t)min(jr[r], p.Lk - 1) * pr.cr_sk;
@@ -330,15 +367,17 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
           if (bits_head != nullptr) {
-            const int idx = __ldg(bits_head + (int64_t)(i0 / p.block_q) * pr.bi_sq + kb);
+            const int qblock = i0 / p.block_q;
+            const int idx = __ldg(bits_head + (int64_t)qblock * pr.bi_sq + kb);
             if (idx >= 0) {
-              // Both of this thread's keys sit in one 32-bit word of a bitmap row.
-              const int word = (jr[0] % p.block_k) >> 5;
+              // Both of this thread's keys sit in one 32-bit word of a bitmap row; the
+              // step's 64 queries sit in one query block.
+              const int word = (jr[0] - kb * p.block_k) >> 5;
+              const int32_t* bits_rows = pr.bits + idx * pr.bits_sp +
+                                         (i0 - qblock * p.block_q + col_base) * pr.bits_sr + word;
               CUTLASS_PRAGMA_UNROLL
               for (int c = 0; c < kCols; ++c) {
-                const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-                const uint32_t w = static_cast<uint32_t>(__ldg(
-                    pr.bits + idx * pr.bits_sp + (i % p.block_q) * pr.bits_sr + word));
+                const uint32_t w = static_cast<uint32_t>(__ldg(bits_rows + (8 * (c / 2) + (c & 1)) * pr.bits_sr));
                 CUTLASS_PRAGMA_UNROLL
                 for (int r = 0; r < kRows; ++r)
                   S(r, c) = (w >> (jr[r] & 31)) & 1u ? S(r, c) : -INFINITY;

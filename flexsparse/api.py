@@ -55,7 +55,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias))
     if backend == "auto":
-        backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size)
+        backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size,
+                                  deterministic)
     else:
         reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
         if backend == "cuda" and not reasons:

@@ -42,7 +42,7 @@ def not_supported_reasons(name, query, key, value, bias, mask: MaskTensors) -> l
 
 
 def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
-           block_size=(128, 128)) -> str:
+           block_size=(128, 128), deterministic: bool = False) -> str:
     """The first backend in preference order that supports these inputs; "cuda" only where
     its table of measurements says it wins (cuda_backend.preferred_for).
 
@@ -54,7 +54,8 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
     cuda = _REGISTRY.get("cuda")
     if (cuda is not None and not cuda.not_supported_reasons(query, key, value, bias, mask)
             and not cuda.check_block_size(*block_size, query.shape[-1])
-            and cuda.preferred_for(query, key, value, bias, mask, needs_grad)):
+            and cuda.preferred_for(query, key, value, bias, mask, needs_grad, block_size,
+                                   deterministic)):
         return "cuda"
     for name in _AUTO_ORDER:
         if name in _REGISTRY and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask):
@@ -76,10 +77,12 @@ def _check_op_mask(mask: MaskTensors, block_q, block_k):
         raise TypeError(f"dense_mask: must be a bool tensor, got {mask.dense_mask.dtype}")
 
 
-def _resolve(backend, query, key, value, bias, mask):
+def _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic):
     # The raw op resolves "auto" as if gradients were wanted, so that its forward and
-    # backward always agree (the CUDA backend has no backward kernels yet).
-    return choose(query, key, value, bias, mask, True) if backend == "auto" else backend
+    # backward always agree.
+    if backend != "auto":
+        return backend
+    return choose(query, key, value, bias, mask, True, (block_q, block_k), deterministic)
 
 
 def _attention_impl(query, key, value, bias, *rest):
@@ -87,7 +90,7 @@ def _attention_impl(query, key, value, bias, *rest):
     block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
     _check_op_mask(mask, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
-    backend = _resolve(backend, query, key, value, bias, mask)
+    backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
                                 deterministic)
 
@@ -97,7 +100,7 @@ def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bi
     block_q, block_k, scale, softcap, backend, deterministic, bias_requires_grad = rest[_N_MASK:]
     _check_op_mask(mask, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
-    backend = _resolve(backend, query, key, value, bias, mask)
+    backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
                                  block_q, block_k, scale, softcap, deterministic, bias_requires_grad)
 

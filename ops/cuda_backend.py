@@ -54,13 +54,11 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 
 
 # Where "auto" picks this backend (H100, same runs as the Triton kernels; docs/benchmarks.md,
-# "CUDA backend"): forward only (the backward kernels are not in yet), head dim 128, no
-# bias, no dense mask, and at most this share of partial blocks among the listed ones.
-# Forward TFLOP/s, cuda vs triton, final run: full 8K 563 vs 533, causal 8K 493 vs 472
-# (3% partial), causal 16K 543 vs 527, prefix-LM 16K 531 vs 514, block-sparse 8K 448 vs
-# 422 (no partial); shared-question 16K (10% partial) 450 vs 457 and 469 vs 454 in two
-# runs: a tie, left to Triton; sliding 8K (22%) 306 vs 330, document 8K (49%) 188 vs 226,
-# hd64 full 326 vs 425, causal + bias 174 vs 344: Triton.
+# "CUDA backend"): head dim 128, no bias, no dense mask, and at most this share of partial
+# blocks among the listed ones; with gradients also when the CUDA backward can run them
+# (not deterministic). Measured there: forward and backward ahead of Triton on full,
+# causal, prefix-LM and block-sparse rows (few partial blocks); behind on document and
+# sliding-window rows (22-49% partial), at hd64 and with a bias.
 AUTO_MAX_PARTIAL_SHARE = 0.08
 
 
@@ -76,13 +74,16 @@ def _partial_share(mask) -> float:
     return 1.0 if value is None else value
 
 
-def preferred_for(query, key, value, bias, mask, needs_grad: bool) -> bool:
+def preferred_for(query, key, value, bias, mask, needs_grad: bool, block_size=(128, 128),
+                  deterministic: bool = False) -> bool:
     """Whether "auto" should run these inputs here (they are supported). Not inside
     torch.compile, where the partial-block share would need a host sync in the graph."""
     if torch.compiler.is_compiling():
         return False
-    return (not needs_grad and query.shape[-1] == 128 and bias is None
-            and mask.dense_mask is None and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
+    if needs_grad and backward_not_supported_reasons(query, *block_size, deterministic):
+        return False
+    return (query.shape[-1] == 128 and bias is None and mask.dense_mask is None
+            and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
 
 
 # The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles.

@@ -204,18 +204,22 @@ def test_opcheck_forward():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_auto_picks_cuda_for_inference_on_measured_masks():
-    """backend="auto": cuda for a no-grad causal hd128 call (measured faster), triton for
-    the same call with grad (no CUDA backward yet) and for a partial-heavy document mask."""
+def test_auto_picks_cuda_where_measured_faster():
+    """backend="auto": cuda for causal hd128 (measured faster forward and backward), with
+    grad too when the backward kernels are built and the call is not deterministic;
+    triton for a partial-heavy document mask and for hd64."""
     from flexsparse.ops import backends as B
     L = 4096    # causal: 32 partial blocks of 528 listed (6%); the documents: most partial
     q = torch.randn(1, 2, L, 128, device=T.DEV, dtype=torch.bfloat16)
     causal = M.causal().compile(1, 2, 2, L, L, device=T.DEV)
     doc = M.document([100] * 40 + [96]).compile(1, 2, 2, L, L, device=T.DEV)
-    mt = causal.mask_tensors()
-    assert B.choose(q, q, q, None, mt, False, causal.block_size) == "cuda"
-    assert B.choose(q, q, q, None, mt, True, causal.block_size) == "triton"
+    mt, bs = causal.mask_tensors(), causal.block_size
+    assert B.choose(q, q, q, None, mt, False, bs) == "cuda"
+    assert B.choose(q, q, q, None, mt, True, bs) == ("cuda" if BACKWARD else "triton")
+    assert B.choose(q, q, q, None, mt, True, bs, deterministic=True) == "triton"
     assert B.choose(q, q, q, None, doc.mask_tensors(), False, doc.block_size) == "triton"
+    q64 = q[..., :64].contiguous()
+    assert B.choose(q64, q64, q64, None, mt, False, bs) == "triton"
     with torch.no_grad():
         a = flexsparse.attention(q, q, q, causal)
     torch.testing.assert_close(a, flexsparse.attention(q, q, q, causal, backend="triton"),
