@@ -210,6 +210,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int i0 = m_block * kBlockM;
     const Element* bias = static_cast<const Element*>(p.bias);
     if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
+    // 32-bit loads of key pairs: contiguous, 4-byte aligned bias rows (col_base and the
+    // pair's first key are even).
+    const bool bias_pairs_ok = has_bias && p.bias_sk == 1 && p.bias_sq % 2 == 0 &&
+                               reinterpret_cast<uintptr_t>(bias) % 4 == 0;
     // Element predicates, at this (batch, head).
     const PredicateParams& pr = p.pred;
     const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
@@ -255,6 +259,29 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           cr_vals[x] = v;
         }
       }
+      // Bias of this tile's scores, loaded before the product so that the loads' latency
+      // hides behind it: pairs of adjacent keys (columns c, c + 1) in one 32-bit load when
+      // the bias rows allow it.
+      uint32_t bias_pairs[kRows][kCols / 2];
+      if (has_bias) {
+        const int j0b = n * kBlockN + col_base;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const Element* row = bias + min(i0 + row_base + 8 * r, p.Lq - 1) * p.bias_sq;
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kCols; c += 2) {
+            const int j = j0b + 8 * (c / 2);
+            if (bias_pairs_ok && j + 1 < p.Lk) {
+              bias_pairs[r][c / 2] = __ldg(reinterpret_cast<const uint32_t*>(row + j));
+            } else {
+              const Element lo = row[min(j, p.Lk - 1) * p.bias_sk];
+              const Element hi = row[min(j + 1, p.Lk - 1) * p.bias_sk];
+              bias_pairs[r][c / 2] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) |
+                                     (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+            }
+          }
+        }
+      }
       Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
       pipe_k.consumer_wait(read);
       gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
@@ -286,8 +313,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             s = has_softcap ? p.softcap * tanhf(s * p.scale / p.softcap) : s * p.scale;
             s *= LOG2E;
             if (has_bias) {
-              const Element bv = bias[min(i, p.Lq - 1) * p.bias_sq + min(j, p.Lk - 1) * p.bias_sk];
-              s += LOG2E * static_cast<float>(bv);
+              const uint32_t pair = bias_pairs[r][c / 2];
+              const uint16_t bits = (c & 1) ? uint16_t(pair >> 16) : uint16_t(pair & 0xffff);
+              s += LOG2E * static_cast<float>(reinterpret_cast<const Element&>(bits));
             }
             S(r, c) = s;
           }

@@ -27,17 +27,21 @@ def row(kind, L, D):
     B = max(1, TOKENS // L)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
-    fs_mask, mask_mod, per_head, sdpa_causal, _ = make_case(kind, B, L, device=q.device)
+    torch._dynamo.reset()      # a fresh recompile budget for FlexAttention per row
+    fs_mask, mask_mod, per_head, sdpa_causal, has_bias = make_case(kind, B, L, device=q.device)
+    # A trainable bias (Flash-DMA): only our backends take it (with its gradient).
+    bias = torch.randn(B, H, L, L, device="cuda", dtype=DTYPE) if has_bias else None
     desc = fs_mask.compile(B, H, H, L, L, device=q.device)
     flops = 4.0 * D * desc.num_visible(batch=B)
     res = {}
-    ref = flexsparse.attention(q, k, v, desc, backend="triton")
-    got = flexsparse.attention(q, k, v, desc, backend="cuda")
+    ref = flexsparse.attention(q, k, v, desc, bias=bias, backend="triton")
+    got = flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda")
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    res["cuda"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="cuda"))
+    res["cuda"] = bench(lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda"))
     fa = bm = None
     if not CUDA_ONLY:
-        res["triton"] = bench(lambda: flexsparse.attention(q, k, v, desc, backend="triton"))
+        res["triton"] = bench(lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton"))
+    if not CUDA_ONLY and bias is None:
         try:
             fa = torch.compile(flex_attention, dynamic=False)
             bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
@@ -45,24 +49,26 @@ def row(kind, L, D):
         except Exception as e:  # report, keep going
             print(f"flex {kind}: {type(e).__name__}: {str(e)[:200]}")
     F = torch.nn.functional
-    if sdpa_causal is not None and not CUDA_ONLY:
+    if sdpa_causal is not None and not CUDA_ONLY and bias is None:
         res["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal))
     gerr = float("nan")
     if BWD and D in (64, 128):
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        bg = None if bias is None else bias.detach().requires_grad_()
+        leaves = (qg, kg, vg) if bg is None else (qg, kg, vg, bg)
         do = torch.randn_like(q)
 
         def bwd_of(fn):
             out = fn(qg, kg, vg)
-            return lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)
-        runs = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda"),
-                "triton": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="triton")}
+            return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+        runs = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, bias=bg, backend="cuda"),
+                "triton": lambda a, b, c: flexsparse.attention(a, b, c, desc, bias=bg, backend="triton")}
         g_cuda, g_tri = bwd_of(runs["cuda"])(), bwd_of(runs["triton"])()
         gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item()
                    for a, b in zip(g_cuda, g_tri))
         if bm is not None:
             runs["flex"] = lambda a, b, c: fa(a, b, c, block_mask=bm)
-        if sdpa_causal is not None and not CUDA_ONLY:
+        if sdpa_causal is not None and not CUDA_ONLY and bias is None:
             runs["sdpa"] = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=sdpa_causal)
         if CUDA_ONLY:
             runs = {"cuda": runs["cuda"]}
