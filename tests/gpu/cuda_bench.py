@@ -15,6 +15,14 @@ from flexsparse.bench import flex_block_mask, make_case
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv
 CUDA_ONLY = "--cuda-only" in sys.argv     # probes: the CUDA columns alone
+# FlexAttention's FLASH backend (FA4, CuTe-DSL), where its wheels are installed
+# (../shared/tools/flash-backend-wheels.sh).
+FLASH = {"BACKEND": "FLASH"}
+try:
+    import flash_attn.cute  # noqa: F401
+    HAS_FLASH = True
+except Exception:  # not installed: the column stays empty
+    HAS_FLASH = False
 DEFAULT = "full@8192,causal@8192,causal@16384,document@8192,document@16384,sliding@8192,prefix_lm@16384,shared_question@16384,block_sparse@8192,full@8192@64,causal@8192@64"
 
 
@@ -48,6 +56,12 @@ def row(kind, L, D):
             res["flex"] = bench(lambda: fa(q, k, v, block_mask=bm))
         except Exception as e:  # report, keep going
             print(f"flex {kind}: {type(e).__name__}: {str(e)[:200]}")
+            fa = None
+        if fa is not None and HAS_FLASH:
+            try:
+                res["flash"] = bench(lambda: fa(q, k, v, block_mask=bm, kernel_options=FLASH))
+            except Exception as e:  # report, keep going
+                print(f"flash {kind}: {type(e).__name__}: {str(e)[:200]}")
     F = torch.nn.functional
     if sdpa_causal is not None and not CUDA_ONLY and bias is None:
         res["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal))
@@ -66,8 +80,10 @@ def row(kind, L, D):
         g_cuda, g_tri = bwd_of(runs["cuda"])(), bwd_of(runs["triton"])()
         gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item()
                    for a, b in zip(g_cuda, g_tri))
-        if bm is not None:
+        if fa is not None:
             runs["flex"] = lambda a, b, c: fa(a, b, c, block_mask=bm)
+            if "flash" in res:
+                runs["flash"] = lambda a, b, c: fa(a, b, c, block_mask=bm, kernel_options=FLASH)
         if sdpa_causal is not None and not CUDA_ONLY and bias is None:
             runs["sdpa"] = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=sdpa_causal)
         if CUDA_ONLY:
@@ -78,10 +94,13 @@ def row(kind, L, D):
             except Exception as e:  # report, keep going
                 print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
     tf = {n: (2.5 if n.endswith("_bwd") else 1.0) * flops / ms * 1e-9 for n, ms in res.items()}
-    names = ("cuda", "triton", "flex", "sdpa", "cuda_bwd", "triton_bwd", "flex_bwd", "sdpa_bwd")
+    names = ("cuda", "triton", "flex", "flash", "sdpa",
+             "cuda_bwd", "triton_bwd", "flex_bwd", "flash_bwd", "sdpa_bwd")
     cells = " | ".join(f"{tf.get(n, float('nan')):6.0f}" for n in names)
-    ratio = tf["cuda"] / tf["flex"] if "flex" in tf else float("nan")
-    ratio_b = tf["cuda_bwd"] / tf["flex_bwd"] if "flex_bwd" in tf and "cuda_bwd" in tf else float("nan")
+    anchor = "flash" if "flash" in tf else "flex"     # the fastest FlexAttention backend run
+    ratio = tf["cuda"] / tf[anchor] if anchor in tf else float("nan")
+    ratio_b = (tf["cuda_bwd"] / tf[anchor + "_bwd"] if anchor + "_bwd" in tf and "cuda_bwd" in tf
+               else float("nan"))
     print(f"| {kind} | {L // 1024}K | {D} | {cells} | {ratio:.2f} / {ratio_b:.2f} | {err:.1e} / {gerr:.1e} |",
           flush=True)
 
@@ -90,9 +109,10 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     spec = args[0] if args else DEFAULT
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K")
-    print("| mask | L | D | cuda fwd | triton fwd | flex fwd | sdpa fwd | cuda bwd | triton bwd "
-          "| flex bwd | sdpa bwd | cuda/flex fwd / bwd | rel err vs triton out / grads |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| mask | L | D | cuda fwd | triton fwd | flex fwd | flash fwd | sdpa fwd | cuda bwd "
+          "| triton bwd | flex bwd | flash bwd | sdpa bwd | cuda / flash (else flex) fwd / bwd "
+          "| rel err vs triton out / grads |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for item in spec.split(","):
         parts = item.split("@")
         try:
