@@ -7,7 +7,8 @@ namespace flexsparse {
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   const size_t rows = static_cast<size_t>(f.B) * f.Hq * bwd_lq_pad(f);
-  return rows * (f.D + 2) * sizeof(float);   // dq_accum, lse2, delta
+  // dq_accum, lse2, delta; deterministic: a turn counter per 64-row step and warpgroup half
+  return rows * (f.D + 2) * sizeof(float) + (p.deterministic ? rows / 64 * 2 * sizeof(int) : 0);
 }
 
 std::string bwd_sm90_unsupported(BackwardParams const& p) {
@@ -16,7 +17,6 @@ std::string bwd_sm90_unsupported(BackwardParams const& p) {
   if (f.block_k % 128 != 0 || f.block_q % 64 != 0)
     return "descriptor block size (" + std::to_string(f.block_q) + ", " + std::to_string(f.block_k) +
            ") must be multiples of (64, 128) for the backward";
-  if (p.deterministic) return "deterministic=True (the dq accumulation uses atomics)";
   if (p.dbias != nullptr && (p.dbias_sb == 0 || p.dbias_sh == 0 || p.dbias_sq == 0 || p.dbias_sk == 0))
     return "dbias must be a full (B, Hq, Lq, Lk) tensor (the op reduces it to the bias's shape)";
   return "";

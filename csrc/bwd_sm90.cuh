@@ -116,6 +116,9 @@ struct BwdTraits {
     const float* lse2;   // (B, Hq, Lq_pad): lse * log2(e); +inf for empty and padding rows
     const float* delta;  // (B, Hq, Lq_pad)
     int Lq_pad;
+    // deterministic: per (b, h, 64-row step, warpgroup half) the number of CTAs that have
+    // added their dQ; CTAs add in the order of their key tiles.
+    int* dq_turn;
     TmaQ tma_q;
     TmaQ tma_do;
     TmaK tma_k;
@@ -127,6 +130,35 @@ struct BwdTraits {
 // step (128 threads): pairs of adjacent head-dim entries, thread-major, so that the
 // stores to shared memory are conflict-free and the postprocess reads coalesced.
 __device__ __forceinline__ int dq_slot(int x, int t) { return (x >> 1) * 256 + 2 * (t % 128) + (x & 1); }
+
+// Deterministic dQ: a CTA's turn for the 64-row step at query block qb is the number of
+// key tiles before its own that the descriptor lists for qb (the CTAs that add before it,
+// in key-tile order). One warp counts the kv-list entries of qb.
+__device__ __forceinline__ int dq_turn_of(AttentionParams const& p, int b, int h, int qb,
+                                          int n_block, int tiles_per_block) {
+  const int lane = threadIdx.x % 32;
+  int turn = 0;
+  ListRow lists[2] = {ListRow(p.kv_partial, b, h, qb), ListRow(p.kv_full, b, h, qb)};
+  for (int l = 0; l < 2; ++l)
+    for (int t = lane; t < lists[l].count; t += 32) {
+      const int e = lists[l].block_at(t);
+      if (e >= 0) turn += min(max(n_block - e * tiles_per_block, 0), tiles_per_block);
+    }
+  #pragma unroll
+  for (int s = 16; s > 0; s >>= 1) turn += __shfl_xor_sync(0xffffffff, turn, s);
+  return turn;
+}
+
+// Spin until *flag == value (bounded: a descriptor whose q and kv lists disagree would
+// otherwise hang the kernel; past the bound the order is simply not enforced).
+__device__ __forceinline__ void wait_turn(const int* flag, int value) {
+  for (int it = 0; it < (1 << 22); ++it) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (v == value) return;
+    __nanosleep(64);
+  }
+}
 
 __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
@@ -321,6 +353,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const int m = walk.tile_at(t, partial);
         if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
         const int i0 = m * kBlockM;
+        int turn = 0;
+        if (bp.deterministic && tid % 128 < 32)
+          turn = dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN);
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -474,9 +509,18 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
         if (dq_leader) {
+          int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + wg : nullptr;
+          if (flag != nullptr) wait_turn(flag, turn);
           bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
                           kBlockM * kHeadDim / 2 * sizeof(float));
           tma_store_arrive();
+          if (flag != nullptr) {
+            // The addition is complete (not only its shared-memory read) before the next
+            // CTA's turn.
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            __threadfence();
+            atomicAdd(flag, 1);
+          }
         }
         warpgroup_wait<0>();                    // dK done
         warpgroup_fence_operand(tdVrdV);
@@ -515,7 +559,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 // visible key and for the padding up to Lq_pad), one warp per row; zeroes dq_accum.
 template <class Element>
 __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* lse2,
-                               float* delta, int Lq_pad) {
+                               float* delta, int* dq_turn, int Lq_pad) {
   AttentionParams const& p = bp.fwd;
   const int warps = blockDim.x / 32;
   const int i = blockIdx.x * warps + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -524,6 +568,7 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
   const int64_t row = ((int64_t)b * p.Hq + h) * Lq_pad + i;
   float* acc = dq_accum + row * p.D;
   for (int d = lane; d < p.D; d += 32) acc[d] = 0.f;
+  if (dq_turn != nullptr && i % 64 == 0 && lane < 2) dq_turn[(row / 64) * 2 + lane] = 0;
   float sum = 0.f;
   float l2 = INFINITY;
   if (i < p.Lq) {
@@ -579,9 +624,10 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   float* dq_accum = static_cast<float*>(bp.workspace);
   float* lse2 = dq_accum + rows * p.D;
   float* delta = lse2 + rows;
+  int* dq_turn = bp.deterministic ? reinterpret_cast<int*>(delta + rows) : nullptr;
 
   bwd_preprocess<Element><<<dim3((Lq_pad + 7) / 8, p.Hq, p.B), 256, 0, stream>>>(
-      bp, dq_accum, lse2, delta, Lq_pad);
+      bp, dq_accum, lse2, delta, dq_turn, Lq_pad);
   CUDA_CHECK(cudaGetLastError());
 
   auto gmem = [&](const void* ptr, int L, int H, int64_t sl, int64_t sh, int64_t sb) {
@@ -591,7 +637,7 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   auto tile_q = Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{};
   auto tile_k = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{};
   typename T::KernelParams kp{
-      bp, dq_accum, lse2, delta, Lq_pad,
+      bp, dq_accum, lse2, delta, Lq_pad, dq_turn,
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.q, p.Lq, p.Hq, p.q_sm, p.q_sh, p.q_sb),
                     take<0, 2>(typename T::SmemLayoutQ{}), tile_q, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(bp.dout, p.Lq, p.Hq, bp.do_sm, bp.do_sh, bp.do_sb),

@@ -60,6 +60,9 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 # causal, prefix-LM and block-sparse rows (few partial blocks); behind on document and
 # sliding-window rows (22-49% partial), at hd64 and with a bias.
 AUTO_MAX_PARTIAL_SHARE = 0.08
+# The deterministic backward (dQ added in key-tile order, each CTA waiting its turn):
+# not yet timed against Triton's, so "auto" leaves deterministic training to Triton.
+AUTO_DETERMINISTIC = False
 
 
 def _partial_share(mask) -> float:
@@ -82,6 +85,8 @@ def preferred_for(query, key, value, bias, mask, needs_grad: bool, block_size=(1
         return False
     if needs_grad and backward_not_supported_reasons(query, *block_size, deterministic):
         return False
+    if needs_grad and deterministic and not AUTO_DETERMINISTIC:
+        return False
     return (query.shape[-1] == 128 and bias is None and mask.dense_mask is None
             and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
 
@@ -90,7 +95,7 @@ def preferred_for(query, key, value, bias, mask, needs_grad: bool, block_size=(1
 _BWD_HEAD_DIMS = (64, 128)
 
 
-def backward_not_supported_reasons(query, block_q: int, block_k: int, deterministic: bool) -> list:
+def backward_not_supported_reasons(query, block_q: int, block_k: int, deterministic: bool = False) -> list:
     """Why the CUDA backward cannot differentiate this call (empty: it can); checked before
     the forward runs when gradients are wanted."""
     reasons = []
@@ -101,9 +106,6 @@ def backward_not_supported_reasons(query, block_q: int, block_k: int, determinis
     if block_q % 64 or block_k % 128:
         reasons.append(f"cuda: backward needs block sizes that are multiples of (64, 128), got "
                        f"({block_q}, {block_k})")
-    if deterministic:
-        reasons.append("cuda: deterministic=True (the CUDA backward adds dq with atomics); "
-                       "use backend='triton'")
     return reasons
 
 

@@ -15,6 +15,7 @@ from flexsparse.bench import flex_block_mask, make_case
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv
 CUDA_ONLY = "--cuda-only" in sys.argv     # probes: the CUDA columns alone
+DET = "--deterministic" in sys.argv       # our backwards in deterministic mode
 # FlexAttention's FLASH backend (FA4, CuTe-DSL), where its wheels are installed
 # (../shared/tools/flash-backend-wheels.sh).
 FLASH = {"BACKEND": "FLASH"}
@@ -75,8 +76,10 @@ def row(kind, L, D):
         def bwd_of(fn):
             out = fn(qg, kg, vg)
             return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
-        runs = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, bias=bg, backend="cuda"),
-                "triton": lambda a, b, c: flexsparse.attention(a, b, c, desc, bias=bg, backend="triton")}
+        runs = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, bias=bg, backend="cuda",
+                                                             deterministic=DET),
+                "triton": lambda a, b, c: flexsparse.attention(a, b, c, desc, bias=bg, backend="triton",
+                                                               deterministic=DET)}
         g_cuda, g_tri = bwd_of(runs["cuda"])(), bwd_of(runs["triton"])()
         gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item()
                    for a, b in zip(g_cuda, g_tri))
