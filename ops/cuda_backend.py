@@ -60,8 +60,9 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 # causal, prefix-LM and block-sparse rows (few partial blocks); behind on document and
 # sliding-window rows (22-49% partial), at hd64 and with a bias.
 AUTO_MAX_PARTIAL_SHARE = 0.08
-# The deterministic backward (dQ added in key-tile order, each CTA waiting its turn):
-# not yet timed against Triton's, so "auto" leaves deterministic training to Triton.
+# The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
+# far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
+# 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.
 AUTO_DETERMINISTIC = False
 
 

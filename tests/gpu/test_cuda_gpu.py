@@ -240,7 +240,7 @@ def test_auto_picks_cuda_where_measured_faster():
     mt, bs = causal.mask_tensors(), causal.block_size
     assert B.choose(q, q, q, None, mt, False, bs) == "cuda"
     assert B.choose(q, q, q, None, mt, True, bs) == ("cuda" if BACKWARD else "triton")
-    # deterministic training: Triton until the CUDA deterministic backward is timed
+    # deterministic training: Triton (the CUDA deterministic backward measured slower)
     assert B.choose(q, q, q, None, mt, True, bs, deterministic=True) == "triton"
     assert B.choose(q, q, q, None, doc.mask_tensors(), False, doc.block_size) == "triton"
     q64 = q[..., :64].contiguous()
