@@ -4,6 +4,7 @@ demo: runs several mask kinds forward and backward on the best available device 
 backend="auto", checks each against the float64 reference and prints a table.
 """
 import argparse
+import os
 import sys
 import time
 
@@ -17,8 +18,12 @@ from flexsparse.ops import backends
 def _demo_masks(L, B, device):
     g = torch.Generator().manual_seed(0)
     third = L // 3
-    layout = torch.rand(1, 1, -(-L // 128), -(-L // 128), generator=g) > 0.5
-    layout |= torch.eye(layout.shape[-1], dtype=torch.bool)
+    # half of the 128-blocks: the diagonal plus random off-diagonal ones
+    nb = -(-L // 128)
+    layout = torch.eye(nb, dtype=torch.bool)
+    off = (~layout).flatten().nonzero().flatten()
+    pick = off[torch.randperm(off.numel(), generator=g)[:max(round(nb * nb / 2) - nb, 0)]]
+    layout = layout.flatten().index_fill(0, pick, True).view(1, 1, nb, nb)
     idx = torch.randint(-1, L, (B, 2, L, 32), generator=g)
     return [
         ("full", None),
@@ -51,20 +56,25 @@ def demo(args):
     bias = (0.5 * torch.randn(1, Hq, L, L, generator=g)).to(device, dtype)
     print(f"flexsparse {flexsparse.__version__} on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
           f"{dtype}, B={B} Hq={Hq} Hkv={Hkv} L={L} D={D}, bias (1, Hq, L, L) with gradient; "
-          f"backends: {backends.available()}")
+          f"backends usable here: {usable_backends(device)}")
     rows, failed = [], 0
     for name, mask in _demo_masks(L, B, device):
         desc = flexsparse.compile_mask(mask, B, Hq, Hkv, L, L, device=device)
         mt = desc.mask_tensors()
         chosen = backends.choose(q, k, v, bias, mt)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        t0 = time.perf_counter()
-        out = flexsparse.attention(*leaves[:3], desc, bias=leaves[3])
-        go = torch.randn(out.shape, generator=g).to(device, dtype)
-        grads = torch.autograd.grad(out, leaves, go)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3
+        go = torch.randn(q.shape, generator=g).to(device, dtype)
+
+        def step():
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+            t0 = time.perf_counter()
+            out = flexsparse.attention(*leaves[:3], desc, bias=leaves[3])
+            grads = torch.autograd.grad(out, leaves, go)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return out, grads, (time.perf_counter() - t0) * 1e3
+        # The first call of a kind compiles its kernels (Triton JIT); the second is warm.
+        _, _, first_ms = step()
+        out, grads, ms = step()
         ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
         ref = flexsparse.attention(*ref_leaves[:3], desc, bias=ref_leaves[3], backend="reference")
         ref_grads = torch.autograd.grad(ref, ref_leaves, go.double())
@@ -76,8 +86,9 @@ def demo(args):
         failed += not ok
         density = desc.num_visible(B) / (B * Hq * L * L)
         rows.append((name, f"{density:.3f}", chosen, f"{fwd_err:.1e}", f"{bwd_err:.1e}",
-                     f"{ms:.1f}", "ok" if ok else "FAIL"))
-    head = ("mask", "density", "backend", "fwd rel err", "bwd rel err", "fwd+bwd ms", "check")
+                     f"{ms:.1f}", f"{first_ms:.0f}", "ok" if ok else "FAIL"))
+    head = ("mask", "density", "backend", "fwd rel err", "bwd rel err", "fwd+bwd ms (warm)",
+            "first call ms (compile)", "check")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths)] + rows:
         print("| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |")
@@ -90,9 +101,31 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def usable_backends(device):
+    """Registered backends that can run on `device`: on CPU the Triton kernels run only
+    under the interpreter (TRITON_INTERPRET=1), and the CUDA backend never."""
+    names = backends.available()
+    if device.type == "cpu":
+        names = [n for n in names if n == "reference"
+                 or (n == "triton" and os.environ.get("TRITON_INTERPRET") == "1")]
+    return names
+
+
 def info(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"flexsparse {flexsparse.__version__}, torch {torch.__version__}, "
-          f"cuda {torch.cuda.is_available()}, backends {backends.available()}")
+          f"cuda {torch.cuda.is_available()}")
+    print(f"backends registered: {backends.available()}; usable on {device}: "
+          f"{usable_backends(device)}")
+    if "cuda" in backends.available():
+        from flexsparse.ops import cuda_backend as C
+        print(f"cuda backend: forward hd 64/128/256, backward hd 64/128 "
+              f"(backward kernels built: {C.has_backward()})")
+        print(f'"auto" takes cuda for: hd128, no bias or dense mask, <= '
+              f"{C.AUTO_MAX_PARTIAL_SHARE:.0%} partial blocks, and for training only when not "
+              f"deterministic; triton otherwise (measured table: docs/benchmarks.md)")
+    else:
+        print('"auto": triton on a GPU, the reference on CPU')
     return 0
 
 
@@ -101,13 +134,14 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="run several masks forward+backward and check them")
     p.add_argument("--length", type=int, default=None)
-    sub.add_parser("info", help="versions and available backends")
+    sub.add_parser("info", help="versions, available backends and what auto picks")
+    sub.add_parser("env", help="same as info")
     sub.add_parser("bench", help="same as python -m flexsparse.bench", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "bench":
         from flexsparse import bench
         return bench.main(rest)
-    return {"demo": demo, "info": info}[args.cmd](args)
+    return {"demo": demo, "info": info, "env": info}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""`python -m flexsparse demo|env`: what a new user runs first."""
+import torch
+
+from flexsparse import __main__ as cli
+
+
+def test_demo_passes_and_reports_warm_and_first_call_times(capsys):
+    assert cli.main(["demo", "--length", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd+bwd ms (warm)" in out and "first call ms (compile)" in out
+    assert "10 passed, 0 failed" in out
+
+
+def test_env_lists_usable_backends(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    if not torch.cuda.is_available():
+        # on CPU the Triton kernels run only under the interpreter
+        assert "usable on cpu: ['reference']" in out
+
+
+def test_demo_block_sparse_is_about_half_dense():
+    masks = dict(cli._demo_masks(1024, 1, torch.device("cpu")))
+    desc = masks["block_sparse(50%)"].compile(1, 1, 1, 1024, 1024, device="cpu")
+    assert abs(desc.num_visible(1) / 1024 ** 2 - 0.5) < 0.01
