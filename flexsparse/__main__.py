@@ -1,4 +1,5 @@
-"""`python -m flexsparse demo|info|bench`.
+"""`python -m flexsparse demo|info|env`. (The benchmarks live in the checkout's
+benchmarks/ folder: `python -m benchmarks.bench`.)
 
 demo: runs several mask kinds forward and backward on the best available device with
 backend="auto", checks each against the float64 reference and prints a table.
@@ -136,11 +137,7 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=None)
     sub.add_parser("info", help="versions, available backends and what auto picks")
     sub.add_parser("env", help="same as info")
-    sub.add_parser("bench", help="same as python -m flexsparse.bench", add_help=False)
-    args, rest = parser.parse_known_args(argv)
-    if args.cmd == "bench":
-        from flexsparse import bench
-        return bench.main(rest)
+    args = parser.parse_args(argv)
     return {"demo": demo, "info": info, "env": info}[args.cmd](args)
 
 

@@ -38,7 +38,7 @@ if want cuda; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/cuda_tests.log" | cut -c1-300 | tail -25
 fi
 if want cudabench; then
-  timeout "${T_CUDABENCH:-240}" python3 tests/gpu/cuda_bench.py ${CUDABENCH_ROWS:-} 2>&1 \
+  timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_bench.md"
 fi
 if want tests || want demo; then
@@ -46,10 +46,10 @@ if want tests || want demo; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want bench; then
-  timeout "${T_BENCH:-240}" python3 -m flexsparse.bench --no-indices --out "$OUT/bench.md" \
+  timeout "${T_BENCH:-240}" python3 -m benchmarks.bench --no-indices --out "$OUT/bench.md" \
     ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"; grep -E "failed" "$OUT/bench.log" | tail -5
-  timeout "${T_BENCH_IDX:-150}" python3 -m flexsparse.bench_indices --budget-s "${BUDGET_IDX:-80}" \
+  timeout "${T_BENCH_IDX:-150}" python3 -m benchmarks.bench_indices --budget-s "${BUDGET_IDX:-80}" \
     --out "$OUT/bench_indices.md" > "$OUT/bench_indices.log" 2>&1
   echo "bench_indices rc=$?"
 fi
@@ -63,14 +63,14 @@ fi
 #   (SWEEP_ARGS: more bench flags, e.g. --bwd-mode two_pass --sweep-configs dkdv:64x64x4x2+dq:64x64x4x2)
 #   PROFILE_ROWS=document@8192 PROFILE_ARGS= bash tests/gpu.sh profile   (empty: with Flex)
 if [[ " $parts " == *" sweep "* ]]; then
-  timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench --sweep --rows "${SWEEP_ROWS:-causal@8192}" \
+  timeout "${T_SWEEP:-300}" python3 -m benchmarks.bench --sweep --rows "${SWEEP_ROWS:-causal@8192}" \
     --sweep-passes "${SWEEP_PASSES:-fwd,dkdv,dq}" --no-flex --no-sdpa --no-indices ${SWEEP_ARGS:-} 2>&1 \
     | grep -E "^sweep" | tee "$OUT/sweep.log"
-  [ "${SWEEP_INDICES:-1}" = 0 ] || timeout "${T_SWEEP:-300}" python3 -m flexsparse.bench_indices --sweep-only 2>&1 | tail -40 \
+  [ "${SWEEP_INDICES:-1}" = 0 ] || timeout "${T_SWEEP:-300}" python3 -m benchmarks.bench_indices --sweep-only 2>&1 | tail -40 \
     | tee "$OUT/sweep_indices.log"
 fi
 if [[ " $parts " == *" profile "* ]]; then
-  timeout "${T_PROFILE:-120}" python3 -m flexsparse.bench --profile --rows "${PROFILE_ROWS:-causal@8192}" \
+  timeout "${T_PROFILE:-120}" python3 -m benchmarks.bench --profile --rows "${PROFILE_ROWS:-causal@8192}" \
     --no-sdpa --no-indices ${PROFILE_ARGS---no-flex} > "$OUT/profile.log" 2>&1
   grep -vE "^-+$" "$OUT/profile.log" | cut -c1-160 | tail -40
 fi

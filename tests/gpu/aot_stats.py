@@ -29,7 +29,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from flexsparse import bench  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks import bench  # noqa: E402
 from flexsparse.ops import triton_block as tb  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

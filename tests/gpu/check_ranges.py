@@ -3,13 +3,16 @@ masks give the same block sets, and the op takes the same time with either.
 
     python tests/gpu/check_ranges.py
 """
+import os
+import sys
 import dataclasses
 
 import torch
 import triton
 
 from flexsparse import attention, masks as M
-from flexsparse.bench import make_case
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks.bench import make_case
 from flexsparse.ops.reference import ranges_to_grid
 
 

@@ -9,7 +9,8 @@ import torch
 import triton.testing
 
 import flexsparse
-from flexsparse.bench import make_case
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks.bench import make_case
 
 
 def kernel_us(fn):

@@ -24,7 +24,8 @@ def main(argv=None):
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexsparse import bench
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+    from benchmarks import bench
     kind, L = args.row.split("@")
     L = int(L)
     B = max(1, bench.TOKENS // L)

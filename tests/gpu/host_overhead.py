@@ -1,10 +1,12 @@
 """Host time per call: forward and forward + backward on a problem so small that the GPU
 waits for the CPU, so wall time per call is the Python / dispatch / launch cost. Ours
 (flexsparse.attention, backend="triton"), optionally an older copy of ops/triton_block.py
-(--ab-old, as in flexsparse.bench) and FlexAttention (compiled).
+(--ab-old, as in benchmarks/bench.py) and FlexAttention (compiled).
 
     python3 tests/gpu/host_overhead.py [--kind sliding] [--ab-old PATH] [--calls 300]
 """
+import os
+import sys
 import argparse
 import contextlib
 import time
@@ -12,7 +14,8 @@ import time
 import torch
 
 import flexsparse
-from flexsparse import bench
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks import bench
 
 
 def per_call_us(fn, calls):

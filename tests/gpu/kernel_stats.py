@@ -7,13 +7,15 @@ device).
 Runs one forward + backward per row and backward mode (bf16, H=16, B*L=16K), then prints
 one line per compiled kernel variant found in the JIT caches.
 """
+import os
 import argparse
 import sys
 
 import torch
 
 import flexsparse
-from flexsparse import bench
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks import bench
 from flexsparse.ops import triton_block as tb
 
 KERNELS = ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_bwd_one_launch",

@@ -8,12 +8,15 @@ the two backward kernels (tests/gpu.sh ncu runs it under ncu).
 Warm-up (compiles, autotune-free) runs before cudaProfilerStart, so ncu sees only the
 measured launches.
 """
+import os
+import sys
 import argparse
 
 import torch
 
 import flexsparse
-from flexsparse import bench
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks import bench
 
 
 def main():

@@ -2,7 +2,7 @@
 path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible entries,
 4*D each forward, 2.5x that backward).
 
-    python tests/gpu/cuda_bench.py [rows] [--no-bwd]   rows: kind@L[@D],... (default: a quick set)
+    python -m benchmarks.cuda_bench [rows] [--no-bwd]   rows: kind@L[@D],... (default: a quick set)
 """
 import sys
 
@@ -10,7 +10,7 @@ import torch
 import triton.testing
 
 import flexsparse
-from flexsparse.bench import flex_block_mask, make_case
+from benchmarks.bench import flex_block_mask, make_case
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv

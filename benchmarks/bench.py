@@ -1,6 +1,6 @@
 """Benchmark: flexsparse (Triton backend) vs FlexAttention vs SDPA, in the same run.
 
-    python -m flexsparse.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
+    python -m benchmarks.bench [--quick] [--rows causal,document@16384,...] [--out PATH]
                                [--no-flex] [--no-sdpa] [--no-indices] [--repeat N]
                                [--bwd {direct,subtract}]
                                [--sweep [--sweep-passes P] [--sweep-configs C]]
@@ -26,7 +26,7 @@ Rows: full, causal, sliding window 1024, document (12 docs), prefix-LM (L/4),
 shared-question (question L/4 + 4 answers), random block-sparse 20% (128x128 blocks +
 diagonal) at L = 8K and 16K, hd128 (full and causal also hd64), and causal + full
 (B, H, L, L) bias with dbias at 4K. Index-attention rows come from
-`flexsparse.bench_indices` (if present), in a table of their own.
+`benchmarks.bench_indices` (if present), in a table of their own.
 
 `--sweep` times each pass of our kernels alone per tile config (the backward directly,
 through the op's backward on a saved (out, lse)); `--profile` prints torch.profiler
@@ -563,7 +563,7 @@ def select_rows(spec, quick):
 
 def run_indices(args, out_path, log=print):
     try:
-        from flexsparse import bench_indices
+        from benchmarks import bench_indices
     except ImportError:
         return None
     if not hasattr(bench_indices, "rows"):
@@ -623,7 +623,7 @@ def main(argv=None):
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     if not torch.cuda.is_available():
-        print("flexsparse.bench: needs a CUDA GPU (none found); nothing to do.")
+        print("benchmarks.bench: needs a CUDA GPU (none found); nothing to do.")
         return 0
     import torch._dynamo as dynamo
     dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)

@@ -1,6 +1,6 @@
 """Index-attention benchmark: the Triton index kernels vs a plain-PyTorch gather baseline.
 
-    python -m flexsparse.bench_indices [--out PATH] [--sweep] [--quick] [--patterns random,local]
+    python -m benchmarks.bench_indices [--out PATH] [--sweep] [--quick] [--patterns random,local]
 
 Rows: B=1, Hq=16, Hkv=4, D=Dv=128, bfloat16, uniform random key indices (sorted per row,
 no -1), W in (64, 256, 1024), L = Lq = Lk in (8K, 32K). Times are medians of
