@@ -100,7 +100,8 @@ class BlockDescriptor:
                         ("q_full_index", nQB)):
             index = getattr(self, name)
             if index.dim() == 5:
-                hit = reference.ranges_to_grid(index, n)
+                count = getattr(self, name.replace("_index", "_count"))
+                hit = reference.ranges_to_grid(index, n, count)
                 width = int(hit.sum(-1).max()) if hit.numel() else 0
                 index = _block_lists(hit, width)[1]
             out[name] = index

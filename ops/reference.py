@@ -69,11 +69,19 @@ def _row_step(mask: MaskTensors, B, Hq, G, Lq, Lk, D, block_q):
 
 # ---------------------------------------------------------------- visibility
 
-def ranges_to_grid(ranges: torch.Tensor, n: int) -> torch.Tensor:
-    """bool (.., n): which of blocks 0..n-1 a range-form row (.., R, 2) of [lo, hi) holds."""
+def ranges_to_grid(ranges: torch.Tensor, n: int, count=None) -> torch.Tensor:
+    """bool (.., n): which of blocks 0..n-1 a range-form row (.., R, 2) of [lo, hi) holds.
+    count (..): only the row's first `count` blocks, in range order (negative: none), as
+    the kernels read a list row."""
     blocks = torch.arange(n, device=ranges.device)
     r = ranges.to(torch.int64)
-    return ((blocks >= r[..., 0:1]) & (blocks < r[..., 1:2])).any(-2)
+    lo, hi = r[..., 0:1], r[..., 1:2]                       # (.., R, 1)
+    hit = (blocks >= lo) & (blocks < hi)                    # (.., R, n)
+    if count is not None:
+        length = (hi - lo).clamp(min=0)
+        before = length.cumsum(-2) - length                 # blocks in the ranges before
+        hit = hit & (before + blocks - lo < count.to(torch.int64)[..., None, None])
+    return hit.any(-2)
 
 
 def block_state(mask: MaskTensors, qb0, qb1, nKB, device):
@@ -85,12 +93,14 @@ def block_state(mask: MaskTensors, qb0, qb1, nKB, device):
     for count, index, value in ((mask.kv_count, mask.kv_index, 1),
                                 (mask.kv_full_count, mask.kv_full_index, 2)):
         if index.dim() == 5:
-            hit = ranges_to_grid(index[:, :, qb0:qb1], nKB)
+            hit = ranges_to_grid(index[:, :, qb0:qb1], nKB, count[:, :, qb0:qb1])
             s = torch.where(hit, value, 0).to(torch.int32)
         else:
             c = count[:, :, qb0:qb1].to(torch.int64)
             idx = index[:, :, qb0:qb1, :].to(torch.int64)
-            valid = torch.arange(idx.shape[-1], device=device) < c[..., None]
+            # the first `count` entries; entries outside [0, nKB) are skipped (as in the kernels)
+            valid = ((torch.arange(idx.shape[-1], device=device) < c[..., None])
+                     & (idx >= 0) & (idx < nKB))
             s = torch.zeros(c.shape + (nKB,), dtype=torch.int32, device=device)
             src = torch.where(valid, torch.full_like(idx, value, dtype=torch.int32),
                               torch.zeros_like(idx, dtype=torch.int32))
@@ -258,6 +268,20 @@ def _gather_bias(bias5, idx, valid, B, Hkv, G, rows, Lk):
 
 # ---------------------------------------------------------------- forward
 
+def _probs_times_values(p, v):
+    """p @ v, where a non-finite value reaches only the rows that see its key (p > 0): an
+    invisible key has p = 0, and 0 * inf = NaN must not poison rows that never see it
+    (docs/semantics.md, "Non-finite input")."""
+    bad = ~torch.isfinite(v)
+    if not bool(bad.any()):
+        return p @ v
+    out = p @ torch.where(bad, torch.zeros_like(v), v)
+    keys = bad.any(-1).flatten(0, -2).any(0).nonzero().flatten()      # keys holding one
+    p_j = p[..., keys].unsqueeze(-1)                                    # (.., rows, J, 1)
+    v_j = torch.where(bad, v, torch.zeros_like(v))[..., keys, :].unsqueeze(-3)   # (.., 1, J, Dv)
+    return out + torch.where(p_j > 0, p_j * v_j, torch.zeros_like(p_j * v_j)).sum(-2)
+
+
 def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale, softcap,
             deterministic):
     B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5 = _prepare(query, key, value)
@@ -288,7 +312,7 @@ def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale,
             if bias is not None:
                 s = s + _bias_rows(bias, r0, r1, Hkv, G, cd)
             p, l = _softmax_with_lse(s, vis)
-            o = p @ v5
+            o = _probs_times_values(p, v5)
         out[:, :, r0:r1] = o.flatten(1, 2).to(query.dtype)
         lse[:, :, r0:r1] = l.flatten(1, 2).to(lse.dtype)
     return out, lse
