@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|sanitize ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|sanitize|fuzz|cuda|cudabench ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -86,6 +86,13 @@ if [[ " $parts " == *" ncu "* ]]; then
   echo "ncu rc=$?"
   grep -E "^  [a-z_]+.*\(|Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps Per|Eligible Warps|Executed Ipc A|DRAM Throughput|stalled" "$OUT/ncu.log" \
     | awk '$NF+0 >= 0.05 || !/stalled/' | head -90
+fi
+# Corrupted and reused descriptors on the GPU backends under compute-sanitizer memcheck.
+if [[ " $parts " == *" fuzz "* ]]; then
+  timeout "${T_FUZZ:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -p no:cacheprovider tests/gpu/test_fuzz_gpu.py > "$OUT/fuzz.log" 2>&1
+  rc=$?; echo "fuzz under compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "ERROR SUMMARY|Invalid|passed|failed|FAILED" "$OUT/fuzz.log" | tail -12
 fi
 # Out-of-bounds check of the kernels on odd sizes: compute-sanitizer memcheck (slow; a few tests).
 if [[ " $parts " == *" sanitize "* ]]; then
