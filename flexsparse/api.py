@@ -1,5 +1,6 @@
 """flexsparse.attention: validate, compile the mask, pick a backend, call the op."""
 import math
+import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -95,6 +96,8 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
             if name != "partial_bits" and t is not None and t.shape[0] not in (1, B):
                 raise ValueError(f"mask: descriptor tensor {name} has batch {t.shape[0]}, "
                                  f"inputs have B={B} (it must be 1 or B)")
+        if os.environ.get("FLEXSPARSE_DEBUG") == "1":
+            check_block_lists(mask)
         return mask
     if mask is None:
         mask = masks_mod.full()
@@ -156,3 +159,36 @@ def _check_bias(bias, query, B, Hq, Hkv, Lq, Lk):
     if b not in (1, B) or h not in (1, Hkv, Hq) or lq not in (1, Lq) or lk not in (1, Lk):
         raise ValueError(f"bias: shape {tuple(bias.shape)} is not broadcastable to "
                          f"(B={B}, Hq={Hq} or Hkv={Hkv}, Lq={Lq}, Lk={Lk})")
+
+
+def check_block_lists(desc: BlockDescriptor) -> None:
+    """FLEXSPARSE_DEBUG=1: every block list of a hand-made or modified descriptor is read
+    back on the host (a device sync) and checked: counts in [0, width], entries (explicit
+    form) or ranges (range form) inside the block grid. The kernels are not written to
+    tolerate corrupted lists (docs/semantics.md, "Corrupted descriptors")."""
+    nQB = -(-desc.seq_lengths[0] // desc.block_size[0])
+    nKB = -(-desc.seq_lengths[1] // desc.block_size[1])
+    mt = desc.mask_tensors()
+    for prefix, n in (("kv", nKB), ("kv_full", nKB), ("q", nQB), ("q_full", nQB)):
+        count, index = getattr(mt, prefix + "_count"), getattr(mt, prefix + "_index")
+        if count is None or index is None:
+            continue
+        count, index = count.cpu().long(), index.cpu().long()
+        if index.dim() == 5:             # range form: [lo, hi) inside [0, n], lo <= hi
+            lo, hi = index[..., 0], index[..., 1]
+            width = (hi - lo).clamp(min=0).sum(-1)
+            bad = (lo < 0) | (hi > n) | (hi < lo)
+            if bool(bad.any()):
+                raise ValueError(f"mask: descriptor list {prefix}_index holds a range outside "
+                                 f"[0, {n}] or with hi < lo: {index[bad.any(-1)][0].tolist()}")
+        else:
+            width = torch.full_like(count, index.shape[-1])
+            used = torch.arange(index.shape[-1]) < count[..., None]
+            bad = used & ((index < 0) | (index >= n))
+            if bool(bad.any()):
+                raise ValueError(f"mask: descriptor list {prefix}_index holds block "
+                                 f"{int(index[bad][0])} outside [0, {n})")
+        if bool(((count < 0) | (count > width)).any()):
+            c = count[(count < 0) | (count > width)][0]
+            raise ValueError(f"mask: descriptor list {prefix}_count holds {int(c)}, outside "
+                             f"[0, its row's width]")

@@ -183,3 +183,22 @@ def test_non_finite_invisible_key(backend, where):
     else:
         # the documented exception: rows 32..38 share the last 16x16 tile with key 39
         assert nan_rows == list(range(32, L))
+
+
+@pytest.mark.parametrize("how", ["index", "count", "negative", "negative_partial", "explicit"])
+def test_debug_mode_rejects_corrupted_lists(how, monkeypatch):
+    """FLEXSPARSE_DEBUG=1 reads the lists back and names the broken one."""
+    monkeypatch.setenv("FLEXSPARSE_DEBUG", "1")
+    q = torch.randn(1, 2, 40, 16)
+    desc = M.causal().compile(1, 2, 2, 40, 40, device="cpu", block_size=(16, 16))
+    flexsparse.attention(q, q, q, desc, backend="reference")        # a valid one passes
+    if how == "explicit":
+        desc = desc.with_lists()
+    desc = copy.deepcopy(desc)
+    mt = desc.mask_tensors()
+    {"index": lambda: mt.kv_index.fill_(99), "count": lambda: mt.kv_count.fill_(50),
+     "negative": lambda: mt.kv_full_count.fill_(-3),
+     "negative_partial": lambda: mt.kv_count.fill_(-1),
+     "explicit": lambda: mt.q_full_index.fill_(-7)}[how]()
+    with pytest.raises(ValueError, match="mask: descriptor list"):
+        flexsparse.attention(q, q, q, desc, backend="reference")
