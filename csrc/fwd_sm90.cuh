@@ -305,10 +305,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if (log2_scores) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
-          const int j = j0 + col_base + 8 * (c / 2) + (c & 1);
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) {
-            const int i = i0 + row_base + 8 * r;
             float s = S(r, c);
             s = has_softcap ? p.softcap * tanhf(s * p.scale / p.softcap) : s * p.scale;
             s *= LOG2E;
