@@ -8,7 +8,7 @@ import sys
 
 from setuptools import setup
 
-PACKAGES = ["flexsparse", "flexsparse.ops"]
+PACKAGES = ["flexsparse", "flexsparse.integrations", "flexsparse.ops"]
 PACKAGE_DIR = {"flexsparse": "flexsparse", "flexsparse.ops": "ops"}
 
 
