@@ -62,10 +62,19 @@ struct ListRow {
 };
 
 // The tiles one program visits: the partial list's blocks, then the full list's, each
-// block split into `sub` tiles of the kernel's tile size.
+// block split into `sub` tiles of the kernel's tile size. Warpgroups that must agree on
+// the tiles (producer and consumers) build the same walk.
 struct TileWalk {
   ListRow partial, full;
   int sub = 1;
+
+  __device__ __forceinline__ TileWalk() {}
+
+  // Row `row` of the lists at (b, h), `sub` kernel tiles per listed block.
+  __device__ __forceinline__ TileWalk(const BlockListParams& partial_lists,
+                                      const BlockListParams& full_lists, int b, int h, int row,
+                                      int sub_)
+      : partial(partial_lists, b, h, row), full(full_lists, b, h, row), sub(sub_) {}
 
   __device__ __forceinline__ int n_tiles() const { return (partial.count + full.count) * sub; }
 

@@ -237,10 +237,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        TileWalk walk;
-        walk.partial = ListRow(p.q_partial, b, h, kb);
-        walk.full = ListRow(p.q_full, b, h, kb);
-        walk.sub = sub;
+        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
         Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
         Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
         const int n_tiles = walk.n_tiles();
@@ -314,10 +311,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     int buf = 0;
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
-      TileWalk walk;
-      walk.partial = ListRow(p.q_partial, b, h, kb);
-      walk.full = ListRow(p.q_full, b, h, kb);
-      walk.sub = sub;
+      const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;

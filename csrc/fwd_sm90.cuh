@@ -105,10 +105,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.Hq / p.Hkv);
   const int qb = m_block * kBlockM / p.block_q;
-  TileWalk walk;
-  walk.partial = ListRow(p.kv_partial, b, h, qb);
-  walk.full = ListRow(p.kv_full, b, h, qb);
-  walk.sub = p.block_k / kBlockN;
+  const TileWalk walk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN);
   const int n_tiles = walk.n_tiles();
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
