@@ -21,6 +21,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     except ImportError:
         pass
 
+# Hand corruptions of a descriptor's block lists (applied in place to its mask tensors).
+CORRUPTIONS = {
+    "index": lambda mt: mt.kv_index.fill_(99),
+    "count": lambda mt: mt.kv_count.fill_(50),
+    "negative": lambda mt: mt.kv_full_count.fill_(-3),
+    "negative_partial": lambda mt: mt.kv_count.fill_(-1),
+    "explicit": lambda mt: mt.q_full_index.fill_(-7),
+}
+
 SETTINGS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -54,12 +63,7 @@ def _mask(data, B, Hkv, Lq, Lk):
         desc = copy.deepcopy(desc)
         mt = desc.mask_tensors()
         how = data.draw(st.sampled_from(["index", "count", "negative"]), label="corruption")
-        if how == "index":
-            mt.kv_index.fill_(99)
-        elif how == "count":
-            mt.kv_count.fill_(50)
-        else:
-            mt.kv_full_count.fill_(-3)
+        CORRUPTIONS[how](mt)
     return desc
 
 
@@ -155,9 +159,7 @@ def test_corrupted_descriptor_reads_in_bounds_and_matches_reference(backend, how
     q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
     desc = copy.deepcopy(M.causal().compile(1, 2, 2, 40, 40, device="cpu", block_size=(16, 16)))
     mt = desc.mask_tensors()
-    {"index": lambda: mt.kv_index.fill_(99), "count": lambda: mt.kv_count.fill_(50),
-     "negative": lambda: mt.kv_full_count.fill_(-3),
-     "negative_partial": lambda: mt.kv_count.fill_(-1)}[how]()
+    CORRUPTIONS[how](mt)
     got = flexsparse.attention(q, k, v, desc, backend=backend, return_lse=True)
     want = flexsparse.attention(q.double(), k.double(), v.double(), desc, backend="reference",
                                 return_lse=True)
@@ -196,9 +198,6 @@ def test_debug_mode_rejects_corrupted_lists(how, monkeypatch):
         desc = desc.with_lists()
     desc = copy.deepcopy(desc)
     mt = desc.mask_tensors()
-    {"index": lambda: mt.kv_index.fill_(99), "count": lambda: mt.kv_count.fill_(50),
-     "negative": lambda: mt.kv_full_count.fill_(-3),
-     "negative_partial": lambda: mt.kv_count.fill_(-1),
-     "explicit": lambda: mt.q_full_index.fill_(-7)}[how]()
+    CORRUPTIONS[how](mt)
     with pytest.raises(ValueError, match="mask: descriptor list"):
         flexsparse.attention(q, q, q, desc, backend="reference")
