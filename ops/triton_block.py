@@ -1378,6 +1378,13 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
     return out, lse
 
 
+def _even(length, tile, block):
+    """True when no tile needs bounds masks along this axis. The kernels walk whole
+    descriptor blocks tile by tile, so the last block's tiles past the length (L=64 at
+    block 128 with 64-wide tiles) must be masked even when the tile divides the length."""
+    return length % tile == 0 and length % block == 0
+
+
 def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softcap):
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]
@@ -1393,7 +1400,7 @@ def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softca
         *c["bias"][1:], *c["kv"], *c["kf"], *c["preds"],
         Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"],
         c["rev_q"]),
-        dict(**c["flags"], **c["kv_ranges"], EVEN_M=Lq % BM == 0, EVEN_N=Lk % BN == 0,
+        dict(**c["flags"], **c["kv_ranges"], EVEN_M=_even(Lq, BM, block_q), EVEN_N=_even(Lk, BN, block_k),
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     return _Call(c, [launch], alloc=None, finish=None)
 
@@ -1534,8 +1541,9 @@ def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block
             block_k // BN2, -(-Lq // block_q), n_kv_tiles, n_q_tiles, scale, c["qk_scale"],
             c["cap_log2"], c["rev_q"]),
             dict(**dkdv_flags, **c["q_ranges"], **c["kv_ranges"], DB_COLSUM=db_colsum,
-                 EVEN_M1=Lq % BM == 0, EVEN_N1=Lk % BN == 0, EVEN_M2=Lq % BM2 == 0,
-                 EVEN_N2=Lk % BN2 == 0, BLOCK_M1=BM, BLOCK_N1=BN, BLOCK_M2=BM2, BLOCK_N2=BN2,
+                 EVEN_M1=_even(Lq, BM, block_q), EVEN_N1=_even(Lk, BN, block_k),
+                 EVEN_M2=_even(Lq, BM2, block_q), EVEN_N2=_even(Lk, BN2, block_k),
+                 BLOCK_M1=BM, BLOCK_N1=BN, BLOCK_M2=BM2, BLOCK_N2=BN2,
                  BLOCK_D=c["BLOCK_D"]), warps, stages))
     else:
         if dq_atomic:   # float32 dQ from the dK/dV pass's atomics; unreached rows stay zero
@@ -1546,8 +1554,8 @@ def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block
             *common_args, *db_strides, db_hdiv, *c["qc"], *c["qf"], *c["preds"],
             Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
             c["qk_scale"], c["cap_log2"]),
-            dict(**dkdv_flags, **c["q_ranges"], DQ_ATOMIC=dq_atomic, EVEN_M=Lq % BM == 0,
-                 EVEN_N=Lk % BN == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]),
+            dict(**dkdv_flags, **c["q_ranges"], DQ_ATOMIC=dq_atomic, EVEN_M=_even(Lq, BM, block_q),
+                 EVEN_N=_even(Lk, BN, block_k), BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]),
             warps, stages))
         if not dq_atomic:
             ds_ptr, ds_strides = (db_ptr, db_strides) if dq_from_ds else (c["dummy"], (0,) * 4)
@@ -1557,7 +1565,7 @@ def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block
                 Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c["qk_scale"],
                 c["cap_log2"], c["rev_q"]),
                 dict(**c["flags"], **c["kv_ranges"], DB_COLSUM=db_colsum,
-                     DQ_FROM_DS=dq_from_ds, EVEN_M=Lq % BM2 == 0, EVEN_N=Lk % BN2 == 0,
+                     DQ_FROM_DS=dq_from_ds, EVEN_M=_even(Lq, BM2, block_q), EVEN_N=_even(Lk, BN2, block_k),
                      BLOCK_M=BM2, BLOCK_N=BN2, BLOCK_D=c["BLOCK_D"]), warps2, stages2))
 
     device = query.device

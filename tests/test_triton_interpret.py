@@ -141,6 +141,15 @@ def test_odd_lengths(Lq, Lk, kind):
     check(*qkv(1, 2, 2, Lq, Lk, 32, seed=Lq + Lk), mask)
 
 
+@pytest.mark.parametrize("Lq,Lk", [(32, 32), (64, 96), (96, 32)])
+@pytest.mark.parametrize("kind", ["full", "causal"])
+def test_lengths_that_divide_the_tile_not_the_block(Lq, Lk, kind):
+    """Lengths that are multiples of the kernel tile (32 here) but not of the descriptor
+    block (64): the last block's second tile lies past the length and must be masked."""
+    mask = None if kind == "full" else M.causal()
+    check(*qkv(1, 2, 1, Lq, Lk, 32, seed=Lq * Lk), mask, block=(64, 64))
+
+
 @pytest.mark.parametrize("D", [16, 40, 64])
 def test_head_dims(D):
     check(*qkv(1, 2, 1, 50, 50, D, seed=D), M.causal())
