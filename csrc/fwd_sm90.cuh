@@ -7,7 +7,10 @@
 //     pipelines (keys, values) of kStages stages each;
 //   warpgroups 1, 2 (consumers, 64 query rows each): S = Q K^T with wgmma from shared
 //     memory, element predicates on partial tiles, online softmax in registers,
-//     O += P V with P as the register A operand.
+//     O += P V with P as the register A operand. With FwdTraits::kOverlap (hd64, hd128
+//     without bias) the two consumers take turns at the tensor cores and each runs the
+//     softmax of tile t while its O += P V of tile t-1 computes (FlashAttention-3's
+//     ping-pong and intra-warpgroup overlap); otherwise each tile is done in turn.
 // Skipped blocks are never loaded. Rows past Lq and columns past Lk come from TMA as
 // zeros and are masked here; out and lse of rows past Lq are not written.
 // Layout after FlashAttention-3's hopper/ forward (collective mainloop + epilogue).
@@ -24,9 +27,14 @@
 
 namespace flexsparse::sm90 {
 
-template <class Element_, int kHeadDim_, int kBlockN_, int kStages_>
+// kOverlap: FlashAttention-3's consumer schedule. Within a warpgroup the softmax of tile t
+// runs while its O += P(t-1) V(t-1) wgmma does (intra-warpgroup overlap), and the two
+// consumer warpgroups take turns issuing their wgmmas (ping-pong), so one warpgroup's
+// softmax overlaps the other's matmuls. Without it each tile is QK^T, softmax, PV in turn.
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false>
 struct FwdTraits {
   using Element = Element_;
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
@@ -75,7 +83,9 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    alignas(16) int32_t col_ranges[2][kBlockN * 2 * kMaxStagedRanges];   // [key][slot]
+    // Column ranges of a partial tile, per consumer warpgroup (each stages its own, so the
+    // warpgroups never wait for each other), double-buffered: [key][slot].
+    alignas(16) int32_t col_ranges[kConsumerWarpgroups][2][kBlockN * 2 * kMaxStagedRanges];
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
@@ -187,17 +197,17 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     constexpr int kRows = decltype(size<0>(coord))::value;
     constexpr int kCols = decltype(size<1>(coord))::value;
     constexpr int kMaxStagedRanges = T::kMaxStagedRanges;
-    constexpr int kStagedPerThread = kBlockN * 4 / T::kMmaThreads;
     static_assert(T::kMaxStagedRanges == 4, "staging keeps 4 (start, end) slots per key");
     static_assert(kRows == 2 && kCols == kBlockN / 4, "GMMA C fragment: 2 rows, N / 4 columns");
     // This thread's first accumulator row and column within a tile; the others are at
     // fixed offsets (rows + 8 r, columns + 8 (c / 2) + c % 2: the GMMA C fragment).
     const int row_base = get<0>(coord(0, 0));
     const int col_base = get<1>(coord(0, 0));
-    constexpr int kBarrierColRanges = 1;
 
     const float LOG2E = 1.4426950408889634f;
-    const bool has_bias = p.bias != nullptr;
+    // The overlapped schedule is built without the bias code (its registers would spill
+    // beside S, P and O in flight); launch_fwd runs biased calls on the serial one.
+    const bool has_bias = !T::kOverlap && p.bias != nullptr;
     const bool has_softcap = p.softcap > 0.f;
     // Without bias or softcap the row max is kept on the raw scores and the scale is
     // folded into exp2's argument (one FFMA per score); else scores are taken to the
@@ -219,32 +229,50 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
     const int32_t* bits_row = pr.bits_index == nullptr ? nullptr
         : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh + qb * pr.bi_sq;
+    const int wg = warpgroup - 1;                  // consumer warpgroup: 0 or 1
+    const int wg_tid = tid % 128;
+    constexpr int kStagedPerWarpgroup = kBlockN * 4 / 128;   // (key, slot) pairs per thread
+    constexpr int kBarrierColRanges = 1;           // + wg: 1, 2
+    constexpr int kBarrierSchedule = 3;            // + wg: 3, 4
     int buf = 0;
 
     float row_max[kRows], row_sum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
 
-    if (n_tiles > 0) Barrier::wait(&ss.barrier_q, 0);
-    typename T::PipelineState read;
-    for (int t = 0; t < n_tiles; ++t) {
-      bool partial;
-      const int n = walk.tile_at(t, partial);
-      if (n < 0) continue;
-      // Partial tiles with column ranges: load the tile's ranges now (they land while the
-      // QK^T wgmma runs) as 4 (start, length) slots per key: row i is hidden by a slot iff
-      // unsigned(i - start) < length. Unused slots are (0, 0) and hide nothing; keys past Lk
-      // get a slot that hides every row. More than 4 ranges per key: read per score from
-      // global memory instead (slow path).
-      const bool staged = partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
-                          !(p.debug & 4);
-      int2 cr_vals[kStagedPerThread];
-      if (staged) {
+    // Bias of scores (r, c) and (r, c + 1) of tile n (adjacent keys), loaded before the
+    // product so that the latency hides behind it: one 32-bit load when the rows allow it.
+    auto load_bias_pair = [&](int n, int r, int c) -> uint32_t {
+      const Element* row = bias + min(i0 + row_base + 8 * r, p.Lq - 1) * p.bias_sq;
+      const int j = n * kBlockN + col_base + 8 * (c / 2);
+      if (bias_pairs_ok && j + 1 < p.Lk) return __ldg(reinterpret_cast<const uint32_t*>(row + j));
+      const Element lo = row[min(j, p.Lk - 1) * p.bias_sk];
+      const Element hi = row[min(j + 1, p.Lk - 1) * p.bias_sk];
+      return uint32_t(reinterpret_cast<const uint16_t&>(lo)) |
+             (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+    };
+    using FragS = decltype(partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    // What a tile needs besides K and V, loaded before its QK^T wgmma so that the loads'
+    // latency hides behind it.
+    struct TileExtras {
+      int n;
+      bool partial, staged;
+      int2 cr_vals[kStagedPerWarpgroup];
+      uint32_t bias_pairs[kRows][kCols / 2];
+    };
+    auto load_extras = [&](TileExtras& x) {
+      // Partial tiles with column ranges: the tile's ranges as 4 (start, length) slots per
+      // key: row i is hidden by a slot iff unsigned(i - start) < length. Unused slots are
+      // (0, 0) and hide nothing; keys past Lk get a slot that hides every row. More than 4
+      // ranges per key: read per score from global memory instead (slow path).
+      x.staged = x.partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
+                 !(p.debug & 4);
+      if (x.staged) {
         CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < kStagedPerThread; ++x) {
-          const int e = tid + x * T::kMmaThreads;      // (key, slot) pair, < kBlockN * 4
-          const int col = e >> 2, slot = e & 3;
-          const int j = n * kBlockN + col;
+        for (int e = 0; e < kStagedPerWarpgroup; ++e) {
+          const int pair = wg_tid + e * 128;        // (key, slot) pair, < kBlockN * 4
+          const int col = pair >> 2, slot = pair & 3;
+          const int j = x.n * kBlockN + col;
           int2 v = make_int2(0, 0);
           if (j >= p.Lk) {
             if (slot == 0) v = make_int2(0, 0x7fffffff);
@@ -253,52 +281,34 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             const int lo = __ldg(cr), hi = __ldg(cr + 1);
             v = make_int2(lo, max(hi - lo, 0));
           }
-          cr_vals[x] = v;
+          x.cr_vals[e] = v;
         }
       }
-      // Bias of this tile's scores, loaded before the product so that the loads' latency
-      // hides behind it: pairs of adjacent keys (columns c, c + 1) in one 32-bit load when
-      // the bias rows allow it.
-      uint32_t bias_pairs[kRows][kCols / 2];
       if (has_bias) {
-        const int j0b = n * kBlockN + col_base;
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          const Element* row = bias + min(i0 + row_base + 8 * r, p.Lq - 1) * p.bias_sq;
           CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; c += 2) {
-            const int j = j0b + 8 * (c / 2);
-            if (bias_pairs_ok && j + 1 < p.Lk) {
-              bias_pairs[r][c / 2] = __ldg(reinterpret_cast<const uint32_t*>(row + j));
-            } else {
-              const Element lo = row[min(j, p.Lk - 1) * p.bias_sk];
-              const Element hi = row[min(j + 1, p.Lk - 1) * p.bias_sk];
-              bias_pairs[r][c / 2] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) |
-                                     (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
-            }
-          }
+          for (int c = 0; c < kCols; c += 2) x.bias_pairs[r][c / 2] = load_bias_pair(x.n, r, c);
         }
       }
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      pipe_k.consumer_wait(read);
-      gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-      pipe_k.consumer_release(read);
-
+    };
+    // Scores of a finished QK^T: to the log2 domain where needed (softcap, bias), invisible
+    // ones to -inf.
+    auto finish_scores = [&](FragS& tSrS, TileExtras& x) {
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-      const int j0 = n * kBlockN;
-      if (staged) {
-        // Column ranges of this tile's keys into shared memory (double-buffered: the
-        // barrier also tells that every thread is done with the buffer of two tiles ago).
+      const int j0 = x.n * kBlockN;
+      if (x.staged) {
+        // This warpgroup's buffer (double-buffered: the barrier also tells that its
+        // threads are done with the buffer of two tiles ago).
         CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < kStagedPerThread; ++x)
-          reinterpret_cast<int2*>(ss.col_ranges[buf])[tid + x * T::kMmaThreads] = cr_vals[x];
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierColRanges);
+        for (int e = 0; e < kStagedPerWarpgroup; ++e)
+          reinterpret_cast<int2*>(ss.col_ranges[wg][buf])[wg_tid + e * 128] = x.cr_vals[e];
+        cutlass::arch::NamedBarrier::sync(128, kBarrierColRanges + wg);
       }
       // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
       // timing only).
-      const bool check = (partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk;
-      // Scores to the log2 domain (softcap, bias) where needed.
+      const bool check = (x.partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk;
       if (log2_scores) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
@@ -308,7 +318,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             s = has_softcap ? p.softcap * tanhf(s * p.scale / p.softcap) : s * p.scale;
             s *= LOG2E;
             if (has_bias) {
-              const uint32_t pair = bias_pairs[r][c / 2];
+              const uint32_t pair = x.bias_pairs[r][c / 2];
               const uint16_t bits = (c & 1) ? uint16_t(pair >> 16) : uint16_t(pair & 0xffff);
               s += LOG2E * static_cast<float>(reinterpret_cast<const Element&>(bits));
             }
@@ -319,8 +329,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if (check) {
         // Hide invisible scores, each predicate in its own branch-free pass. Rows past Lq
         // need no mask: they are never stored, and their scores (zero queries) are finite.
-        const bool preds = partial && !(p.debug & 1);
-        if (staged && preds) {
+        const bool preds = x.partial && !(p.debug & 1);
+        if (x.staged && preds) {
           auto hide_ranges = [&](auto slots) {
             constexpr int kSlots = decltype(slots)::value;
             CUTLASS_PRAGMA_UNROLL
@@ -329,16 +339,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               const int jt = col_base + 8 * (c / 2) + (c & 1);
               int4 rg[kSlots / 2];
               CUTLASS_PRAGMA_UNROLL
-              for (int x = 0; x < kSlots / 2; ++x)
-                rg[x] = reinterpret_cast<const int4*>(ss.col_ranges[buf])[jt * 2 + x];
+              for (int e = 0; e < kSlots / 2; ++e)
+                rg[e] = reinterpret_cast<const int4*>(ss.col_ranges[wg][buf])[jt * 2 + e];
               CUTLASS_PRAGMA_UNROLL
               for (int r = 0; r < kRows; ++r) {
                 const int i = i0 + row_base + 8 * r;
                 bool hidden = false;
                 CUTLASS_PRAGMA_UNROLL
-                for (int x = 0; x < kSlots / 2; ++x) {
-                  hidden |= unsigned(i - rg[x].x) < unsigned(rg[x].y);
-                  hidden |= unsigned(i - rg[x].z) < unsigned(rg[x].w);
+                for (int e = 0; e < kSlots / 2; ++e) {
+                  hidden |= unsigned(i - rg[e].x) < unsigned(rg[e].y);
+                  hidden |= unsigned(i - rg[e].z) < unsigned(rg[e].w);
                 }
                 S(r, c) = hidden ? -INFINITY : S(r, c);
               }
@@ -354,12 +364,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             for (int r = 0; r < kRows; ++r) S(r, c) = col_ok ? S(r, c) : -INFINITY;
           }
         }
-        if (preds && cr_base != nullptr && !staged) {   // more than 4 ranges per key
+        if (preds && cr_base != nullptr && !x.staged) {   // more than 4 ranges per key
           for (int c = 0; c < kCols; ++c) {
             const int j = min(j0 + col_base + 8 * (c / 2) + (c & 1), p.Lk - 1);
             const int32_t* cr = cr_base + (int64_t)j * p.pred.cr_sk;
-            for (int x = 0; x < p.pred.n_col_ranges; ++x) {
-              const int lo = __ldg(cr + 2 * x), hi = __ldg(cr + 2 * x + 1);
+            for (int e = 0; e < p.pred.n_col_ranges; ++e) {
+              const int lo = __ldg(cr + 2 * e), hi = __ldg(cr + 2 * e + 1);
               CUTLASS_PRAGMA_UNROLL
               for (int r = 0; r < kRows; ++r) {
                 const int i = i0 + row_base + 8 * r;
@@ -376,10 +386,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               const int32_t* w = p.pred.bits + idx * p.pred.bits_sp +
                                  ((i0 + row_base + 8 * r) % p.block_q) * p.pred.bits_sr + (j0 % p.block_k) / 32;
               CUTLASS_PRAGMA_UNROLL
-              for (int x = 0; x < kBlockN / 32; ++x) {
-                const uint32_t word = __ldg(w + x);
+              for (int e = 0; e < kBlockN / 32; ++e) {
+                const uint32_t word = __ldg(w + e);
                 CUTLASS_PRAGMA_UNROLL
-                for (int c = 8 * x; c < 8 * x + 8; ++c) {   // the 8 columns of this word
+                for (int c = 8 * e; c < 8 * e + 8; ++c) {   // the 8 columns of this word
                   const int jt = col_base + 8 * (c / 2) + (c & 1);
                   S(r, c) = (word >> (jt & 31)) & 1u ? S(r, c) : -INFINITY;
                 }
@@ -400,9 +410,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
         }
       }
-      if (staged) buf ^= 1;
-      // Online softmax: rescale the running output by exp2(m_old - m_new).
-      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      if (x.staged) buf ^= 1;
+    };
+    // Online softmax: the new row max, P = exp2(s - max) in place of the scores, the running
+    // sums, and alpha = exp2(m_old - m_new), the factor for the running output.
+    auto softmax = [&](FragS& tSrS, float (&alpha)[kRows]) {
+      Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
         float m = row_max[r];
@@ -410,7 +423,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
         m = quad_max(m);
         const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
-        const float alpha = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
+        alpha[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
         row_max[r] = m;
         float sum = 0.f;
         CUTLASS_PRAGMA_UNROLL
@@ -419,16 +432,112 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           S(r, c) = e;
           sum += e;
         }
-        row_sum[r] = row_sum[r] * alpha + sum;
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
       }
-      Tensor tOrP_ = convert_type<Element>(tSrS);
-      Tensor tOrP = make_tensor(tOrP_.data(), accumulator_as_a(tSrS.layout()));
-      pipe_v.consumer_wait(read);
-      gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-      pipe_v.consumer_release(read);
-      ++read;
+    };
+    auto rescale_o = [&](float const (&alpha)[kRows]) {
+      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha[r];
+      }
+    };
+    // The next listed tile from t on, skipping entries a bad descriptor put out of range.
+    auto next_tile = [&](int t, int& n, bool& partial) {
+      for (; t < n_tiles; ++t) {
+        n = walk.tile_at(t, partial);
+        if (n >= 0) break;
+      }
+      return t;
+    };
+
+    if (n_tiles > 0) Barrier::wait(&ss.barrier_q, 0);
+    int n;
+    bool partial;
+    if constexpr (!T::kOverlap) {
+      typename T::PipelineState read;
+      for (int t = next_tile(0, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
+        TileExtras x{n, partial};
+        load_extras(x);
+        FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipe_k.consumer_wait(read);
+        gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        pipe_k.consumer_release(read);
+        finish_scores(tSrS, x);
+        float alpha[kRows];
+        softmax(tSrS, alpha);
+        rescale_o(alpha);
+        Tensor tOrP_ = convert_type<Element>(tSrS);
+        Tensor tOrP = make_tensor(tOrP_.data(), accumulator_as_a(tSrS.layout()));
+        pipe_v.consumer_wait(read);
+        gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+        pipe_v.consumer_release(read);
+        ++read;
+      }
+    } else {
+      // Per tile t: issue S(t) = Q K(t)^T; scale O by tile t-1's alpha; issue
+      // O += P(t-1) V(t-1); wait for S(t) only; mask and softmax of tile t while the PV
+      // wgmma runs; wait for it; P(t) from S(t). Scheduler barriers make the two
+      // warpgroups issue their pairs of wgmmas in turn (warpgroup 0 first).
+      auto issue_begin = [&] { cutlass::arch::NamedBarrier::sync(2 * 128, kBarrierSchedule + wg); };
+      auto issue_end = [&] { cutlass::arch::NamedBarrier::arrive(2 * 128, kBarrierSchedule + 1 - wg); };
+      typename T::PipelineState read_k, read_v;
+      Tensor tOrP = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
+      float alpha[kRows];
+      int t = next_tile(0, n, partial);
+      if (t < n_tiles) {
+        if (wg == 1) issue_end();
+        TileExtras x{n, partial};
+        load_extras(x);
+        FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        pipe_k.consumer_wait(read_k);
+        issue_begin();
+        gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        issue_end();
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(read_k);
+        ++read_k;
+        finish_scores(tSrS, x);
+        softmax(tSrS, alpha);
+        Tensor P = convert_type<Element>(tSrS);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
+        for (t = next_tile(t + 1, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
+          TileExtras x{n, partial};
+          load_extras(x);
+          FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+          pipe_k.consumer_wait(read_k);
+          issue_begin();
+          gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          rescale_o(alpha);
+          pipe_v.consumer_wait(read_v);
+          gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          issue_end();
+          warpgroup_wait<1>();
+          pipe_k.consumer_release(read_k);
+          ++read_k;
+          finish_scores(tSrS, x);
+          softmax(tSrS, alpha);
+          warpgroup_wait<0>();
+          pipe_v.consumer_release(read_v);
+          ++read_v;
+          Tensor P = convert_type<Element>(tSrS);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
+        }
+        rescale_o(alpha);
+        pipe_v.consumer_wait(read_v);
+        issue_begin();
+        gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        issue_end();
+        // Warpgroup 0 takes the last turn that warpgroup 1 handed it, so that every arrival
+        // at a scheduler barrier is matched when the CTA exits.
+        if (wg == 0) issue_begin();
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(read_v);
+        ++read_v;
+      }
     }
 
     // ------------------------------------------------------------------ epilogue
@@ -483,6 +592,15 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   dim3 grid((p.Lq + T::kBlockM - 1) / T::kBlockM, p.Hq, p.B);
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// The overlapped schedule where asked for and applicable (no bias), else the serial one.
+template <class Element, int kHeadDim, int kBlockN, int kStages>
+void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
+  if (overlap && p.bias == nullptr)
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true>>(p, stream);
+  else
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false>>(p, stream);
 }
 
 }  // namespace flexsparse::sm90

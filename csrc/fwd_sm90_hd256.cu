@@ -5,10 +5,13 @@ namespace flexsparse {
 
 template <>
 void fwd_sm90_hd<256>(AttentionParams const& p, DType dtype, cudaStream_t stream) {
+  // The serial schedule: the overlapped one spills at this head dim (84 B) and measured
+  // 3% slower (docs/perf-notes.md, C14). FLEXSPARSE_CUDA_DEBUG bit 32 runs it for A/Bs.
+  const bool overlap = p.debug & 32;
   if (dtype == DType::kBFloat16)
-    sm90::launch_fwd<sm90::FwdTraits<cutlass::bfloat16_t, 256, 64, 2>>(p, stream);
+    sm90::launch_fwd_schedule<cutlass::bfloat16_t, 256, 64, 2>(p, stream, overlap);
   else
-    sm90::launch_fwd<sm90::FwdTraits<cutlass::half_t, 256, 64, 2>>(p, stream);
+    sm90::launch_fwd_schedule<cutlass::half_t, 256, 64, 2>(p, stream, overlap);
 }
 
 }  // namespace flexsparse

@@ -158,6 +158,16 @@ def test_odd_lengths(Lq, Lk):
     check(1, 2, 1, Lq, Lk, 128, None, torch.float16)
 
 
+@pytest.mark.parametrize("L", [64, 192, 320])
+@pytest.mark.parametrize("D", [64, 128])
+def test_lengths_that_divide_the_tile_not_the_block(L, D):
+    """L a multiple of the kernel tiles (64-row dK/dV tiles at hd128) but not of the 128
+    descriptor block: the last block's tiles past L must be masked."""
+    torch.manual_seed(L + D)
+    check(1, 2, 1, L, L, D, M.causal(), torch.bfloat16)
+    check(1, 2, 1, L, L, D, None, torch.float16)
+
+
 @pytest.mark.parametrize("Hq,Hkv", [(8, 1), (6, 2)])
 def test_gqa(Hq, Hkv):
     torch.manual_seed(Hq)

@@ -1,0 +1,77 @@
+"""Same-run A/B of CUDA kernel variants chosen by FLEXSPARSE_CUDA_DEBUG bits: forward (and
+optionally backward) effective TFLOP/s per row, the variants interleaved, several rounds,
+medians reported. Also checks each variant's output against the serial one.
+
+    python -m benchmarks.cuda_ab [rows] [--variants 0,32] [--rounds 3] [--bwd]
+
+rows: kind@L[@D],... as in benchmarks.cuda_bench.
+"""
+import os
+import statistics
+import sys
+
+import torch
+import triton.testing
+
+import flexsparse
+from benchmarks.bench import make_case
+
+H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
+DEFAULT = "full@8192,causal@16384,prefix_lm@16384,document@16384,sliding@8192,full@8192@64,full@8192@256"
+
+
+def arg(name, default):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def main():
+    rows = [a for a in sys.argv[1:] if "@" in a]
+    spec = rows[0] if rows else DEFAULT
+    variants = [v for v in arg("--variants", "0,32").split(",")]
+    rounds = int(arg("--rounds", "3"))
+    bwd = "--bwd" in sys.argv
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K; "
+          f"FLEXSPARSE_CUDA_DEBUG variants {variants}, {rounds} rounds, medians")
+    head = " | ".join(f"fwd {v}" for v in variants)
+    if bwd:
+        head += " | " + " | ".join(f"bwd {v}" for v in variants)
+    print(f"| row | {head} | max rel err vs first |")
+    print("|---" * (1 + len(variants) * (2 if bwd else 1) + 1) + "|")
+    for item in spec.split(","):
+        parts = item.split("@")
+        kind, L = parts[0], int(parts[1])
+        D = int(parts[2]) if len(parts) > 2 else 128
+        B = max(1, TOKENS // L)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
+        fs_mask, _, _, _, has_bias = make_case(kind, B, L, device=q.device)
+        bias = torch.randn(B, H, L, L, device="cuda", dtype=DTYPE) if has_bias else None
+        desc = fs_mask.compile(B, H, H, L, L, device=q.device)
+        flops = 4.0 * D * desc.num_visible(batch=B)
+        times = {(v, p): [] for v in variants for p in ("fwd", "bwd")}
+        outs = {}
+        for _ in range(rounds):
+            for var in variants:
+                os.environ["FLEXSPARSE_CUDA_DEBUG"] = var
+                fn = lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda")  # noqa: E731
+                outs[var] = fn().float()
+                times[(var, "fwd")].append(triton.testing.do_bench(fn, warmup=10, rep=60))
+                if bwd and D in (64, 128):
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                    out = flexsparse.attention(qg, kg, vg, desc, bias=bias, backend="cuda")
+                    do = torch.randn_like(out)
+                    times[(var, "bwd")].append(triton.testing.do_bench(
+                        lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True),
+                        warmup=10, rep=60))
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
+        first = outs[variants[0]]
+        err = max(((o - first).norm() / first.norm()).item() for o in outs.values())
+        cells = [f"{flops / statistics.median(times[(v, 'fwd')]) * 1e-9:.0f}" for v in variants]
+        if bwd:
+            cells += [f"{2.5 * flops / statistics.median(times[(v, 'bwd')]) * 1e-9:.0f}"
+                      if times[(v, "bwd")] else "-" for v in variants]
+        print(f"| {item} | " + " | ".join(cells) + f" | {err:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
