@@ -31,10 +31,15 @@ namespace flexsparse::sm90 {
 // runs while its O += P(t-1) V(t-1) wgmma does (intra-warpgroup overlap), and the two
 // consumer warpgroups take turns issuing their wgmmas (ping-pong), so one warpgroup's
 // softmax overlaps the other's matmuls. Without it each tile is QK^T, softmax, PV in turn.
-template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false>
+// kConsumerRegs: registers per consumer thread after setmaxnreg (the producer keeps
+// 512 - 2 * kConsumerRegs: 40 or 24).
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
+          int kConsumerRegs_ = 232>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kConsumerRegs = kConsumerRegs_;
+  static constexpr int kProducerRegs = 512 - 2 * kConsumerRegs_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
@@ -141,7 +146,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp_in_group == 0 && lane_leader && n_tiles > 0) {
       Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
       Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -178,7 +183,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
   } else {
     // ------------------------------------------------------------------ consumers
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     const int tid = threadIdx.x - 128;
     typename T::TiledMmaQK mma_qk;
     typename T::TiledMmaPV mma_pv;
@@ -595,10 +600,10 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
 }
 
 // The overlapped schedule where asked for and applicable (no bias), else the serial one.
-template <class Element, int kHeadDim, int kBlockN, int kStages>
+template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
   if (overlap && p.bias == nullptr)
-    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true>>(p, stream);
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs>>(p, stream);
   else
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false>>(p, stream);
 }
