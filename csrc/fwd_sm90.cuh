@@ -31,15 +31,18 @@ namespace flexsparse::sm90 {
 // runs while its O += P(t-1) V(t-1) wgmma does (intra-warpgroup overlap), and the two
 // consumer warpgroups take turns issuing their wgmmas (ping-pong), so one warpgroup's
 // softmax overlaps the other's matmuls. Without it each tile is QK^T, softmax, PV in turn.
-// kConsumerRegs: registers per consumer thread after setmaxnreg (the producer keeps
-// 512 - 2 * kConsumerRegs: 40 or 24).
+// kConsumerRegs: registers per consumer thread after setmaxnreg. The launch reserves 168
+// per thread (65536 / 384 threads, rounded down to a multiple of 8), so the warpgroups
+// share 3 * 168 = 504: the producer keeps 504 - 2 * kConsumerRegs (40 or 24). Asking for
+// more than the pool holds makes a consumer's setmaxnreg wait forever.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kConsumerRegs = kConsumerRegs_;
-  static constexpr int kProducerRegs = 512 - 2 * kConsumerRegs_;
+  static constexpr int kProducerRegs = 504 - 2 * kConsumerRegs_;
+  static_assert(kProducerRegs >= 24 && kConsumerRegs_ % 8 == 0, "setmaxnreg: 24..256, multiples of 8");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
@@ -47,6 +50,8 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kMmaThreads + 128;
+  static_assert(kThreads == 384 && 65536 / kThreads / 8 * 8 * 3 == 504,
+                "the register split assumes three warpgroups");
   // Partial tiles stage up to this many column ranges per key in shared memory; masks
   // with more read them from global memory per score.
   static constexpr int kMaxStagedRanges = 4;
