@@ -130,7 +130,8 @@ def flex_block_mask(desc, mask_mod, per_head, L, dev):
     if per_head:
         # create_block_mask evaluates (H, L, L) at once (32 GiB at 16K): build the same
         # BlockMask (every listed block full) from the layout's lists instead.
-        return desc.to_block_mask()
+        from flexsparse.flex import to_block_mask
+        return to_block_mask(desc)
     if mask_mod is not None:
         from torch.nn.attention.flex_attention import create_block_mask
         return create_block_mask(mask_mod, None, None, L, L, device=dev)
