@@ -71,6 +71,7 @@ def test_wheel_holds_ops_as_flexsparse_ops(tmp_path):
 LAYERS = [
     # the op and its backends (plain tensors; no mask classes)
     "flexsparse.ops.schema",            # op schemas, MaskTensors, fakes, autograd
+    "flexsparse.ops.kernel_options",    # per-call kernel options, carried in the backend string
     "flexsparse.ops.reference",         # the semantics: reference backend + its tensor helpers
     "flexsparse.ops.triton_compat",
     "flexsparse.ops.triton_launch",
