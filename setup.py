@@ -1,5 +1,9 @@
 """Packaging. `ops/` is installed as `flexsparse.ops`.
 
+`ops/` stays at the top of the checkout next to `csrc/`; the checkout imports it through
+the symlink `flexsparse/ops -> ../ops`, and package_dir below maps the package to the
+real directory, so a wheel holds the files themselves (tests/test_layout.py checks both).
+
 The CUDA extension in csrc/ is optional: it is built only when CUDA and nvcc are
 available (or FLEXSPARSE_BUILD_CUDA=1), and skipped cleanly otherwise.
 """

@@ -32,7 +32,7 @@ diagonal) at L = 8K and 16K, hd128 (full and causal also hd64), and causal + ful
 through the op's backward on a saved (out, lse)); `--profile` prints torch.profiler
 kernel times of our forward+backward steps.
 
-`--bwd-mode` picks the structure of our backward (`triton_block.BWD_MODE`): auto
+`--bwd-mode` picks the structure of our backward (kernel option `bwd_mode`): auto
 (default: one_launch for head dims > 64, else two_pass), two_pass, one_launch or
 atomic_dq; `all` times our backward in each mode in the same run
 (extra columns "ours bwd <mode>"; the sweep and the profile run once per mode). Where a
@@ -130,7 +130,8 @@ def flex_block_mask(desc, mask_mod, per_head, L, dev):
     if per_head:
         # create_block_mask evaluates (H, L, L) at once (32 GiB at 16K): build the same
         # BlockMask (every listed block full) from the layout's lists instead.
-        return desc.to_block_mask()
+        from flexsparse.flex import to_block_mask
+        return to_block_mask(desc)
     if mask_mod is not None:
         from torch.nn.attention.flex_attention import create_block_mask
         return create_block_mask(mask_mod, None, None, L, L, device=dev)
@@ -186,10 +187,18 @@ def _swapped(obj, name, value):
         setattr(obj, name, old)
 
 
+# The kernel options "ours" runs with (flexsparse.attention(..., kernel_options=...)):
+# main() sets them from the command line, _bwd_mode swaps the backward mode for a block.
+OURS_OPTIONS = {}
+
+
+def _ours_options():
+    return dict(OURS_OPTIONS)
+
+
 def _bwd_mode(mode):
-    """Run our backward in `mode` (triton_block.BWD_MODE) inside the block."""
-    from flexsparse.ops import triton_block
-    return _swapped(triton_block, "BWD_MODE", mode)
+    """Run our backward in `mode` (kernel option bwd_mode) inside the block."""
+    return _swapped(sys.modules[__name__], "OURS_OPTIONS", dict(OURS_OPTIONS, bwd_mode=mode))
 
 
 def load_block_module(path):
@@ -222,7 +231,7 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, repeat=1, bwd="direct", device
     whose direct timing raises falls back to the subtraction for the rest of the row and
     is labelled "(sub)" in the table. `repeat` runs the whole row that many times (the
     implementations interleaved within each run) and keeps the median of the per-run
-    medians. `extra_modes`: backward modes of ours to time besides the current BWD_MODE,
+    medians. `extra_modes`: backward modes of ours to time besides OURS_OPTIONS' bwd_mode,
     as implementations named `_ours(mode)`. `old_block`: another copy of
     ops/triton_block.py (see load_block_module), timed as implementation "old" in the same
     runs, for A/B of a kernel change."""
@@ -258,8 +267,10 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
 
     # name -> (forward without grad, forward with grad on `inputs`, context to run under)
     impls = {"ours": (
-        lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton"),
-        lambda: flexsparse.attention(*leaves, desc, bias=bias_g, backend="triton"),
+        lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton",
+                                     kernel_options=_ours_options()),
+        lambda: flexsparse.attention(*leaves, desc, bias=bias_g, backend="triton",
+                                     kernel_options=_ours_options()),
         contextlib.nullcontext)}
     for mode in extra_modes:
         impls[_ours(mode)] = impls["ours"][:2] + (lambda mode=mode: _bwd_mode(mode),)
@@ -405,7 +416,7 @@ def method_line(bwd="direct", repeat=1, bwd_mode="auto"):
     else:
         how = "backward = (fwd+bwd) - fwd"
     runs = f"median of {repeat} runs of " if repeat > 1 else ""
-    mode = "" if bwd_mode == "auto" else f" Our backward: BWD_MODE={bwd_mode}."
+    mode = "" if bwd_mode == "auto" else f" Our backward: bwd_mode={bwd_mode}."
     return f"Times: {runs}the do_bench median; {how}.{mode}"
 
 
@@ -446,6 +457,7 @@ def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq"), combo
     backward passes once per backward mode in `modes` (atomic_dq has no dQ pass; one_launch
     takes warps / stages from the dkdv config). `passes` limits which passes are swept;
     `combos` (see parse_combos) replaces the per-pass lists by explicit candidates."""
+    from flexsparse.ops import kernel_options
     from flexsparse.ops import triton_block as tb
     for kind, L, D in cases:
         B = max(1, TOKENS // L)
@@ -469,25 +481,24 @@ def sweep(cases, log=print, modes=("auto",), passes=("fwd", "dkdv", "dq"), combo
         for which, mode, override in todo:
             tag = "" if mode in (None, "auto") else f" [{mode}]"
             cfg = " + ".join(f"{k} {v}" for k, v in override.items())
-            tb.CONFIG_OVERRIDE.clear()
-            tb.CONFIG_OVERRIDE.update(override)
+            options = kernel_options.from_dict(dict(
+                _ours_options(), **({"bwd_mode": mode} if mode else {}),
+                **{f"{w}_config": c for w, c in override.items()}))
             try:
                 if which == "fwd":
                     ms = _bench(lambda: tb.forward(q, k, v, bias, mt, 128, 128, scale, 0.0,
-                                                   False))
+                                                   False, options))
                     tf = flops / ms * 1e-9
                 else:
-                    with _bwd_mode(mode):
-                        ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, bias,
-                                                        mt, 128, 128, scale, 0.0, False,
-                                                        has_bias))
+                    ms = _bench(lambda: tb.backward(do, None, q, k, v, out, lse, bias,
+                                                    mt, 128, 128, scale, 0.0, False,
+                                                    has_bias, options))
                     tf = 2.5 * flops / ms * 1e-9
                 log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: {ms:.3f} ms "
                     f"{tf:.0f} TFLOP/s" + (" (whole backward)" if which != "fwd" else ""))
             except Exception as err:
                 log(f"sweep {kind} L={L} D={D} {which}{tag} {cfg}: failed "
                     f"{type(err).__name__}: {str(err)[:200]}")
-        tb.CONFIG_OVERRIDE.clear()
         q = k = v = do = out = lse = bias = None     # free before the next row
         torch.cuda.empty_cache()
 
@@ -509,7 +520,9 @@ def profile(cases, log=print, tag="", flex=False):
         bias = mk(B, H, L, L) if has_bias else None
         do = torch.randn(B, H, L, D, device=dev, dtype=DTYPE)
         steps = {"ours": lambda: flexsparse.attention(q, k, v, desc, bias=bias,
-                                                      backend="triton").backward(do)}
+                                                      backend="triton",
+                                                      kernel_options=_ours_options()
+                                                      ).backward(do)}
         if flex:
             from torch.nn.attention.flex_attention import flex_attention
             fa = torch.compile(flex_attention, dynamic=False)
@@ -611,14 +624,14 @@ def main(argv=None):
                     help="with --sweep: explicit candidates, e.g. "
                          "'dkdv:64x128x8x3+dq:128x64x8x2,dq:128x64x8x2' (whole backward timed)")
     ap.add_argument("--bwd-mode", choices=BWD_MODES + ("all",), default="auto",
-                    help="structure of our backward (triton_block.BWD_MODE); 'all' times "
+                    help="structure of our backward (kernel option bwd_mode); 'all' times "
                          "each mode in the same run (extra columns)")
     ap.add_argument("--ab-old", metavar="PATH",
                     help="A/B: also time this copy of ops/triton_block.py in the same runs "
                          "(implementation 'old'); prints new/old per row")
     ap.add_argument("--no-dq-from-ds", action="store_true",
                     help="full-shape dbias: recompute P in the dQ pass (or atomic dQ) instead "
-                         "of reading back the stored dS (triton_block.DQ_FROM_DS_ENABLED)")
+                         "of reading back the stored dS (kernel option dq_from_ds)")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -632,14 +645,11 @@ def main(argv=None):
     # "ours" runs in bwd_mode; with "all", the other modes are extra implementations
     modes = BWD_MODES if args.bwd_mode == "all" else (args.bwd_mode,)
     bwd_mode, extra_modes = modes[0], modes[1:]
-    from flexsparse.ops import triton_block as tb
-    tb.BWD_MODE = bwd_mode
-    tb.DQ_FROM_DS_ENABLED = not args.no_dq_from_ds
+    OURS_OPTIONS.update(bwd_mode=bwd_mode, dq_from_ds=not args.no_dq_from_ds)
     old_block = None
     if args.ab_old:
+        # a copy of triton_block.py gets the same kernel options through the backend
         old_block = load_block_module(args.ab_old)
-        old_block.BWD_MODE = bwd_mode
-        old_block.DQ_FROM_DS_ENABLED = tb.DQ_FROM_DS_ENABLED
     if args.profile:
         for mode in modes:
             with _bwd_mode(mode):

@@ -5,9 +5,11 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import flex
 from . import masks as masks_mod
 from .descriptor import BlockDescriptor
 from .ops import backends
+from .ops import kernel_options as kernel_options_mod
 from .ops.schema import attention_with_grad
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -19,13 +21,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
               softcap: Optional[float] = None, return_lse: bool = False,
               backend: str = "auto", deterministic: bool = False,
               block_size: Tuple[int, int] = masks_mod.DEFAULT_BLOCK_SIZE,
+              kernel_options: Optional[dict] = None,
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Masked/sparse attention. See README and docs/semantics.md.
 
     query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv); Hq % Hkv == 0.
     mask: None, a bool tensor, a `flexsparse.masks` mask, a compiled `BlockDescriptor`,
     or a FlexAttention `BlockMask`. Returns out (B, Hq, Lq, Dv), and lse (B, Hq, Lq)
-    when `return_lse`.
+    when `return_lse`. `kernel_options`: per-call choices of the Triton block kernels
+    (`flexsparse/ops/kernel_options.py`: bwd_mode, trim_lists, dq_from_ds, *_config);
+    other backends ignore them.
     """
     _check_qkv(query, key, value)
     for name, flag in (("return_lse", return_lse), ("deterministic", deterministic)):
@@ -52,6 +57,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         raise ValueError(f"softcap: must be a finite positive float or None, got {softcap!r}")
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
+    options = kernel_options_mod.from_dict(kernel_options)
     mt = desc.mask_tensors()
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias))
@@ -74,7 +80,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         out, lse = torch.ops.flexsparse.cuda_attention(query, key, value, bias, *mt, *tail,
                                                        bool(deterministic))
     else:
-        out, lse = attention_with_grad(query, key, value, bias, *mt, *tail, backend,
+        # the options travel in the op's backend string (the schema has no dict)
+        out, lse = attention_with_grad(query, key, value, bias, *mt, *tail,
+                                       kernel_options_mod.encode(backend, options),
                                        bool(deterministic))
     return (out, lse) if return_lse else out
 
@@ -104,7 +112,7 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
     elif isinstance(mask, torch.Tensor):
         mask = masks_mod.dense(mask)            # 2-D to 4-D, SDPA's broadcasting
     elif _is_flex_block_mask(mask):
-        mask = masks_mod.from_block_mask(mask)
+        mask = flex.from_block_mask(mask)
     if not isinstance(mask, masks_mod.Mask):
         raise TypeError(f"mask: expected None, a bool tensor, a flexsparse mask, a BlockDescriptor "
                         f"or a FlexAttention BlockMask, got {type(mask).__name__}")

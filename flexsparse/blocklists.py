@@ -87,7 +87,7 @@ def descriptor_from_entries(bh_shape, nQB: int, nKB: int, bh: torch.Tensor, qb: 
 
 # ------------------------------------------------------------------ column ranges
 
-def _key_block_stats(cr: torch.Tensor, nKB: int, bk: int):
+def key_block_stats(cr: torch.Tensor, nKB: int, bk: int):
     """Per key block and interval: cover stats (s_cov, e_cov) and miss stats (s_miss, e_miss).
 
     cr (Bc, Hc, Lk, 2m) -> four int64 (Bc*Hc*nKB, m). Same rules as
@@ -130,7 +130,7 @@ def column_range_entries(cr: torch.Tensor, Lq: int, block_q: int, block_k: int):
     m = two_m // 2
     device = cr.device
     nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
-    s_cov, e_cov, s_miss, e_miss = _key_block_stats(cr, nKB, block_k)
+    s_cov, e_cov, s_miss, e_miss = key_block_stats(cr, nKB, block_k)
     # Query blocks skipped because interval r covers all their rows: [a, b) per (kb, r).
     a, b = _query_block_bounds(s_cov, e_cov, s_miss, e_miss, Lq, block_q, nQB)[2:]
     empty = b <= a
@@ -275,7 +275,7 @@ def column_range_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, 
     m = two_m // 2
     BH = Bc * Hc
     nQB, nKB = -(-Lq // bq), -(-Lk // bk)
-    stats = _key_block_stats(cr, nKB, bk)                          # (BH*nKB, m) each
+    stats = key_block_stats(cr, nKB, bk)                          # (BH*nKB, m) each
     h0, h1, a, b = _query_block_bounds(*stats, Lq, bq, nQB)
     # per key block (dK/dV pass): ranges of query blocks
     (qf_lo, qf_hi), (qp_lo, qp_hi) = _set_ranges(h0, h1, a, b, nQB)

@@ -10,7 +10,7 @@ the per-query key lists.
 """
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -139,11 +139,6 @@ class BlockDescriptor:
         Lq, _ = self.seq_lengths
         return groups_to_heads(self.visible_rows(0, Lq), self.num_heads)
 
-    def to_block_mask(self, **kwargs):
-        """This descriptor as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`)."""
-        from .flex import to_block_mask
-        return to_block_mask(self, **kwargs)
-
     def num_visible(self, batch: int = 1) -> int:
         """Visible (query, key) pairs summed over batch and query heads, computed in row chunks."""
         Lq, Lk = self.seq_lengths
@@ -219,6 +214,111 @@ def _block_lists(selected: torch.Tensor, width: Optional[int]):
     if width is not None:
         order = order[..., :max(1, width)]
     return count, order.to(torch.int32).contiguous()
+
+
+# ---- builders: the parts every mask kind compiles to, and the generic bitmap builder
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes a mask is compiled for."""
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    block_q: int
+    block_k: int
+    device: torch.device
+
+    @property
+    def nQB(self):
+        return -(-self.Lq // self.block_q)
+
+    @property
+    def nKB(self):
+        return -(-self.Lk // self.block_k)
+
+    @property
+    def offset(self):
+        return self.Lk - self.Lq
+
+
+@dataclass
+class DescriptorParts:
+    """A compiled mask before its block lists are built: the block state and the
+    element predicates (`to_descriptor` builds the lists)."""
+    state: Optional[torch.Tensor] = None          # (Bd, Hd, nQB, nKB) SKIP/PARTIAL/FULL
+    dense_mask: Optional[torch.Tensor] = None
+    col_ranges: Optional[torch.Tensor] = None
+    partial_bits_index: Optional[torch.Tensor] = None
+    partial_bits: Optional[torch.Tensor] = None
+    attn_indices: Optional[torch.Tensor] = None
+
+    def to_descriptor(self, sz: Sizes) -> BlockDescriptor:
+        common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
+                      num_heads=(sz.Hq, sz.Hkv))
+        if self.attn_indices is not None:
+            return BlockDescriptor(common["seq_lengths"], common["block_size"],
+                                   common["num_heads"], attn_indices=self.attn_indices)
+        return BlockDescriptor.from_block_state(
+            self.state, **common, dense_mask=self.dense_mask, col_ranges=self.col_ranges,
+            partial_bits_index=self.partial_bits_index, partial_bits=self.partial_bits)
+
+
+
+def pack_bits(vis: torch.Tensor) -> torch.Tensor:
+    """bool (..., bk) -> int32 (..., ceil(bk/32)); bit c%32 of word c//32."""
+    bk = vis.shape[-1]
+    nw = -(-bk // 32)
+    v = torch.nn.functional.pad(vis, (0, nw * 32 - bk)).view(*vis.shape[:-1], nw, 32)
+    weights = torch.tensor([1 << c for c in range(32)], dtype=torch.int64, device=vis.device)
+    words = (v.to(torch.int64) * weights).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def parts_from_visible(visible: Callable[[int, int], torch.Tensor], sz: Sizes) -> DescriptorParts:
+    """Block state + bitmaps of partial blocks from a row-chunk visibility function.
+
+    `visible(r0, r1)` returns group form (b, hkv|1, g|1, rows, Lk). Memory stays
+    O(rows x Lk) per step plus the bits of partial blocks. Eager only (data-dependent sizes).
+    """
+    bq, bk = sz.block_q, sz.block_k
+    step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, bq)
+    states, bit_chunks, index_chunks = [], [], []
+    n_bits = 0
+    for r0 in range(0, sz.Lq, step):
+        r1 = min(sz.Lq, r0 + step)
+        vis = groups_to_heads(visible(r0, r1), (sz.Hq, sz.Hkv))     # (b, h, rows, Lk)
+        b, h, rows, _ = vis.shape
+        nq = -(-rows // bq)
+        padded = torch.nn.functional.pad(vis, (0, sz.nKB * bk - sz.Lk, 0, nq * bq - rows))
+        tiles = padded.view(b, h, nq, bq, sz.nKB, bk).permute(0, 1, 2, 4, 3, 5)  # b h nq nk bq bk
+        in_range = torch.nn.functional.pad(
+            torch.ones((rows, sz.Lk), dtype=torch.bool, device=vis.device),
+            (0, sz.nKB * bk - sz.Lk, 0, nq * bq - rows)).view(nq, bq, sz.nKB, bk).permute(0, 2, 1, 3)
+        any_ = tiles.any(-1).any(-1)
+        all_ = (tiles | ~in_range).all(-1).all(-1)
+        state = torch.where(all_, FULL, torch.where(any_, PARTIAL, SKIP)).to(torch.int32)
+        partial = state == PARTIAL
+        index = torch.full(state.shape, -1, dtype=torch.int32, device=vis.device)
+        n = int(partial.sum())
+        index[partial] = torch.arange(n_bits, n_bits + n, dtype=torch.int32, device=vis.device)
+        bit_chunks.append(pack_bits(tiles[partial]))
+        n_bits += n
+        states.append(state)
+        index_chunks.append(index)
+    state = cat_rows(states)
+    index = cat_rows(index_chunks)
+    bits = torch.cat(bit_chunks) if bit_chunks else torch.zeros(
+        (0, bq, -(-bk // 32)), dtype=torch.int32, device=sz.device)
+    if n_bits == 0:
+        return DescriptorParts(state=state)
+    return DescriptorParts(state=state, partial_bits_index=index, partial_bits=bits.contiguous())
+
+
+def cat_rows(chunks):
+    shape = torch.broadcast_shapes(*[c.shape[:2] for c in chunks])
+    return torch.cat([c.expand(*shape, *c.shape[2:]) for c in chunks], dim=2).contiguous()
 
 
 # ---- pytree: descriptors can flow through torch.compile'd functions and torch.export

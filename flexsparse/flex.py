@@ -4,7 +4,7 @@
     bm = create_block_mask(mask_mod, B, H, L, L, device="cuda")
     out = flexsparse.attention(q, k, v, bm)                     # same as flex_attention(q, k, v, block_mask=bm)
     m = flexsparse.flex.from_mask_mod(mask_mod, B, H, L, L)     # no BlockMask, no (L, L) tensor
-    bm2 = flexsparse.masks.causal().to_block_mask(B, H, L, L)   # any flexsparse mask as a BlockMask
+    bm2 = flexsparse.flex.to_block_mask(masks.causal(), B, H, L, L)   # any mask or BlockDescriptor
 
 Semantics follow FlexAttention's kernels: for each (query block, key block) the
 BlockMask lists the block as full (attended, mask_mod never called), partial (mask_mod
@@ -29,8 +29,9 @@ import torch
 
 from . import masks as masks_mod
 from .blocklists import descriptor_from_entries
-from .descriptor import FULL, PARTIAL, BlockDescriptor
-from .masks import Mask, Sizes, _pack_bits, _Parts, _parts_from_visible
+from .descriptor import (FULL, PARTIAL, BlockDescriptor, DescriptorParts, Sizes, pack_bits,
+                         parts_from_visible)
+from .masks import Mask
 
 # Elements of mask_mod evaluated per vectorized call (bounds the transient memory).
 EVAL_CHUNK = 1 << 22
@@ -157,18 +158,18 @@ class _BlockListMask(Mask):
         self._check(sz)
         return self.descriptor(sz.B, sz.Hq, sz.Hkv)
 
-    def _parts(self, sz: Sizes) -> _Parts:
+    def _parts(self, sz: Sizes) -> DescriptorParts:
         self._check(sz)
         d = self.descriptor(sz.B, sz.Hq, sz.Hkv)
         if (sz.block_q, sz.block_k) == self.block:
-            return _Parts(state=d.block_state(), partial_bits_index=d.partial_bits_index,
+            return DescriptorParts(state=d.block_state(), partial_bits_index=d.partial_bits_index,
                           partial_bits=d.partial_bits)
         bq = self.block[0]
 
         def visible(r0, r1):
             a = r0 // bq * bq
             return d.visible_rows(a, r1)[..., r0 - a:, :]
-        return _parts_from_visible(visible, sz)
+        return parts_from_visible(visible, sz)
 
 
 def _entries_to_build(dims, bh, qb, kb, full, bits_by_entry, nQB, nKB, order=None):
@@ -289,7 +290,7 @@ def from_block_mask(block_mask, *, assume_broadcast: bool = False) -> Mask:
         full[pidx[all_]] = True               # partial but all visible: full
         keep[pidx[~any_]] = False             # partial with nothing visible: skipped
         still = any_ & ~all_
-        bits = _pack_bits(vis[still]) if bool(still.any()) else None
+        bits = pack_bits(vis[still]) if bool(still.any()) else None
         sel = keep
         return _entries_to_build(dims, (b * Ht + h)[sel], q[sel], k[sel], full[sel], bits,
                                  nQB, nKB, order="kv")
@@ -384,7 +385,7 @@ def _build_from_mask_mod(mask_mod, Be, He, Lq, Lk, bq, bk, device):
             full = all_[bb, hh, qq, kk]
             part = ~full
             if bool(part.any()):
-                bits.append(_pack_bits(t[bb[part], hh[part], qq[part], kk[part]]))
+                bits.append(pack_bits(t[bb[part], hh[part], qq[part], kk[part]]))
             bhs.append(bb * He + hh)
             qbs.append(qq + qb0)
             kbs.append(kk + kb0)
@@ -483,13 +484,17 @@ def _collapse(t):
 
 # ------------------------------------------------------------------ flexsparse -> BlockMask
 
-def to_block_mask(mask, B: Optional[int] = None, H: Optional[int] = None,
-                  Lq: Optional[int] = None, Lk: Optional[int] = None, *,
+_UNSET = object()   # an argument left out (None means broadcast for B and H)
+
+
+def to_block_mask(mask, B=_UNSET, H=_UNSET, Lq: Optional[int] = None,
+                  Lk: Optional[int] = None, *,
                   num_kv_heads: Optional[int] = None, block_size=128, device=None,
                   full_width: bool = True):
     """A FlexAttention BlockMask equal to a flexsparse mask or BlockDescriptor.
 
-    For a Mask, B/H (query heads)/Lq/Lk are the sizes to compile for (B, H None = 1).
+    For a Mask, B/H (query heads)/Lq/Lk are the sizes to compile for (B, H None = 1);
+    masks converted from FlexAttention take their own sizes for the ones left out.
     For a BlockDescriptor its own sizes and block size are used. The BlockMask's lists
     are the descriptor's (Hd = Hkv lists are repeated per query head); its mask_mod
     evaluates the descriptor exactly: the block state (full / partial / skipped, a
@@ -506,8 +511,15 @@ def to_block_mask(mask, B: Optional[int] = None, H: Optional[int] = None,
         if not isinstance(mask, Mask):
             raise TypeError(f"mask: expected a flexsparse mask or BlockDescriptor, got "
                             f"{type(mask).__name__}")
+        known = mask.known_sizes      # masks converted from FlexAttention know their sizes
         if Lq is None or Lk is None:
-            raise ValueError("to_block_mask: Lq and Lk are needed to compile a mask")
+            if known is None:
+                raise ValueError("to_block_mask: Lq and Lk are required (this mask was not "
+                                 "converted from FlexAttention, so it has no sizes of its own)")
+            Lq = known[2] if Lq is None else Lq
+            Lk = known[3] if Lk is None else Lk
+        B = (known[0] if known else None) if B is _UNSET else B
+        H = (known[1] if known else None) if H is _UNSET else H
         Hq = H or 1
         Hkv = num_kv_heads or Hq
         bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)

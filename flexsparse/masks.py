@@ -16,59 +16,16 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from . import intervals
-from .descriptor import FULL, PARTIAL, SKIP, BlockDescriptor, groups_to_heads
+from .blocklists import (column_range_descriptor, column_range_range_descriptor,
+                         key_block_stats)
+from .descriptor import (FULL, PARTIAL, SKIP, BlockDescriptor, DescriptorParts, Sizes,
+                         groups_to_heads, parts_from_visible)
+from .index_blocks import indices_to_blocks, prefer_blocks
 from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
 from .ops import reference
-
-_UNSET = object()   # an argument left out (None means broadcast for B and H)
+from .topk import topk_indices
 
 DEFAULT_BLOCK_SIZE = (128, 128)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The sizes a mask is compiled for."""
-    B: int
-    Hq: int
-    Hkv: int
-    Lq: int
-    Lk: int
-    block_q: int
-    block_k: int
-    device: torch.device
-
-    @property
-    def nQB(self):
-        return -(-self.Lq // self.block_q)
-
-    @property
-    def nKB(self):
-        return -(-self.Lk // self.block_k)
-
-    @property
-    def offset(self):
-        return self.Lk - self.Lq
-
-
-@dataclass
-class _Parts:
-    """A compiled mask before its block lists are built."""
-    state: Optional[torch.Tensor] = None          # (Bd, Hd, nQB, nKB) SKIP/PARTIAL/FULL
-    dense_mask: Optional[torch.Tensor] = None
-    col_ranges: Optional[torch.Tensor] = None
-    partial_bits_index: Optional[torch.Tensor] = None
-    partial_bits: Optional[torch.Tensor] = None
-    attn_indices: Optional[torch.Tensor] = None
-
-    def to_descriptor(self, sz: Sizes) -> BlockDescriptor:
-        common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
-                      num_heads=(sz.Hq, sz.Hkv))
-        if self.attn_indices is not None:
-            return BlockDescriptor(common["seq_lengths"], common["block_size"],
-                                   common["num_heads"], attn_indices=self.attn_indices)
-        return BlockDescriptor.from_block_state(
-            self.state, **common, dense_mask=self.dense_mask, col_ranges=self.col_ranges,
-            partial_bits_index=self.partial_bits_index, partial_bits=self.partial_bits)
 
 
 def canonical_device(device) -> torch.device:
@@ -96,7 +53,7 @@ def _is_compiling() -> bool:
 
 
 class Mask:
-    """Base class. Subclasses implement `_parts(sizes) -> _Parts` and `__repr__`."""
+    """Base class. Subclasses implement `_parts(sizes) -> DescriptorParts` and `__repr__`."""
 
     def compile(self, B: int, Hq: int, Hkv: int, Lq: int, Lk: int, *, device=None,
                 block_size: Tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockDescriptor:
@@ -119,25 +76,9 @@ class Mask:
             _CACHE.pop(next(iter(_CACHE)))
         return desc
 
-    # (B, H, Lq, Lk) for masks converted from FlexAttention (from_block_mask, from_mask_mod),
-    # which know the sizes they were made for; None for the others.
+    # (B, H, Lq, Lk) for masks converted from FlexAttention (flex.from_block_mask,
+    # flex.from_mask_mod), which know the sizes they were made for; None for the others.
     known_sizes: Optional[Tuple[Optional[int], Optional[int], int, int]] = None
-
-    def to_block_mask(self, B=_UNSET, H=_UNSET, Lq: Optional[int] = None,
-                      Lk: Optional[int] = None, **kwargs):
-        """This mask as a FlexAttention BlockMask (see `flexsparse.flex.to_block_mask`).
-        Masks converted from FlexAttention take their own sizes for the arguments left out."""
-        from .flex import to_block_mask
-        known = self.known_sizes
-        if Lq is None or Lk is None:
-            if known is None:
-                raise ValueError("to_block_mask: Lq and Lk are required (this mask was not "
-                                 "converted from FlexAttention, so it has no sizes of its own)")
-            Lq = known[2] if Lq is None else Lq
-            Lk = known[3] if Lk is None else Lk
-        B = (known[0] if known else None) if B is _UNSET else B
-        H = (known[1] if known else None) if H is _UNSET else H
-        return to_block_mask(self, B, H, Lq, Lk, **kwargs)
 
     def to_dense(self, B: int, H: int, Lq: int, Lk: int, *, num_kv_heads: Optional[int] = None,
                  device=None) -> torch.Tensor:
@@ -160,7 +101,7 @@ class Mask:
         return or_(self, other)
 
     # hooks
-    def _parts(self, sz: Sizes) -> _Parts:
+    def _parts(self, sz: Sizes) -> DescriptorParts:
         raise NotImplementedError
 
     def _descriptor(self, sz: Sizes) -> BlockDescriptor:
@@ -183,7 +124,7 @@ class Mask:
 class _Full(Mask):
     def _parts(self, sz):
         state = torch.full((1, 1, sz.nQB, sz.nKB), FULL, dtype=torch.int32, device=sz.device)
-        return _Parts(state=state)
+        return DescriptorParts(state=state)
 
     def __repr__(self):
         return "full()"
@@ -239,7 +180,7 @@ class _Dense(Mask):
         _check_heads_dim("mask", h, sz)
         if m.device != sz.device:
             raise ValueError(f"mask: is on {m.device} but the inputs are on {sz.device}")
-        return _Parts(state=_pool_blocks(m, sz), dense_mask=m)
+        return DescriptorParts(state=_pool_blocks(m, sz), dense_mask=m)
 
     def _default_device(self):
         return self.mask.device
@@ -277,7 +218,7 @@ class _BlockSparse(Mask):
                              f"block_size={self.block}")
         _check_heads_dim("layout", lay.shape[1], sz)
         if (bq, bk) == (sz.block_q, sz.block_k):
-            return _Parts(state=torch.where(lay, FULL, SKIP).to(torch.int32))
+            return DescriptorParts(state=torch.where(lay, FULL, SKIP).to(torch.int32))
         # Other block sizes: evaluate at element level in row chunks.
         Hkv, G = sz.Hkv, sz.Hq // sz.Hkv
         j = torch.arange(sz.Lk, device=lay.device) // bk
@@ -285,7 +226,7 @@ class _BlockSparse(Mask):
         def visible(r0, r1):
             i = torch.arange(r0, r1, device=lay.device) // bq
             return reference.to_groups(lay[:, :, i][..., j], Hkv, G)
-        return _parts_from_visible(visible, sz)
+        return parts_from_visible(visible, sz)
 
     def _default_device(self):
         return self.layout.device
@@ -300,61 +241,6 @@ def block_sparse(layout: torch.Tensor, block_size=DEFAULT_BLOCK_SIZE) -> Mask:
 
 
 # =============================================================== generic fallback
-
-def _pack_bits(vis: torch.Tensor) -> torch.Tensor:
-    """bool (..., bk) -> int32 (..., ceil(bk/32)); bit c%32 of word c//32."""
-    bk = vis.shape[-1]
-    nw = -(-bk // 32)
-    v = torch.nn.functional.pad(vis, (0, nw * 32 - bk)).view(*vis.shape[:-1], nw, 32)
-    weights = torch.tensor([1 << c for c in range(32)], dtype=torch.int64, device=vis.device)
-    words = (v.to(torch.int64) * weights).sum(-1)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
-def _parts_from_visible(visible: Callable[[int, int], torch.Tensor], sz: Sizes) -> _Parts:
-    """Block state + bitmaps of partial blocks from a row-chunk visibility function.
-
-    `visible(r0, r1)` returns group form (b, hkv|1, g|1, rows, Lk). Memory stays
-    O(rows x Lk) per step plus the bits of partial blocks. Eager only (data-dependent sizes).
-    """
-    bq, bk = sz.block_q, sz.block_k
-    step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, bq)
-    states, bit_chunks, index_chunks = [], [], []
-    n_bits = 0
-    for r0 in range(0, sz.Lq, step):
-        r1 = min(sz.Lq, r0 + step)
-        vis = groups_to_heads(visible(r0, r1), (sz.Hq, sz.Hkv))     # (b, h, rows, Lk)
-        b, h, rows, _ = vis.shape
-        nq = -(-rows // bq)
-        padded = torch.nn.functional.pad(vis, (0, sz.nKB * bk - sz.Lk, 0, nq * bq - rows))
-        tiles = padded.view(b, h, nq, bq, sz.nKB, bk).permute(0, 1, 2, 4, 3, 5)  # b h nq nk bq bk
-        in_range = torch.nn.functional.pad(
-            torch.ones((rows, sz.Lk), dtype=torch.bool, device=vis.device),
-            (0, sz.nKB * bk - sz.Lk, 0, nq * bq - rows)).view(nq, bq, sz.nKB, bk).permute(0, 2, 1, 3)
-        any_ = tiles.any(-1).any(-1)
-        all_ = (tiles | ~in_range).all(-1).all(-1)
-        state = torch.where(all_, FULL, torch.where(any_, PARTIAL, SKIP)).to(torch.int32)
-        partial = state == PARTIAL
-        index = torch.full(state.shape, -1, dtype=torch.int32, device=vis.device)
-        n = int(partial.sum())
-        index[partial] = torch.arange(n_bits, n_bits + n, dtype=torch.int32, device=vis.device)
-        bit_chunks.append(_pack_bits(tiles[partial]))
-        n_bits += n
-        states.append(state)
-        index_chunks.append(index)
-    state = _cat_rows(states)
-    index = _cat_rows(index_chunks)
-    bits = torch.cat(bit_chunks) if bit_chunks else torch.zeros(
-        (0, bq, -(-bk // 32)), dtype=torch.int32, device=sz.device)
-    if n_bits == 0:
-        return _Parts(state=state)
-    return _Parts(state=state, partial_bits_index=index, partial_bits=bits.contiguous())
-
-
-def _cat_rows(chunks):
-    shape = torch.broadcast_shapes(*[c.shape[:2] for c in chunks])
-    return torch.cat([c.expand(*shape, *c.shape[2:]) for c in chunks], dim=2).contiguous()
-
 
 # =============================================================== column ranges
 
@@ -383,7 +269,7 @@ class _ColumnRanges(Mask):
         if not slots:   # nothing masked
             return _Full()._parts(sz)
         cr = _stack_slots(slots, sz)
-        return _Parts(state=col_ranges_block_state(cr, sz), col_ranges=cr)
+        return DescriptorParts(state=col_ranges_block_state(cr, sz), col_ranges=cr)
 
     def _column_ranges(self, sz) -> Optional[torch.Tensor]:
         """Eager: the normalized column ranges (None: nothing masked), from the interval
@@ -400,7 +286,6 @@ class _ColumnRanges(Mask):
         cr = None if _is_compiling() else self._column_ranges(sz)
         if cr is None:
             return self._parts(sz).to_descriptor(sz)
-        from .blocklists import column_range_descriptor, column_range_range_descriptor
         common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
                       num_heads=(sz.Hq, sz.Hkv))
         # Range form when every row is a few block ranges (the named masks), else lists.
@@ -462,13 +347,12 @@ def col_ranges_block_state(cr: torch.Tensor, sz: Sizes) -> torch.Tensor:
 
     Sound, not always tight: SKIP only if one interval covers the block's rows in every
     column; FULL only if every interval misses them in every column; else PARTIAL. The
-    statistics are blocklists._key_block_stats (padded columns neutral, empty intervals
+    statistics are blocklists.key_block_stats (padded columns neutral, empty intervals
     neither cover nor touch anything).
     """
-    from .blocklists import _key_block_stats
     Bc, Hc, Lk, two_m = cr.shape
     nQB, nKB = sz.nQB, sz.nKB
-    stats = [t.view(Bc, Hc, 1, nKB, -1) for t in _key_block_stats(cr, nKB, sz.block_k)]
+    stats = [t.view(Bc, Hc, 1, nKB, -1) for t in key_block_stats(cr, nKB, sz.block_k)]
     s_cov, e_cov, s_miss, e_miss = stats                     # (Bc, Hc, 1, nKB, m)
     r0 = torch.arange(nQB, device=cr.device) * sz.block_q
     r1 = (r0 + sz.block_q).clamp(max=sz.Lq)
@@ -739,7 +623,7 @@ class _Indices(Mask):
         if self.causal:
             i = torch.arange(sz.Lq, device=t.device, dtype=torch.int32)[:, None]
             idx = torch.where(idx > i + sz.offset, -1, idx)
-        return _Parts(attn_indices=idx.contiguous())
+        return DescriptorParts(attn_indices=idx.contiguous())
 
     def _descriptor(self, sz):
         # layout "blocks" / "auto": the lists as block lists + bitmaps (flexsparse/index_blocks.py).
@@ -751,7 +635,6 @@ class _Indices(Mask):
             raise ValueError("indices: layout='blocks' has data-dependent sizes and cannot be "
                              "built inside torch.compile; compile the mask outside "
                              "(desc = mask.compile(...)) and pass the descriptor")
-        from .index_blocks import indices_to_blocks, prefer_blocks
         block = (sz.block_q, sz.block_k)
         idx = parts.attn_indices
         if self.layout == "auto" and not prefer_blocks(idx, sz.Lq, sz.Lk, block):
@@ -843,7 +726,7 @@ class _And(_Combination):
         if len(parts) == 1:
             return parts[0]
         if sum(p.partial_bits is not None for p in parts) > 1:
-            return _parts_from_visible(_visible_and(parts, sz), sz)
+            return parts_from_visible(_visible_and(parts, sz), sz)
         state = parts[0].state
         for p in parts[1:]:
             state = _and_state(state, p.state, sz)
@@ -858,7 +741,7 @@ class _And(_Combination):
             crs = _aligned_heads(crs, sz)
             lead = torch.broadcast_shapes(*[c.shape[:2] for c in crs])
             cr = torch.cat([c.expand(*lead, *c.shape[2:]) for c in crs], -1).contiguous()
-        out = _Parts(state=state, dense_mask=dm, col_ranges=cr)
+        out = DescriptorParts(state=state, dense_mask=dm, col_ranges=cr)
         if bits:
             out.partial_bits_index = bits[0].partial_bits_index
             out.partial_bits = bits[0].partial_bits
@@ -877,7 +760,7 @@ def _and_dense(a, b, sz):
     return a & b
 
 
-def _visible_and(parts: List[_Parts], sz: Sizes):
+def _visible_and(parts: List[DescriptorParts], sz: Sizes):
     descs = [p.to_descriptor(sz) for p in parts]
 
     def visible(r0, r1):
@@ -888,7 +771,7 @@ def _visible_and(parts: List[_Parts], sz: Sizes):
     return visible
 
 
-def _filter_indices(idx_parts: _Parts, others: List[Mask], sz: Sizes) -> _Parts:
+def _filter_indices(idx_parts: DescriptorParts, others: List[Mask], sz: Sizes) -> DescriptorParts:
     """and_ with an index mask: entries whose (i, j) another mask hides become -1."""
     idx = idx_parts.attn_indices
     if not others:
@@ -911,7 +794,7 @@ def _filter_indices(idx_parts: _Parts, others: List[Mask], sz: Sizes) -> _Parts:
         rows_idx = rows_idx.expand(*shape, *rows_idx.shape[2:])
         ok = torch.gather(vis, -1, rows_idx.clamp(0, sz.Lk - 1)) & (rows_idx >= 0)
         out.append(torch.where(ok, rows_idx, -1).to(torch.int32))
-    return _Parts(attn_indices=torch.cat(out, dim=2).contiguous())
+    return DescriptorParts(attn_indices=torch.cat(out, dim=2).contiguous())
 
 
 class _Or(_Combination):
@@ -925,7 +808,7 @@ class _Or(_Combination):
             for d in descs[1:]:
                 out = out | d.visible_rows(r0, r1)
             return out
-        return _parts_from_visible(visible, sz)
+        return parts_from_visible(visible, sz)
 
 
 def _or_slots(slot_lists, sz: Sizes):
@@ -995,18 +878,4 @@ def topk(scores, k: int, causal: bool = False, **kwargs) -> Mask:
     `scores`: (B|1, H|1, Lq, Lk) tensor (e.g. the bias) or a callable (r0, r1) -> rows of it
     (then pass num_queries=Lq). Processed in row chunks. See `flexsparse.topk.topk_indices`.
     """
-    from .topk import topk_indices
     return indices(topk_indices(scores, k, causal=causal, **kwargs), validate=False)
-
-
-# FlexAttention interop (flexsparse/flex.py), imported lazily to avoid an import cycle.
-def from_block_mask(block_mask, **kwargs) -> Mask:
-    """An exact flexsparse mask from a FlexAttention BlockMask (see `flexsparse.flex`)."""
-    from .flex import from_block_mask as _f
-    return _f(block_mask, **kwargs)
-
-
-def from_mask_mod(mask_mod, B, H, Lq, Lk, block_size=128, device=None, **kwargs) -> Mask:
-    """A flexsparse mask from a FlexAttention mask_mod, never holding an (Lq, Lk) tensor."""
-    from .flex import from_mask_mod as _f
-    return _f(mask_mod, B, H, Lq, Lk, block_size=block_size, device=device, **kwargs)

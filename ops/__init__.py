@@ -1,9 +1,14 @@
 """flexsparse.ops: op schemas, fake kernels, autograd, and the backends behind them.
 
-Installed as `flexsparse.ops` (setuptools package_dir); never import it as a top-level
-`ops` module, which would register the schemas twice.
+The directory lives at the top of the checkout (next to csrc/); `flexsparse/ops` is a
+symlink to it, so the checkout imports it as `flexsparse.ops` exactly like an installed
+copy (setup.py installs the same files as `flexsparse.ops`). It must never be imported
+as a top-level `ops` module: that would define the op schemas a second time.
 """
 import importlib.util
+
+if __name__ != "flexsparse.ops":
+    raise ImportError(f"ops/ is the package flexsparse.ops; import it as that, not as {__name__!r}")
 
 from . import schema, backends, reference
 from .schema import MASK_TENSOR_NAMES, MaskTensors

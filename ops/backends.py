@@ -3,15 +3,18 @@
 Each backend is a module with
     NAME: str
     not_supported_reasons(query, key, value, bias, mask) -> list[str]   (empty = supported)
-    forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic)
-        -> (out, lse)
+    forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic,
+            options) -> (out, lse)
     backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
-             scale, softcap, deterministic, bias_requires_grad) -> (dq, dk, dv, dbias)
-where `mask` is a `schema.MaskTensors`. The op's CPU and CUDA kernels both route here
-by the op's `backend` argument; "auto" is resolved by `choose` before the op is called.
+             scale, softcap, deterministic, bias_requires_grad, options) -> (dq, dk, dv, dbias)
+where `mask` is a `schema.MaskTensors` and `options` a `kernel_options.KernelOptions`
+(backends ignore the options they have no use for). The op's CPU and CUDA kernels both
+route here by the op's `backend` argument, which carries the options too
+(`kernel_options.decode`); "auto" is resolved by `choose` before the op is called.
 """
 import torch
 
+from . import kernel_options
 from .reference import LIST_NAMES, complete_mask
 from .schema import EAGER_KERNELS, MASK_TENSOR_NAMES, MaskTensors
 
@@ -88,21 +91,24 @@ def _resolve(backend, query, key, value, bias, mask, block_q, block_k, determini
 def _attention_impl(query, key, value, bias, *rest):
     mask = MaskTensors(*rest[:_N_MASK])
     block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
+    backend, options = kernel_options.decode(backend)
     _check_op_mask(mask, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
-                                deterministic)
+                                deterministic, options)
 
 
 def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
     mask = MaskTensors(*rest[:_N_MASK])
     block_q, block_k, scale, softcap, backend, deterministic, bias_requires_grad = rest[_N_MASK:]
+    backend, options = kernel_options.decode(backend)
     _check_op_mask(mask, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
-                                 block_q, block_k, scale, softcap, deterministic, bias_requires_grad)
+                                 block_q, block_k, scale, softcap, deterministic, bias_requires_grad,
+                                 options)
 
 
 for _name, _kernel in (("attention", _attention_impl),

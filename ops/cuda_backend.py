@@ -118,13 +118,15 @@ def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
     return []
 
 
-def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
+def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic,
+            options=None):
+    # kernel options tune the Triton kernels; the C++ kernels take none
     return torch.ops.flexsparse.cuda_attention(query, key, value, bias, *mask, block_q,
                                                block_k, scale, softcap, deterministic)
 
 
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
-             scale, softcap, deterministic, bias_requires_grad):
+             scale, softcap, deterministic, bias_requires_grad, options=None):
     return torch.ops.flexsparse.cuda_attention_backward(
         grad_out, grad_lse, query, key, value, out, lse, bias, *mask, block_q, block_k, scale,
         softcap, deterministic, bias_requires_grad)

@@ -283,7 +283,8 @@ def _probs_times_values(p, v):
 
 
 def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale, softcap,
-            deterministic):
+            deterministic, options=None):
+    # `options` (kernel options) tune kernels; the reference has none to tune.
     B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5 = _prepare(query, key, value)
     Dv = value.shape[-1]
     out = torch.zeros((B, Hq, Lq, Dv), dtype=query.dtype, device=query.device)
@@ -321,7 +322,7 @@ def forward(query, key, value, bias, mask: MaskTensors, block_q, block_k, scale,
 # ---------------------------------------------------------------- backward
 
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask: MaskTensors,
-             block_q, block_k, scale, softcap, deterministic, bias_requires_grad):
+             block_q, block_k, scale, softcap, deterministic, bias_requires_grad, options=None):
     B, Hq, Lq, D, Hkv, Lk, G, cd, k5, v5 = _prepare(query, key, value)
     Dv = value.shape[-1]
     dq = torch.zeros((B, Hq, Lq, D), dtype=cd, device=query.device)

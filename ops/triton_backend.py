@@ -6,6 +6,7 @@ Runs on CUDA tensors; on CPU tensors only under TRITON_INTERPRET=1 (tests), wher
 backend="triton" call runs.
 """
 from . import triton_block
+from .kernel_options import DEFAULT
 
 NAME = "triton"
 
@@ -25,18 +26,20 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     return triton_block.not_supported_reasons(query, key, value, bias, mask)
 
 
-def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
+def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic,
+            options=DEFAULT):
+    # kernel options are for the block kernels; the index kernels have none yet
     if mask.attn_indices is not None:
         return _indices().forward(query, key, value, bias, mask, scale, softcap)
     return triton_block.forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
-                                deterministic)
+                                deterministic, options)
 
 
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
-             scale, softcap, deterministic, bias_requires_grad):
+             scale, softcap, deterministic, bias_requires_grad, options=DEFAULT):
     if mask.attn_indices is not None:
         return _indices().backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
                                    scale, softcap, deterministic, bias_requires_grad)
     return triton_block.backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
                                  block_q, block_k, scale, softcap, deterministic,
-                                 bias_requires_grad)
+                                 bias_requires_grad, options)

@@ -10,7 +10,7 @@ Layout of the work (see docs/design.md for the op contract):
   over the G query heads of that kv head and walks the transposed lists
   (`q_count/q_index`, `q_full_count/q_full_index`). No atomics for dK/dV.
 * backward, dQ pass: one program = one BLOCK_M query tile of one (b, query head), walking
-  the kv lists again. `BWD_MODE` selects alternatives to time against this (both passes in
+  the kv lists again. The kernel option `bwd_mode` selects alternatives to time against this (both passes in
   one launch; or dQ by atomics from the dK/dV pass, no dQ pass).
 
 A descriptor block (block_q x block_k) is covered by (block_q / BLOCK_M) x (block_k / BLOCK_N)
@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernel_options import DEFAULT as DEFAULT_OPTIONS
 from .reference import LIST_NAMES, complete_mask
 from .schema import MAX_RANGES          # range-form lists: ranges per row _ranges_load reads
 from .triton_compat import interpreting
@@ -968,23 +969,21 @@ _GPU_CONFIGS = {
 }
 # Under TRITON_INTERPRET=1 (CPU tests) bigger tiles mean fewer interpreted ops.
 _INTERPRET_TILE = 32
-# Tests and tuning sweeps may force configs: {"fwd": (BM, BN, warps, stages), ...}.
-CONFIG_OVERRIDE = {}
-# dQ from the stored dS when a full-shape dbias is computed (see backward()).
-DQ_FROM_DS_ENABLED = True
-# Structure of the backward (alternatives kept to time them against each other):
+# Per-call choices (kernel_options.KernelOptions, from flexsparse.attention(...,
+# kernel_options=...)): forced configs per pass (`fwd_config`, ...), `dq_from_ds` (dQ from
+# the stored dS when a full-shape dbias is computed, see backward()), `trim_lists` (see
+# _trim_lists) and `bwd_mode`, the structure of the backward (alternatives kept to time
+# them against each other):
 #   "two_pass":   dK/dV launch, then a dQ launch that recomputes P and dS (7 matmuls/tile).
 #   "one_launch": the same two kinds of programs in one launch (FlexAttention's layout);
-#                 two_pass where the dQ pass reads the stored dS (DQ_FROM_DS).
+#                 two_pass where the dQ pass reads the stored dS (dq_from_ds).
 #   "atomic_dq":  the dK/dV pass also adds dS @ K into a float32 dQ with atomics, no dQ
 #                 pass (FlashAttention-2; 5 matmuls/tile); two_pass when deterministic,
-#                 with a per-query-row bias gradient (summed in the dQ pass) or DQ_FROM_DS.
+#                 with a per-query-row bias gradient (summed in the dQ pass) or dq_from_ds.
 #   "auto":       one_launch for head dims > 64, else two_pass. H100, same run as Flex
 #                 (docs/perf-notes.md change 6): one_launch +5-15% over two_pass on hd128
 #                 (sliding 8K 231 -> 266 TFLOP/s, full 16K 359 -> 395), -2-4% on hd64;
 #                 atomic_dq below two_pass on both but sliding.
-BWD_MODES = ("auto", "two_pass", "one_launch", "atomic_dq")
-BWD_MODE = "auto"
 
 
 
@@ -1052,12 +1051,13 @@ _SHORT_WORK_CONFIGS = {"dkdv": {128: (64, 64, 4, 2)}, "dq": {128: (64, 64, 4, 2)
 FWD_SHORT_BLOCKS = 8
 
 
-def _config(kind, D_pad, block_q, block_k, has_bias=False, short_work=False):
+def _config(kind, D_pad, block_q, block_k, options, has_bias=False, short_work=False):
     """(BLOCK_M, BLOCK_N, warps, stages) of one pass. has_bias: a bias tile per step (for
     the backward passes: the full-shape dbias plan whose dQ pass reads the stored dS);
-    short_work: per-tile work is short or irregular (see _SHORT_WORK_CONFIGS)."""
-    if kind in CONFIG_OVERRIDE:
-        bm, bn, warps, stages = CONFIG_OVERRIDE[kind]
+    short_work: per-tile work is short or irregular (see _SHORT_WORK_CONFIGS); a config
+    forced by the kernel options wins."""
+    if options.config(kind) is not None:
+        bm, bn, warps, stages = options.config(kind)
     elif interpreting():
         bm, bn, warps, stages = _INTERPRET_TILE, _INTERPRET_TILE, 4, 1
     else:
@@ -1178,18 +1178,15 @@ def _cached_fact(tensors, compute):
 
 # RANGES of a block list that is empty in every row: its loop is compiled out.
 EMPTY_LIST = -1
-# Off: every list keeps the RANGES its tensor shape gives (for A/B timing).
-TRIM_LISTS = True
-
-
-def _trim_lists(lists, forms):
+def _trim_lists(lists, forms, trim=True):
     """The RANGES constexpr of each of the four lists, trimmed to what the descriptor uses:
     EMPTY_LIST where no row has a block (the full mask's partial lists), and for the range
     form the range slots up to the last one that is non-empty in some row (causal and the
     full mask use one of the four), so the kernels neither load nor test the others. One
-    host sync per descriptor, cached; untrimmed while a CUDA graph is captured."""
+    host sync per descriptor, cached; untrimmed while a CUDA graph is captured, or when
+    `trim` is off (kernel option trim_lists, for A/B timing)."""
     tensors = tuple(lists)
-    if not TRIM_LISTS:
+    if not trim:
         return forms
 
     def trimmed():
@@ -1282,9 +1279,9 @@ class _MaskKeyedCache:
 _MASK_ARGS = _MaskKeyedCache(8)
 
 
-def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
+def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device, trim_lists=True):
     mkey, present = _mask_key(mask)
-    key = (mkey, Hq, Hkv, Lq, Lk, block_q, block_k, device)
+    key = (mkey, Hq, Hkv, Lq, Lk, block_q, block_k, device, trim_lists)
     hit = _MASK_ARGS.get(key, present)
     if hit is not None:
         return hit
@@ -1298,7 +1295,7 @@ def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
     qc, qc_r = _list_args(lists[4], lists[5], nKB, Hq, Hkv, "q_count/q_index", dummy_i32)
     qf, qf_r = _list_args(lists[6], lists[7], nKB, Hq, Hkv, "q_full_count/q_full_index",
                           dummy_i32)
-    kv_r, kf_r, qc_r, qf_r = _trim_lists(lists, (kv_r, kf_r, qc_r, qf_r))
+    kv_r, kf_r, qc_r, qf_r = _trim_lists(lists, (kv_r, kf_r, qc_r, qf_r), trim_lists)
     preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8)
     # Query tiles last-first when the column ranges only hide rows above the keys (some slot
     # starts at 0 for every key, none ends at Lq for every key: causal, prefix-LM, so work
@@ -1312,12 +1309,14 @@ def _mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device):
     return value
 
 
-def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap):
+def _common(query, key, value, bias, mask, block_q, block_k, scale, softcap,
+            options=DEFAULT_OPTIONS):
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     if Hq % Hkv != 0:
         raise ValueError(f"triton: Hq={Hq} not a multiple of Hkv={Hkv}")
-    c = dict(_mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, query.device))
+    c = dict(_mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, query.device,
+                        options.trim_lists))
     softcap = float(softcap)
     if softcap > 0:
         qk_scale, cap_log2 = scale / softcap, softcap * LOG2E
@@ -1358,7 +1357,8 @@ def _launch(kernel, grid, args, kwargs, warps, stages):
             stages -= 1
 
 
-def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic):
+def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic,
+            options=DEFAULT_OPTIONS):
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]
     out = _empty((B, Hq, Lq, value.shape[-1]), dtype=query.dtype, device=query.device)
@@ -1369,10 +1369,11 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
         return out, lse
     tensors = dict(q=query, k=key, v=value, bias=bias, out=out, lse=lse)
     key_, present = _call_key("fwd", mask, query, key, value, bias, block_q, block_k, scale,
-                              softcap)
+                              softcap, options)
     call = _cached_call(key_, present)
     if call is None:
-        call = _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softcap)
+        call = _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softcap,
+                             options)
         _keep_call(key_, call, present, query.device)
     call.run(tensors)
     return out, lse
@@ -1385,13 +1386,13 @@ def _even(length, tile, block):
     return length % tile == 0 and length % block == 0
 
 
-def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softcap):
+def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softcap, options):
     B, Hq, Lq, D = query.shape
     Lk = key.shape[2]
-    c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
+    c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap, options)
     short_work = (c["flags"]["N_RANGES"] > 0 and not c["rev_q"]
                   and _mean_blocks_per_row(c) <= FWD_SHORT_BLOCKS)
-    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k,
+    BM, BN, warps, stages = _config("fwd", c["BLOCK_D"], block_q, block_k, options,
                                     c["flags"]["HAS_BIAS"], short_work)
     o_strides = (Hq * Lq * value.shape[-1], Lq * value.shape[-1], value.shape[-1], 1)
     launch = (_attn_fwd, (_cdiv(Lq, BM), B * Hq), (
@@ -1406,7 +1407,7 @@ def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softca
 
 
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
-             scale, softcap, deterministic, bias_requires_grad):
+             scale, softcap, deterministic, bias_requires_grad, options=DEFAULT_OPTIONS):
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     device = query.device
@@ -1423,12 +1424,13 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
                    delta=_empty((B, Hq, Lq), dtype=torch.float32, device=device),
                    lse2=_empty((B, Hq, Lq), dtype=torch.float32, device=device))
     key_, present = _call_key("bwd", mask, query, key, value, bias, block_q, block_k, scale,
-                              softcap, grad_out, grad_lse, out, lse, deterministic,
+                              softcap, options, grad_out, grad_lse, out, lse, deterministic,
                               bias_requires_grad)
     call = _cached_call(key_, present)
     if call is None:
         call = _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block_q,
-                              block_k, scale, softcap, deterministic, bias_requires_grad)
+                              block_k, scale, softcap, deterministic, bias_requires_grad,
+                              options)
         _keep_call(key_, call, present, device)
     tensors.update(call.alloc())
     call.run(tensors)
@@ -1447,14 +1449,14 @@ def _mean_blocks_per_row(c):
 
 
 def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block_q, block_k,
-                   scale, softcap, deterministic, bias_requires_grad):
+                   scale, softcap, deterministic, bias_requires_grad, options):
     """The backward's plan for these layouts: scratch to allocate per call, launches (with
     Slot markers for the per-call tensors), and how dq / dk / dv / dbias come out."""
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     G = Hq // Hkv
     want_dbias = bias is not None and bias_requires_grad
-    c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap)
+    c = _common(query, key, value, bias, mask, block_q, block_k, scale, softcap, options)
 
     # dbias plan (see module docstring of the op): which pass produces it, and where.
     # scratch: name -> (shape, dtype, zeroed) allocated per call; finish: tensors -> dbias.
@@ -1502,11 +1504,9 @@ def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block
 
     # With dS stored per (b, h, i, j) by the dK/dV pass (full-shape dbias, no softcap), the
     # dQ pass is one matmul per tile, dQ = dS @ K, instead of recomputing P and dS.
-    dq_from_ds = (db_mode == DB_STORE and float(softcap) <= 0 and DQ_FROM_DS_ENABLED
+    dq_from_ds = (db_mode == DB_STORE and float(softcap) <= 0 and options.dq_from_ds
                   and db_dtype in (query.dtype, torch.float32))
-    if BWD_MODE not in BWD_MODES:
-        raise ValueError(f"triton: BWD_MODE {BWD_MODE!r} not one of {BWD_MODES}")
-    mode = BWD_MODE
+    mode = options.bwd_mode
     if mode == "auto":
         mode = "one_launch" if c["BLOCK_D"] > 64 else "two_pass"
     if mode == "one_launch" and dq_from_ds:
@@ -1521,11 +1521,11 @@ def _backward_call(grad_out, grad_lse, query, key, value, out, bias, mask, block
     list_form = c["q_ranges"]["QF_RANGES"] == 0 and c["kv_ranges"]["KF_RANGES"] == 0
     short_work = list_form or (c["flags"]["N_RANGES"] > 0 and not c["rev_q"])
     cfg = dict(has_bias=dq_from_ds, short_work=short_work)
-    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k, **cfg)
+    BM, BN, warps, stages = _config("dkdv", c["BLOCK_D"], block_q, block_k, options, **cfg)
     n_kv_tiles = _cdiv(Lk, BN)
     dkdv_flags = dict(**c["flags"], DB_MODE=db_mode, ZERO_SKIPPED=zero_skipped)
     # dQ pass config (the dQ half of one_launch takes its tiles, not its warps / stages)
-    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, **cfg)
+    BM2, BN2, warps2, stages2 = _config("dq", c["BLOCK_D"], block_q, block_k, options, **cfg)
     n_q_tiles = _cdiv(Lq, BM2)
     PRE_M = 64
     glse = _GLSE if grad_lse is not None else c["dummy"]
@@ -1641,11 +1641,11 @@ def _layout(t):
 def _call_key(kind, mask, query, key, value, bias, block_q, block_k, scale, softcap, *rest):
     """(key, mask tensors present): everything a call's kernel arguments depend on but
     data pointers. Mask tensors by identity and version (the cache holds them, so an id is
-    not reused while its entry lives); other tensors by layout; knobs by value."""
+    not reused while its entry lives); other tensors by layout; the rest (kernel options,
+    flags) by value."""
     mkey, present = _mask_key(mask)
     key = (kind, mkey, _layout(query), _layout(key), _layout(value), _layout(bias), block_q,
-           block_k, scale, softcap, *[_layout(r) if isinstance(r, torch.Tensor) else r for r in rest],
-           BWD_MODE, DQ_FROM_DS_ENABLED, TRIM_LISTS, tuple(CONFIG_OVERRIDE.items()))
+           block_k, scale, softcap, *[_layout(r) if isinstance(r, torch.Tensor) else r for r in rest])
     return key, present
 
 

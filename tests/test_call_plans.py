@@ -9,6 +9,7 @@ import torch
 from flexsparse import masks as M
 from flexsparse.ops import triton_block as tb
 from flexsparse.ops import triton_launch
+from flexsparse.ops.kernel_options import KernelOptions
 
 B, H, L, D = 2, 4, 96, 32
 
@@ -96,7 +97,7 @@ CASES = {
 def test_replay_matches_a_fresh_build(fake_launches, monkeypatch, name):
     log, pool = fake_launches
     case = CASES[name]
-    monkeypatch.setattr(tb, "BWD_MODE", case.get("mode", "auto"))
+    options = KernelOptions(bwd_mode=case.get("mode", "auto"))
     G = case.get("G", 1)
     desc = case["mask"].compile(B, H, H // G, L, L, device="cpu", block_size=(32, 32))
     mt = desc.mask_tensors()
@@ -106,9 +107,9 @@ def test_replay_matches_a_fresh_build(fake_launches, monkeypatch, name):
         q, k, v, do, out, lse, bias, glse = _inputs(seed, case.get("bias"), G,
                                                     case.get("lse_grad", False))
         pool.i = 0
-        tb.forward(q, k, v, bias, mt, 32, 32, 0.3, 0.0, False)
+        tb.forward(q, k, v, bias, mt, 32, 32, 0.3, 0.0, False, options)
         tb.backward(do, glse, q, k, v, out, lse, bias, mt, 32, 32, 0.3, 0.0, det,
-                    bias is not None)
+                    bias is not None, options)
         return (q, k, v, do, out, lse, bias, glse)
 
     keep0 = call(0)                          # builds and records (inputs kept alive)
@@ -125,22 +126,25 @@ def test_replay_matches_a_fresh_build(fake_launches, monkeypatch, name):
     tb._CALLS.clear()
     pool.i = 0
     q, k, v, do, out, lse, bias, glse = keep
-    tb.forward(q, k, v, bias, mt, 32, 32, 0.3, 0.0, False)
-    tb.backward(do, glse, q, k, v, out, lse, bias, mt, 32, 32, 0.3, 0.0, det, bias is not None)
+    tb.forward(q, k, v, bias, mt, 32, 32, 0.3, 0.0, False, options)
+    tb.backward(do, glse, q, k, v, out, lse, bias, mt, 32, 32, 0.3, 0.0, det, bias is not None,
+                options)
     assert replayed == log
     assert replayed != first and keep0      # the inputs' pointers did change
 
 
 def test_changes_that_change_arguments_miss(fake_launches, monkeypatch):
     log, pool = fake_launches
+    monkeypatch.setattr(tb, "_CALLS", tb._MaskKeyedCache(32))   # room for every variant below
     def compiled(mask, block=32):
         return mask.compile(B, H, H, L, L, device="cpu", block_size=(block, block)).mask_tensors()
     mt = compiled(M.causal())
     q, k, v, do, out, lse, bias, glse = _inputs(0, (B, H, L, L), lse_grad=True)
 
-    def fwd(q=q, k=k, bias=None, scale=0.3, softcap=0.0, mask=mt, block=32):
+    def fwd(q=q, k=k, bias=None, scale=0.3, softcap=0.0, mask=mt, block=32,
+            options=KernelOptions()):
         pool.i = 0
-        tb.forward(q, k, v, bias, mask, block, block, scale, softcap, False)
+        tb.forward(q, k, v, bias, mask, block, block, scale, softcap, False, options)
 
     fwd()
     variants = [
@@ -157,11 +161,11 @@ def test_changes_that_change_arguments_miss(fake_launches, monkeypatch):
         n = len(tb._CALLS)
         variant()
         assert len(tb._CALLS) == n + 1, f"variant {i} reused a recorded call"
-    # knobs: a tile override is part of the key
-    n = len(tb._CALLS)
-    monkeypatch.setattr(tb, "CONFIG_OVERRIDE", {"fwd": (32, 32, 4, 1)})
-    fwd()
-    assert len(tb._CALLS) == n + 1
+    # kernel options are part of the key: a tile override, untrimmed lists
+    for options in (KernelOptions(fwd_config=(32, 32, 4, 1)), KernelOptions(trim_lists=False)):
+        n = len(tb._CALLS)
+        fwd(options=options)
+        assert len(tb._CALLS) == n + 1, options
     # a mask tensor written in place (its version changes) is a new descriptor
     dm = torch.rand(B, H, L, L) < 0.5
     mt_dm = compiled(M.dense(dm))

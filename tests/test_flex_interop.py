@@ -443,7 +443,7 @@ def test_to_block_mask_round_trip(name, L, bs):
     want = m.compile(B, Hq, Hkv, L, L, device="cpu", block_size=(bs, bs)).to_dense()
     want = want.expand(B, Hq, L, L) if want.shape[1] in (1, Hq) else \
         want.repeat_interleave(Hq // Hkv, 1).expand(B, Hq, L, L)
-    bm = m.to_block_mask(B, Hq, L, L, num_kv_heads=Hkv, block_size=bs)
+    bm = flex.to_block_mask(m, B, Hq, L, L, num_kv_heads=Hkv, block_size=bs)
     assert bm.kv_indices.shape[-1] == -(-L // bs)             # full width, as create_block_mask
     assert torch.equal(fa.create_mask(bm.mask_mod, B, Hq, L, L, device="cpu"), want)
     assert torch.equal(kernel_truth(bm, B, Hq), want)
@@ -458,21 +458,21 @@ def test_descriptor_and_index_mask_to_block_mask():
     idx = torch.stack([torch.randperm(L, generator=g)[:6] for _ in range(L)])[None, None]
     idx[..., :, 5] = -1
     d = M.indices(idx).compile(1, 2, 1, L, L, device="cpu", block_size=(16, 16))
-    bm = d.to_block_mask()
+    bm = flex.to_block_mask(d)
     want = d.to_dense().expand(1, 2, L, L)
     assert torch.equal(fa.create_mask(bm.mask_mod, 1, 2, L, L, device="cpu"), want)
     assert torch.equal(kernel_truth(bm, 1, 2), want)
     dup = idx.clone()
     dup[..., 1] = dup[..., 0]
     with pytest.raises(ValueError, match="twice"):
-        M.indices(dup).compile(1, 1, 1, L, L, device="cpu").to_block_mask()
+        flex.to_block_mask(M.indices(dup).compile(1, 1, 1, L, L, device="cpu"))
 
 
-def test_masks_module_reexports():
+def test_from_block_mask_and_from_mask_mod_agree():
     bm = fa.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 40, 40, device="cpu",
                               BLOCK_SIZE=16)
-    a = M.from_block_mask(bm).compile(1, 1, 1, 40, 40, device="cpu").to_dense()
-    b = M.from_mask_mod(lambda b, h, q, kv: q >= kv, None, None, 40, 40, block_size=16)
+    a = flex.from_block_mask(bm).compile(1, 1, 1, 40, 40, device="cpu").to_dense()
+    b = flex.from_mask_mod(lambda b, h, q, kv: q >= kv, None, None, 40, 40, block_size=16)
     assert torch.equal(a, b.compile(1, 1, 1, 40, 40, device="cpu").to_dense())
     assert torch.equal(a[0, 0], torch.ones(40, 40, dtype=torch.bool).tril())
 
@@ -663,13 +663,13 @@ def test_converted_masks_know_their_sizes():
 
     def causal(b, h, q, kv):
         return q >= kv
-    m = M.from_mask_mod(causal, 2, 4, 256, 256)
-    a, b = m.to_block_mask(), m.to_block_mask(2, 4, 256, 256)
+    m = flex.from_mask_mod(causal, 2, 4, 256, 256)
+    a, b = flex.to_block_mask(m), flex.to_block_mask(m, 2, 4, 256, 256)
     assert a.seq_lengths == (256, 256)
     assert torch.equal(a.kv_num_blocks, b.kv_num_blocks) and torch.equal(a.kv_indices, b.kv_indices)
     bm = create_block_mask(causal, None, None, 256, 256, device="cpu")
-    back = M.from_block_mask(bm).to_block_mask()
+    back = flex.to_block_mask(flex.from_block_mask(bm))
     assert back.seq_lengths == (256, 256)
     assert torch.equal(back.to_dense(), bm.to_dense())
     with pytest.raises(ValueError, match="Lq and Lk"):
-        M.causal().to_block_mask()
+        flex.to_block_mask(M.causal())

@@ -29,7 +29,6 @@ def poison(monkeypatch):
         t = torch.empty(*shape, dtype=dtype, device=device, **kw)
         return t.fill_(math.nan) if t.dtype.is_floating_point else t.fill_(-12345)
     monkeypatch.setattr(triton_block, "_empty", nan_empty)
-    monkeypatch.setattr(triton_block, "CONFIG_OVERRIDE", {})
 
 
 def rand(*shape, dtype=torch.float32, gen=None):
@@ -37,7 +36,7 @@ def rand(*shape, dtype=torch.float32, gen=None):
 
 
 def run(backend, q, k, v, mask, bias=None, *, softcap=None, block=(32, 32), deterministic=False,
-        bias_grad=True, dtype=None, seed=0):
+        bias_grad=True, dtype=None, seed=0, kernel_options=None):
     """out, lse and grads of a loss that uses both out and lse."""
     dtype = dtype or q.dtype
     q, k, v = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
@@ -47,7 +46,7 @@ def run(backend, q, k, v, mask, bias=None, *, softcap=None, block=(32, 32), dete
         b.requires_grad_(bias_grad)
     out, lse = flexsparse.attention(q, k, v, mask, bias=b, softcap=softcap, return_lse=True,
                                     backend=backend, block_size=block,
-                                    deterministic=deterministic)
+                                    deterministic=deterministic, kernel_options=kernel_options)
     g = torch.Generator().manual_seed(seed + 1)
     dout = torch.randn(out.shape, generator=g).to(out.dtype)
     dlse = torch.randn(lse.shape, generator=g).to(lse.dtype)
@@ -125,13 +124,13 @@ def test_mask_kinds(name):
 
 
 @pytest.mark.parametrize("name", ["causal", "document", "bits (or_ causal|dense)", "dense"])
-def test_sub_tiles(name, monkeypatch):
+def test_sub_tiles(name):
     """Kernel tiles smaller than the descriptor blocks (sub-tile loops), rectangular blocks."""
-    monkeypatch.setattr(triton_block, "CONFIG_OVERRIDE",
-                        {"fwd": (16, 32, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (32, 16, 4, 1)})
+    options = {"fwd_config": (16, 32, 4, 1), "dkdv_config": (16, 16, 4, 1),
+               "dq_config": (32, 16, 4, 1)}
     B, Hq, Hkv, L, D = 1, 2, 1, 97, 32
     mask = _masks(B, Hkv, L)[name]
-    check(*qkv(B, Hq, Hkv, L, L, D, seed=3), mask, block=(32, 64))
+    check(*qkv(B, Hq, Hkv, L, L, D, seed=3), mask, block=(32, 64), kernel_options=options)
 
 
 @pytest.mark.parametrize("Lq,Lk", [(45, 83), (83, 45), (1, 70), (70, 1), (64, 64)])
@@ -396,11 +395,11 @@ BWD_MODE_CASES = {
 @pytest.mark.parametrize("case", list(BWD_MODE_CASES))
 @pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
 def test_bwd_modes(mode, case, monkeypatch):
-    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
     seen = _spy_backward_launches(monkeypatch)
     B, Hq, Hkv, Lq, Lk, D, mask, bshape, softcap = BWD_MODE_CASES[case]
     bias = None if bshape is None else rand(*bshape, gen=torch.Generator().manual_seed(Lq))
-    check(*qkv(B, Hq, Hkv, Lq, Lk, D, seed=Lq + Lk), mask(), bias, softcap=softcap)
+    check(*qkv(B, Hq, Hkv, Lq, Lk, D, seed=Lq + Lk), mask(), bias, softcap=softcap,
+          kernel_options={"bwd_mode": mode})
     if mode == "one_launch":
         assert [k for k, _ in seen] == [triton_block._attn_bwd_one_launch]
     else:
@@ -408,35 +407,33 @@ def test_bwd_modes(mode, case, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
-def test_bwd_modes_sub_tiles(mode, monkeypatch):
+def test_bwd_modes_sub_tiles(mode):
     """Tiles smaller than the descriptor blocks, different in the dK/dV and dQ halves."""
-    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
-    monkeypatch.setattr(triton_block, "CONFIG_OVERRIDE",
-                        {"fwd": (16, 32, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)})
+    options = {"bwd_mode": mode, "fwd_config": (16, 32, 4, 1), "dkdv_config": (16, 32, 4, 1),
+               "dq_config": (32, 16, 4, 1)}
     mask = _masks(1, 1, 97)["bits (or_ causal|dense)"]
-    check(*qkv(1, 2, 1, 97, 97, 32, seed=3), mask, block=(32, 64))
+    check(*qkv(1, 2, 1, 97, 97, 32, seed=3), mask, block=(32, 64), kernel_options=options)
 
 
 @pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
-def test_bwd_modes_fully_masked_rows(mode, monkeypatch):
-    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+def test_bwd_modes_fully_masked_rows(mode):
     B, Hq, Hkv, L = 1, 2, 1, 70
     dm = torch.rand(B, Hq, L, L, generator=torch.Generator().manual_seed(2)) < 0.5
     dm[:, :, 10:40] = False
     dm[:, 1, :, :] = False
-    got = check(*qkv(B, Hq, Hkv, L, L, 32), M.dense(dm), rand(1, 1, L, L))
+    got = check(*qkv(B, Hq, Hkv, L, L, 32), M.dense(dm), rand(1, 1, L, L),
+                kernel_options={"bwd_mode": mode})
     dq, dk, dv, db = got[2:]
     assert torch.all(dq[:, :, 10:40] == 0) and torch.all(dq[:, 1] == 0)
     assert torch.all(db[:, :, 10:40] == 0)
 
 
 @pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
-def test_bwd_modes_float16(mode, monkeypatch):
-    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
+def test_bwd_modes_float16(mode):
     B, Hq, Hkv, L = 1, 4, 2, 97
     g = torch.Generator().manual_seed(8)
     check(*qkv(B, Hq, Hkv, L, L, 64, seed=8), _masks(B, Hkv, L)["document"],
-          rand(1, Hkv, L, L, gen=g), dtype=torch.float16)
+          rand(1, Hkv, L, L, gen=g), dtype=torch.float16, kernel_options={"bwd_mode": mode})
 
 
 # (mode, bias shape, softcap, deterministic): cases that must run the two-pass kernels
@@ -450,11 +447,10 @@ BWD_MODE_FALLBACKS = [
 
 @pytest.mark.parametrize("mode,bshape,softcap,deterministic", BWD_MODE_FALLBACKS)
 def test_bwd_mode_fallbacks(mode, bshape, softcap, deterministic, monkeypatch):
-    monkeypatch.setattr(triton_block, "BWD_MODE", mode)
     seen = _spy_backward_launches(monkeypatch)
     bias = None if bshape is None else rand(*bshape, gen=torch.Generator().manual_seed(5))
     check(*qkv(1, 2, 1, 50, 50, 32), M.causal(), bias, softcap=softcap,
-          deterministic=deterministic)
+          deterministic=deterministic, kernel_options={"bwd_mode": mode})
     assert [(k, kw.get("DQ_ATOMIC")) for k, kw in seen] == [
         (triton_block._attn_bwd_dkdv, False), (triton_block._attn_bwd_dq, None)]
 

@@ -32,6 +32,10 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 from benchmarks import bench  # noqa: E402
 from flexsparse.ops import triton_block as tb  # noqa: E402
+from flexsparse.ops.kernel_options import KernelOptions  # noqa: E402
+
+# the kernel options every launch below is built with (--configs forces tiles)
+OPTIONS = KernelOptions()
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -121,16 +125,11 @@ def run_row(kind, L, D, modes, dump):
     saved = tb._launch
     try:
         tb._launch = Compiler(dump, f"{kind}@{L} d{D} fwd")
-        tb.forward(q, k, v, bias, mt, 128, 128, scale, 0.0, False)
+        tb.forward(q, k, v, bias, mt, 128, 128, scale, 0.0, False, OPTIONS)
         for mode in modes:
             tb._launch = Compiler(dump, f"{kind}@{L} d{D} bwd {mode}")
-            old = tb.BWD_MODE
-            tb.BWD_MODE = mode
-            try:
-                tb.backward(do, None, q, k, v, out, lse, bias, mt, 128, 128, scale, 0.0, False,
-                            has_bias)
-            finally:
-                tb.BWD_MODE = old
+            tb.backward(do, None, q, k, v, out, lse, bias, mt, 128, 128, scale, 0.0, False,
+                        has_bias, OPTIONS._replace(bwd_mode=mode))
     finally:
         tb._launch = saved
 
@@ -145,8 +144,9 @@ def main(argv=None):
                     help="tile override as in bench --sweep-configs, e.g. "
                          "dkdv:64x64x4x2+dq:64x64x4x2")
     args = ap.parse_args(argv)
+    global OPTIONS
     for combo in bench.parse_combos(args.configs):
-        tb.CONFIG_OVERRIDE.update(combo)
+        OPTIONS = OPTIONS._replace(**{f"{w}_config": c for w, c in combo.items()})
     for spec in args.rows.split(","):
         kind, L = spec.split("@")
         run_row(kind, int(L), args.d, args.modes.split(","), args.dump)

@@ -45,8 +45,8 @@ def main(argv=None):
                                  dtype=torch.bfloat16, requires_grad=True)
         q, k, v = mk(), mk(), mk()
         for mode in ("two_pass", "one_launch", "atomic_dq"):
-            tb.BWD_MODE = mode
-            flexsparse.attention(q, k, v, fs_mask, backend="triton").sum().backward()
+            flexsparse.attention(q, k, v, fs_mask, backend="triton",
+                                 kernel_options={"bwd_mode": mode}).sum().backward()
     torch.cuda.synchronize()
     print(f"{'kernel':24} {'regs':>5} {'spills':>7} {'shared':>7} {'warps':>5}  constexprs")
     for name in KERNELS:
