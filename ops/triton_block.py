@@ -168,17 +168,19 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
 
 
 @triton.jit
-def _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i, j, i_ok, j_ok, HAS_BIAS: tl.constexpr,
+def _score(qk, qk_scale, cap_log2, pen, Bh, sbq, sbk, i, j, i_ok, j_ok, HAS_BIAS: tl.constexpr,
            SOFTCAP: tl.constexpr):
     """The score in the exp2 domain, qk * scale (through the softcap) + bias * log2(e), and
     tanh's value for the softcap's derivative (the scaled score when there is none).
-    i, j (and their bounds checks): query and key indices in the tile's orientation."""
+    i, j (and their bounds checks): query and key indices in the tile's orientation.
+    pen: 0, or -inf for a tile a corrupted descriptor listed out of range (_block_at);
+    added in the same multiply-add."""
     if SOFTCAP:
         t = _tanh(qk * qk_scale)
-        s = t * cap_log2
+        s = t * cap_log2 + pen
     else:
-        s = qk * qk_scale
-        t = s
+        t = qk * qk_scale
+        s = qk * qk_scale + pen
     if HAS_BIAS:
         bias = tl.load(Bh + i * sbq + j * sbk, mask=i_ok & j_ok, other=0.0)
         s += bias.to(tl.float32) * 1.4426950408889634
@@ -233,8 +235,11 @@ def _ranges_load(idx_ptr, n, RANGES: tl.constexpr):
 
 
 @triton.jit
-def _block_at(idx_ptr, t, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES: tl.constexpr):
-    """The t-th block of a list: loaded (explicit list) or computed (range form)."""
+def _block_at(idx_ptr, t, lo0, lo1, lo2, lo3, c1, c2, c3, n_blocks, RANGES: tl.constexpr):
+    """The t-th block of a list, loaded (explicit list) or computed (range form), clamped
+    into [0, n_blocks), and the score penalty of its tile: 0, or -inf when a corrupted
+    descriptor put the entry out of range. The tile is then hidden (its scores -inf, so
+    it adds nothing) and its loads stay in bounds (docs/semantics.md)."""
     if RANGES == 0:
         blk = tl.load(idx_ptr + t)
     else:
@@ -245,7 +250,22 @@ def _block_at(idx_ptr, t, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES: tl.constexpr):
             blk = tl.where(t >= c2, lo2 + (t - c2), blk)
         if RANGES > 3:
             blk = tl.where(t >= c3, lo3 + (t - c3), blk)
-    return blk
+    ok = (blk >= 0) & (blk < n_blocks)
+    pen = tl.where(ok, 0.0, float("-inf"))
+    return tl.minimum(tl.maximum(blk, 0), n_blocks - 1), pen
+
+
+@triton.jit
+def _list_count(count_ptr, width, n_blocks, RANGES: tl.constexpr):
+    """A list row's block count, clamped to what can be read: [0, width] for explicit
+    lists (the row's index entries), [0, n_blocks] for range-form ones (no row lists a
+    block twice), so that a corrupted count never reads past its row."""
+    c = tl.maximum(tl.load(count_ptr), 0)
+    if RANGES == 0:
+        c = tl.minimum(c, width)
+    else:
+        c = tl.minimum(c, n_blocks)
+    return c
 
 
 @triton.jit
@@ -285,13 +305,14 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
         lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            kb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
+                                 tl.cdiv(Lk, block_k), RANGES)
             j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
             j_ok = j[None, :] < Lk
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
                             not EVEN_N, not EVEN_D)
             qk = tl.dot(q, kT)
-            s, _ = _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i[:, None], j[None, :],
+            s, _ = _score(qk, qk_scale, cap_log2, pen, Bh, sbq, sbk, i[:, None], j[None, :],
                           i[:, None] < Lq, j_ok, HAS_BIAS, SOFTCAP)
             if PARTIAL:
                 vis = _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q, block_k,
@@ -359,7 +380,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
-    n_iters = tl.load(KVC + row) * SUB
+    n_iters = _list_count(KVC + row, kv_W, tl.cdiv(Lk, block_k), KV_RANGES) * SUB
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
         KVI + row.to(tl.int64) * kv_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
@@ -369,7 +390,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KV_RANGES)
     row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
-    n_iters = tl.load(KFC + row) * SUB
+    n_iters = _list_count(KFC + row, kf_W, tl.cdiv(Lk, block_k), KF_RANGES) * SUB
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
         KFI + row.to(tl.int64) * kf_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
@@ -474,7 +495,8 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
         lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            qb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            qb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
+                                 tl.cdiv(Lq, block_q), RANGES)
             i = qb * block_q + (it % SUB) * BLOCK_M + offs_m
             i_ok = i < Lq
             qT = _load_tile(Qh + i[None, :] * sqm + offs_d[:, None] * sqd, i_ok[None, :], d_okT,
@@ -486,7 +508,7 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                 lse2 = tl.load(LSE2h + i, mask=i_ok, other=float("inf"))
                 delta = tl.load(DELh + i, mask=i_ok, other=0.0)
             qk = tl.dot(k, qT)
-            s, t = _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i[None, :], j[:, None],
+            s, t = _score(qk, qk_scale, cap_log2, pen, Bh, sbq, sbk, i[None, :], j[:, None],
                           i_ok[None, :], j_ok, HAS_BIAS, SOFTCAP)
             pT = tl.math.exp2(s - lse2[None, :])
             if PARTIAL:
@@ -614,7 +636,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
         s0, e0, s1, e1, s2, e2, s3, e3 = _cr_prefetch(CR, cr_sb, cr_sh, cr_sk, cr_hdiv, b, h, j,
                                                       Lk, N_RANGES, CR_KINDS, True)
         row = b * qc_sb + (h // qc_hdiv) * qc_sh + kb
-        n_iters = tl.load(QC + row) * SUB
+        n_iters = _list_count(QC + row, qc_W, tl.cdiv(Lq, block_q), QC_RANGES) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
             dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
             Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
@@ -626,7 +648,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
             BLOCK_M, QC_RANGES, DQ_ATOMIC)
         row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
-        n_iters = tl.load(QFC + row) * SUB
+        n_iters = _list_count(QFC + row, qf_W, tl.cdiv(Lq, block_q), QF_RANGES) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
             dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
             Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
@@ -642,8 +664,10 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
         if ZERO_SKIPPED:
             _zero_skipped(DBh, sdbq, sdbk, j, offs_m,
                           QI + (b * qc_sb + (h // qc_hdiv) * qc_sh + kb).to(tl.int64) * qc_W,
-                          tl.load(QC + b * qc_sb + (h // qc_hdiv) * qc_sh + kb),
-                          QFI + row.to(tl.int64) * qf_W, tl.load(QFC + row), nQB, Lq, Lk,
+                          _list_count(QC + b * qc_sb + (h // qc_hdiv) * qc_sh + kb, qc_W,
+                                      tl.cdiv(Lq, block_q), QC_RANGES),
+                          QFI + row.to(tl.int64) * qf_W,
+                          _list_count(QFC + row, qf_W, tl.cdiv(Lq, block_q), QF_RANGES), nQB, Lq, Lk,
                           block_q, SUB, BLOCK_M, BLOCK_N, QC_RANGES, QF_RANGES)
     dk = dk * scale
     # dK, dV outputs are contiguous (B, Hkv, Lk, D)
@@ -673,7 +697,8 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
         lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            kb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
+                                 tl.cdiv(Lk, block_k), RANGES)
             j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
             j_ok = j[None, :] < Lk
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
@@ -681,7 +706,7 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
             vT = _load_tile(Vh + j[None, :] * svn + offs_d[:, None] * svd, j_ok, d_okT,
                             not EVEN_N, not EVEN_D)
             qk = tl.dot(q, kT)
-            s, t = _score(qk, qk_scale, cap_log2, Bh, sbq, sbk, i[:, None], j[None, :],
+            s, t = _score(qk, qk_scale, cap_log2, pen, Bh, sbq, sbk, i[:, None], j[None, :],
                           i[:, None] < Lq, j_ok, HAS_BIAS, SOFTCAP)
             p = tl.math.exp2(s - lse2[:, None])
             if PARTIAL:
@@ -714,13 +739,15 @@ def _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
         lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            kb = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, RANGES)
+            kb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
+                                 tl.cdiv(Lk, block_k), RANGES)
             j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
             j_ok = j[None, :] < Lk
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
                             not EVEN_N, not EVEN_D)
             ds = tl.load(DSh + i[:, None] * sdsq + j[None, :] * sdsk,
                          mask=(i[:, None] < Lq) & j_ok, other=0.0)
+            ds = tl.where(pen == 0.0, ds, 0.0)     # a tile listed out of range adds nothing
             dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq)
     return dq
 
@@ -800,12 +827,12 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         DSh = DS + b64 * sdsb + h64 * sdsh
         row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
         dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
-                                  KVI + row.to(tl.int64) * kv_W, tl.load(KVC + row) * SUB,
+                                  KVI + row.to(tl.int64) * kv_W, _list_count(KVC + row, kv_W, tl.cdiv(Lk, block_k), KV_RANGES) * SUB,
                                   SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N,
                                   KV_RANGES)
         row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
         dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
-                                  KFI + row.to(tl.int64) * kf_W, tl.load(KFC + row) * SUB,
+                                  KFI + row.to(tl.int64) * kf_W, _list_count(KFC + row, kf_W, tl.cdiv(Lk, block_k), KF_RANGES) * SUB,
                                   SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N,
                                   KF_RANGES)
     else:
@@ -862,7 +889,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
     dbacc = tl.zeros([BLOCK_M], tl.float32)
 
     row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
-    n_iters = tl.load(KVC + row) * SUB
+    n_iters = _list_count(KVC + row, kv_W, tl.cdiv(Lk, block_k), KV_RANGES) * SUB
     dq, dbacc = _bwd_q_inner(
         dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
         Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
@@ -874,7 +901,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         BLOCK_N,
         KV_RANGES)
     row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
-    n_iters = tl.load(KFC + row) * SUB
+    n_iters = _list_count(KFC + row, kf_W, tl.cdiv(Lk, block_k), KF_RANGES) * SUB
     dq, dbacc = _bwd_q_inner(
         dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
         Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,

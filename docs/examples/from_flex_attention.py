@@ -4,9 +4,9 @@ An existing layer calls torch.nn.attention.flex_attention with a BlockMask made 
 mask_mod (here: a sliding window of 48 inside documents, plus 4 global tokens). The
 same mask runs in flexsparse three ways:
 - the BlockMask as it is: `flexsparse.attention(q, k, v, block_mask)`;
-- `masks.from_block_mask(bm)`: an exact flexsparse mask (mask_mod is evaluated only in
+- `flex.from_block_mask(bm)`: an exact flexsparse mask (mask_mod is evaluated only in
   the BlockMask's partial blocks), compiled once and reused;
-- `masks.from_mask_mod(mask_mod, B, H, L, L)`: straight from mask_mod, no BlockMask.
+- `flex.from_mask_mod(mask_mod, B, H, L, L)`: straight from mask_mod, no BlockMask.
 Outputs are compared with flex_attention's, gradients with flex_attention's on a GPU and
 with float64 PyTorch attention on the dense mask_mod everywhere (FlexAttention has no
 backward on CPU).
@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flexsparse
-from flexsparse import masks
+from flexsparse import flex as converters, masks
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"       # CPU: the reference backend
 dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -65,13 +65,13 @@ else:
 tol = dict(atol=3e-2, rtol=3e-2) if dt == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
 torch.testing.assert_close(want, ref, **tol)            # flex itself against float64
 
-converted = masks.from_block_mask(block_mask)
+converted = converters.from_block_mask(block_mask)
 desc = converted.compile(B, H, H, L, L, device=dev, block_size=(64, 64))   # once, reused
 print(desc)
 ways = {
     "BlockMask passed as it is": block_mask,
-    "masks.from_block_mask": desc,
-    "masks.from_mask_mod": masks.from_mask_mod(mask_mod, None, None, L, L, device=dev),
+    "flex.from_block_mask": desc,
+    "flex.from_mask_mod": converters.from_mask_mod(mask_mod, None, None, L, L, device=dev),
 }
 for name, m in ways.items():
     got, got_grads = run(lambda q, k, v: flexsparse.attention(q, k, v, m))
