@@ -90,7 +90,8 @@ fi
 # Corrupted and reused descriptors on the GPU backends under compute-sanitizer memcheck.
 if [[ " $parts " == *" fuzz "* ]]; then
   timeout "${T_FUZZ:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -p no:cacheprovider tests/gpu/test_fuzz_gpu.py > "$OUT/fuzz.log" 2>&1
+    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_fuzz_gpu.py ${FUZZ_K:+-k "$FUZZ_K"} \
+    > "$OUT/fuzz.log" 2>&1
   rc=$?; echo "fuzz under compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|Invalid|passed|failed|FAILED" "$OUT/fuzz.log" | tail -12
 fi
