@@ -495,46 +495,52 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       typename T::PipelineState read_k, read_v;
       Tensor tOrP = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
       float alpha[kRows];
-      int t = next_tile(0, n, partial);
-      if (t < n_tiles) {
-        if (wg == 1) issue_end();
-        TileExtras x{n, partial};
+      // Issue S = Q K^T of the tile, holding this warpgroup's turn at the tensor cores.
+      auto issue_qk = [&](TileExtras& x, FragS& tSrS) {
         load_extras(x);
-        FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipe_k.consumer_wait(read_k);
         issue_begin();
         gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-        issue_end();
-        warpgroup_wait<0>();
+      };
+      auto release_k = [&] {
         pipe_k.consumer_release(read_k);
         ++read_k;
-        finish_scores(tSrS, x);
-        softmax(tSrS, alpha);
+      };
+      auto keep_p = [&](FragS const& tSrS) {
         Tensor P = convert_type<Element>(tSrS);
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
+      };
+      int t = next_tile(0, n, partial);
+      if (t < n_tiles) {
+        if (wg == 1) issue_end();
+        {
+          TileExtras x{n, partial};
+          FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+          issue_qk(x, tSrS);
+          issue_end();
+          warpgroup_wait<0>();
+          release_k();
+          finish_scores(tSrS, x);
+          softmax(tSrS, alpha);
+          keep_p(tSrS);
+        }
         for (t = next_tile(t + 1, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
           TileExtras x{n, partial};
-          load_extras(x);
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          pipe_k.consumer_wait(read_k);
-          issue_begin();
-          gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          issue_qk(x, tSrS);
           rescale_o(alpha);
           pipe_v.consumer_wait(read_v);
           gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           issue_end();
           warpgroup_wait<1>();
-          pipe_k.consumer_release(read_k);
-          ++read_k;
+          release_k();
           finish_scores(tSrS, x);
           softmax(tSrS, alpha);
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
-          Tensor P = convert_type<Element>(tSrS);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
+          keep_p(tSrS);
         }
         rescale_o(alpha);
         pipe_v.consumer_wait(read_v);
