@@ -7,7 +7,7 @@ import torch
 
 from . import flex
 from . import masks as masks_mod
-from .descriptor import BlockDescriptor
+from .descriptor import BlockDescriptor, check_sizes, dim_in
 from .ops import backends
 from .ops import kernel_options as kernel_options_mod
 from .ops.schema import attention_with_grad
@@ -91,20 +91,21 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
                  ) -> BlockDescriptor:
     """Whatever the user passed as `mask`, as a BlockDescriptor for these sizes."""
     if isinstance(mask, BlockDescriptor):
-        if mask.seq_lengths != (Lq, Lk):
-            raise ValueError(f"mask: descriptor was compiled for (Lq, Lk)={mask.seq_lengths}, "
-                             f"inputs have ({Lq}, {Lk})")
-        if mask.num_heads[1] != Hkv or mask.num_heads[0] != Hq:
-            raise ValueError(f"mask: descriptor was compiled for (Hq, Hkv)={mask.num_heads}, "
-                             f"inputs have ({Hq}, {Hkv})")
+        # check_sizes: eager a ValueError here; under torch.compile (symbolic sizes) a graph
+        # op that raises the same ValueError, with the numbers, when the graph runs.
+        check_sizes((Lq, Lk), mask.seq_lengths,
+                    "mask: descriptor was compiled for (Lq, Lk)={want}, inputs have {got}")
+        check_sizes((Hq, Hkv), mask.num_heads,
+                    "mask: descriptor was compiled for (Hq, Hkv)={want}, inputs have {got}")
         if mask.device != masks_mod.canonical_device(device):
             raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
         for name, t in zip(mask.mask_tensors()._fields, mask.mask_tensors()):
             # every mask tensor but the bitmap pool (P, block_q, words) has a batch dim
-            if name != "partial_bits" and t is not None and t.shape[0] not in (1, B):
-                raise ValueError(f"mask: descriptor tensor {name} has batch {t.shape[0]}, "
-                                 f"inputs have B={B} (it must be 1 or B)")
-        if os.environ.get("FLEXSPARSE_DEBUG") == "1":
+            if name != "partial_bits" and t is not None and not dim_in(t.shape[0], 1):
+                check_sizes((t.shape[0],), (B,),
+                            f"mask: descriptor tensor {name} has batch {{got}}, inputs have "
+                            f"B={{want}} (it must be 1 or B)")
+        if os.environ.get("FLEXSPARSE_DEBUG") == "1" and not torch.compiler.is_compiling():
             check_block_lists(mask)
         return mask
     if mask is None:
@@ -164,7 +165,8 @@ def _check_bias(bias, query, B, Hq, Hkv, Lq, Lk):
     if bias.dim() != 4:
         raise ValueError(f"bias: must be 4-D (B|1, H|1, Lq|1, Lk|1), got shape {tuple(bias.shape)}")
     b, h, lq, lk = bias.shape
-    if b not in (1, B) or h not in (1, Hkv, Hq) or lq not in (1, Lq) or lk not in (1, Lk):
+    if not (dim_in(b, 1, B) and dim_in(h, 1, Hkv, Hq) and dim_in(lq, 1, Lq)
+            and dim_in(lk, 1, Lk)):
         raise ValueError(f"bias: shape {tuple(bias.shape)} is not broadcastable to "
                          f"(B={B}, Hq={Hq} or Hkv={Hkv}, Lq={Lq}, Lk={Lk})")
 

@@ -10,7 +10,7 @@ the per-query key lists.
 """
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -214,6 +214,70 @@ def _block_lists(selected: torch.Tensor, width: Optional[int]):
     if width is not None:
         order = order[..., :max(1, width)]
     return count, order.to(torch.int32).contiguous()
+
+
+# ---- checks that hold inside torch.compile (docs/dynamic-masks.md)
+
+def dim_in(n, *allowed) -> bool:
+    """`n in allowed` for sizes, written with `==`: under torch.compile a size that Dynamo
+    has specialized to an int compared with `in` against a symbolic size is False even
+    when the two are equal (a (B, n) lengths tensor was refused with "batch dim 2 must be
+    1 or B=2"); `==` compares symbolically and guards."""
+    for a in allowed:
+        if n == a:
+            return True
+    return False
+
+
+@torch.library.custom_op("flexsparse::check_sizes", mutates_args=())
+def _check_sizes_op(got: List[int], want: List[int], message: str) -> None:
+    if list(got) != list(want):
+        raise ValueError(_size_message(message, got, want))
+
+
+@_check_sizes_op.register_fake
+def _check_sizes_fake(got, want, message) -> None:
+    return None
+
+
+try:    # keep the check in compiled graphs: an op without outputs is otherwise removed
+    torch.library._register_effectful_op("flexsparse::check_sizes",
+                                         torch.library.EffectType.ORDERED)
+except (AttributeError, TypeError):        # pragma: no cover - other torch versions
+    pass
+
+
+def _size_message(message: str, got, want) -> str:
+    got, want = tuple(int(x) for x in got), tuple(int(x) for x in want)
+    return message.format(got=got[0] if len(got) == 1 else got,
+                          want=want[0] if len(want) == 1 else want)
+
+
+def check_sizes(got: Sequence, want: Sequence, message: str) -> None:
+    """ValueError(message) unless the sizes `got` equal `want`; `message` may name
+    {got} and {want} (a number for one size, else a tuple).
+
+    Eager, the check runs here. Under torch.compile it is an op of the graph (`flexsparse::check_sizes`, registered as
+    effectful so that it is kept) that raises the ValueError when the graph runs, with the
+    actual numbers: no guard on the sizes, so no recompilation, and a readable error from
+    the compiled call instead of Dynamo's "Observed exception" with symbols."""
+    got, want = tuple(got), tuple(want)
+    # (under Dynamo isinstance(size, int) is True for symbolic sizes too: no shortcut)
+    if not torch.compiler.is_compiling():
+        if got != want:
+            raise ValueError(_size_message(message, got, want))
+        return
+    torch.ops.flexsparse.check_sizes(list(got), list(want), message)
+
+
+def assert_in_graph(ok: torch.Tensor, message: str) -> None:
+    """Under torch.compile, a value check that needs the data (e.g. document lengths
+    summing to L): `torch._assert_async(ok.all(), message)`, a graph op with no host
+    sync. It raises RuntimeError(message) when the graph runs on CPU; on CUDA it is a
+    device-side assert (the process's CUDA context is lost, the message is not shown).
+    `torch._check` on `.item()` values would need capture_scalar_outputs and still
+    drops the message, so it is not used."""
+    torch._assert_async(ok.all(), message)
 
 
 # ---- builders: the parts every mask kind compiles to, and the generic bitmap builder

@@ -29,8 +29,8 @@ import torch
 
 from . import masks as masks_mod
 from .blocklists import descriptor_from_entries
-from .descriptor import (FULL, PARTIAL, BlockDescriptor, DescriptorParts, Sizes, pack_bits,
-                         parts_from_visible)
+from .descriptor import (FULL, PARTIAL, BlockDescriptor, DescriptorParts, Sizes, check_sizes,
+                         dim_in, pack_bits, parts_from_visible)
 from .masks import Mask
 
 # Elements of mask_mod evaluated per vectorized call (bounds the transient memory).
@@ -135,9 +135,12 @@ class _BlockListMask(Mask):
         return self.text
 
     def _check(self, sz: Sizes):
-        if (sz.Lq, sz.Lk) != self.seq_lengths:
-            raise ValueError(f"mask: {self.text} was made for (Lq, Lk)={self.seq_lengths}, "
-                             f"inputs have ({sz.Lq}, {sz.Lk})")
+        if torch.compiler.is_compiling():   # the message must be a constant string there
+            check_sizes((sz.Lq, sz.Lk), self.seq_lengths, "mask: a converted FlexAttention "
+                        "mask was made for (Lq, Lk)={want}, inputs have {got}")
+        else:
+            check_sizes((sz.Lq, sz.Lk), self.seq_lengths,
+                        f"mask: {self.text} was made for (Lq, Lk)={{want}}, inputs have {{got}}")
         if sz.device != self.device:
             raise ValueError(f"mask: {self.text} is on {self.device}, inputs on {sz.device}")
         self.dims_ok(sz.B, sz.Hq)
@@ -244,8 +247,8 @@ def from_block_mask(block_mask, *, assume_broadcast: bool = False) -> Mask:
                              f"inputs' (B={B}, Hq={Hq})")
 
     def build(B, Hq):
-        Bt = B_ if B_ in (1, B) else B
-        Ht = H_ if H_ in (1, Hq) else Hq
+        Bt = B_ if dim_in(B_, 1, B) else B
+        Ht = H_ if dim_in(H_, 1, Hq) else Hq
         b, h, q, k, f = b0, h0, q0, k0, f0
         if (Bt, Ht) != (B_, H_):          # FlexAttention reads list (b % B_, h % H_)
             b, h, q, k, f = _tile(b, h, q, k, f, B_, H_, Bt, Ht)
@@ -347,7 +350,7 @@ def from_mask_mod(mask_mod, B: Optional[int], H: Optional[int], Lq: int, Lk: int
     built = _build_from_mask_mod(mask_mod, Be, He, Lq, Lk, bq, bk, device)
 
     def dims_ok(Bc, Hq):
-        if Be not in (1, Bc) or He not in (1, Hq):
+        if not (dim_in(Be, 1, Bc) and dim_in(He, 1, Hq)):
             raise ValueError(f"mask: from_mask_mod was built for (B, H)=({B}, {H}), inputs "
                              f"have (B={Bc}, Hq={Hq})")
     name = getattr(mask_mod, "__name__", type(mask_mod).__name__)

@@ -19,7 +19,7 @@ from . import intervals
 from .blocklists import (column_range_descriptor, column_range_range_descriptor,
                          key_block_stats)
 from .descriptor import (FULL, PARTIAL, SKIP, BlockDescriptor, DescriptorParts, Sizes,
-                         groups_to_heads, parts_from_visible)
+                         assert_in_graph, dim_in, groups_to_heads, parts_from_visible)
 from .index_blocks import indices_to_blocks, prefer_blocks
 from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
 from .ops import reference
@@ -140,7 +140,7 @@ def full() -> Mask:
 
 def _check_heads_dim(name, n, sz: Sizes, allow_hq=True):
     ok = (1, sz.Hkv, sz.Hq) if allow_hq else (1, sz.Hkv)
-    if n not in ok:
+    if not dim_in(n, *ok):
         raise ValueError(f"{name}: head dim {n} must be 1, Hkv={sz.Hkv}"
                          + (f" or Hq={sz.Hq}" if allow_hq else ""))
 
@@ -174,7 +174,7 @@ class _Dense(Mask):
     def _parts(self, sz):
         m = self.mask
         b, h, lq, lk = m.shape
-        if b not in (1, sz.B) or lq not in (1, sz.Lq) or lk not in (1, sz.Lk):
+        if not (dim_in(b, 1, sz.B) and dim_in(lq, 1, sz.Lq) and dim_in(lk, 1, sz.Lk)):
             raise ValueError(f"mask: shape {tuple(m.shape)} is not broadcastable to "
                              f"(B={sz.B}, H, Lq={sz.Lq}, Lk={sz.Lk})")
         _check_heads_dim("mask", h, sz)
@@ -212,7 +212,7 @@ class _BlockSparse(Mask):
         lay = self.layout
         bq, bk = self.block
         nq, nk = -(-sz.Lq // bq), -(-sz.Lk // bk)
-        if lay.shape[0] not in (1, sz.B) or lay.shape[2] != nq or lay.shape[3] != nk:
+        if not dim_in(lay.shape[0], 1, sz.B) or lay.shape[2] != nq or lay.shape[3] != nk:
             raise ValueError(f"layout: shape {tuple(lay.shape)} does not match "
                              f"(B|1, H|1, {nq}, {nk}) for Lq={sz.Lq}, Lk={sz.Lk}, "
                              f"block_size={self.block}")
@@ -423,12 +423,17 @@ def _checked_lengths(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tenso
     if sz.Lq != sz.Lk:
         raise ValueError(f"{name}: needs Lq == Lk, got Lq={sz.Lq}, Lk={sz.Lk}")
     lens = lengths[None] if lengths.dim() == 1 else lengths
-    if lens.shape[0] not in (1, sz.B):
+    if not dim_in(lens.shape[0], 1, sz.B):
         raise ValueError(f"{name}: batch dim {lens.shape[0]} must be 1 or B={sz.B}")
-    if not _is_compiling():
+    totals = lens.sum(-1)
+    if _is_compiling():
+        # the values are data: checked by the graph when it runs (torch._assert_async)
+        assert_in_graph((lens >= 0).all() & (totals == sz.Lk).all(),
+                        f"{name}: lengths must be non-negative and each row must sum to the "
+                        f"sequence length L (checked inside torch.compile)")
+    else:
         if bool((lens < 0).any()):
             raise ValueError(f"{name}: lengths must be non-negative")
-        totals = lens.sum(-1)
         if bool((totals != sz.Lk).any()):
             raise ValueError(f"{name}: lengths must sum to L={sz.Lk}, got {totals.tolist()}")
     return lens
@@ -483,8 +488,14 @@ def prefix_lm(prefix_len) -> Mask:
 
     def checked(sz):
         pl = p.reshape(-1)
-        if pl.shape[0] not in (1, sz.B):
+        if not dim_in(pl.shape[0], 1, sz.B):
             raise ValueError(f"prefix_len: batch dim {pl.shape[0]} must be 1 or B={sz.B}")
+        if is_int:
+            return pl
+        if _is_compiling():
+            assert_in_graph(pl >= 0, "prefix_len: must be >= 0 (checked inside torch.compile)")
+        elif bool((pl < 0).any()):
+            raise ValueError(f"prefix_len: must be >= 0, got {pl.tolist()}")
         return pl
 
     def build(sz):
@@ -561,7 +572,7 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
                          f"(causal: 1, 2 or 4; non-causal: 2 or 4)")
 
     def build(sz):
-        if t.shape[0] not in (1, sz.B) or t.shape[2] != sz.Lk:
+        if not dim_in(t.shape[0], 1, sz.B) or t.shape[2] != sz.Lk:
             raise ValueError(f"startend_row_indices: shape {tuple(t.shape)} must be "
                              f"(B|1, Hkv|1, Lk={sz.Lk}, C)")
         _check_heads_dim("startend_row_indices", t.shape[1], sz)
@@ -608,13 +619,17 @@ class _Indices(Mask):
 
     def _parts(self, sz):
         t = self.indices
-        if t.shape[0] not in (1, sz.B) or t.shape[2] != sz.Lq:
+        if not dim_in(t.shape[0], 1, sz.B) or t.shape[2] != sz.Lq:
             raise ValueError(f"attn_indices: shape {tuple(t.shape)} must be (B|1, Hkv|1, Lq={sz.Lq}, W)")
-        if t.shape[1] not in (1, sz.Hkv):
+        if not dim_in(t.shape[1], 1, sz.Hkv):
             raise ValueError(f"attn_indices: head dim {t.shape[1]} must be 1 or Hkv={sz.Hkv}")
         if t.device != sz.device:
             raise ValueError(f"attn_indices: is on {t.device} but the inputs are on {sz.device}")
-        if self.validate and not _is_compiling() and t.numel() > 0:
+        if self.validate and _is_compiling():
+            assert_in_graph((t >= -1) & (t < sz.Lk),
+                            "attn_indices: entries must be -1 or in [0, Lk) (checked inside "
+                            "torch.compile)")
+        elif self.validate and t.numel() > 0:
             lo, hi = int(t.min()), int(t.max())
             if lo < -1 or hi >= sz.Lk:
                 raise ValueError(f"attn_indices: entries must be -1 or in [0, Lk={sz.Lk}), "

@@ -1,0 +1,269 @@
+"""Checks that hold inside torch.compile(fullgraph=True, dynamic=True) (issue 16, CPU items).
+
+- value checks that need the data (document lengths summing to L, prefix lengths >= 0,
+  index entries in range) are `torch._assert_async` ops of the graph: RuntimeError with
+  the message when the graph runs on CPU (eager: ValueError with the numbers);
+- a descriptor used at other sizes: ValueError naming both sizes, raised by the graph op
+  `flexsparse::check_sizes` (eager: the same ValueError);
+- (B, n) lengths with a symbolic batch (the `in (1, B)` bug);
+- converted FlexAttention masks know their sizes in `flex.to_block_mask`.
+docs/dynamic-masks.md describes which check runs where.
+"""
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import flexsparse
+from flexsparse import flex
+from flexsparse import masks as M
+
+warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+BLOCK = (16, 16)
+
+
+def _q(B, L, H=2, D=8, seed=0):
+    return torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _compiled(fn, backend="aot_eager"):
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    return torch.compile(fn, backend=counter, fullgraph=True, dynamic=True), counter
+
+
+def _doc_attention(q, lengths):
+    return flexsparse.attention(q, q, q, M.document(lengths), block_size=BLOCK)
+
+
+def _doc_lengths(B, L, n, rows):
+    """(B, n) lengths summing to L per row (zero padded), different per row when rows."""
+    lens = torch.zeros(B, n, dtype=torch.int64)
+    for b in range(B):
+        first = L // 2 - (3 * b if rows else 0)
+        lens[b, 0], lens[b, 1] = first, L - first
+    return lens
+
+
+# ------------------------------------------------------------------ documents
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_document_lengths_one_frame_over_lengths(batched):
+    """Good lengths: one frame over three lengths, equal to eager (1-D and (B, n); the
+    (B, n) case is the `lens.shape[0] in (1, B)` bug with a symbolic B)."""
+    f, counter = _compiled(_doc_attention)
+    B = 2
+    for L in (32, 48, 64):
+        q = _q(B, L, seed=L)
+        lens = _doc_lengths(B, L, 3, rows=True) if batched else torch.tensor([L // 4, L - L // 4])
+        torch.testing.assert_close(f(q, lens), _doc_attention(q, lens))
+    assert counter.frame_count == 1
+
+
+def test_document_batched_lengths_inductor():
+    f, counter = _compiled(_doc_attention, "inductor")
+    for L in (32, 48, 64):
+        q = _q(2, L, seed=L)
+        lens = _doc_lengths(2, L, 3, rows=True)
+        torch.testing.assert_close(f(q, lens), _doc_attention(q, lens), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("lens", [
+    torch.tensor([10, 20]),                     # sums to 30, L = 64
+    torch.tensor([[32, 32], [10, 20]]),         # second row wrong
+    torch.tensor([[80, -16], [32, 32]]),        # sums to 64 but negative
+])
+def test_document_bad_lengths_raise_eager_and_compiled(lens):
+    q = _q(2, 64)
+    with pytest.raises(ValueError, match="lengths"):
+        _doc_attention(q, lens)
+    f, _ = _compiled(_doc_attention)
+    good = torch.tensor([[32, 32], [16, 48]])
+    f(q, good)                                   # compiled once with good lengths
+    with pytest.raises(RuntimeError, match="lengths must be non-negative and each row must sum"):
+        f(q, lens)
+
+
+def test_document_batch_dim_mismatch_raises_compiled():
+    """(3, n) lengths for B=2: refused (a shape check, at trace time under compile)."""
+    q = _q(2, 32)
+    lens = _doc_lengths(3, 32, 2, rows=False)
+    with pytest.raises(ValueError, match="batch dim 3 must be 1 or B=2"):
+        _doc_attention(q, lens)
+    f, _ = _compiled(_doc_attention)
+    with pytest.raises(Exception, match="batch dim 3 must be 1 or B=2"):
+        f(q, lens)
+
+
+def test_shared_question_lengths_checked_eager():
+    q = _q(1, 32)
+    with pytest.raises(ValueError, match="sum to L=32"):
+        flexsparse.attention(q, q, q, M.shared_question(8, [8, 8]), block_size=BLOCK)
+
+
+# ------------------------------------------------------------------ prefix lengths
+
+def _prefix_attention(q, prefix):
+    return flexsparse.attention(q, q, q, M.prefix_lm(prefix), block_size=BLOCK)
+
+
+def test_prefix_lengths_compiled():
+    f, counter = _compiled(_prefix_attention)
+    for L in (32, 48, 64):
+        q = _q(2, L, seed=L)
+        prefix = torch.tensor([L // 4, L // 2])
+        torch.testing.assert_close(f(q, prefix), _prefix_attention(q, prefix))
+    assert counter.frame_count == 1
+    bad = torch.tensor([3, -1])
+    with pytest.raises(ValueError, match="prefix_len: must be >= 0"):
+        _prefix_attention(q, bad)
+    with pytest.raises(RuntimeError, match="prefix_len: must be >= 0"):
+        f(q, bad)
+    with pytest.raises(ValueError, match="prefix_len"):
+        M.prefix_lm(-1)
+
+
+# ------------------------------------------------------------------ index lists
+
+def _index_attention(q, idx):
+    return flexsparse.attention(q, q, q, M.indices(idx))
+
+
+@pytest.mark.parametrize("bad_value", [-2, 64, 1000])
+def test_index_values_out_of_range(bad_value):
+    q = _q(1, 64)
+    good = torch.randint(0, 64, (1, 2, 64, 4), generator=torch.Generator().manual_seed(1))
+    bad = good.clone()
+    bad[0, 1, 5, 2] = bad_value
+    with pytest.raises(ValueError, match="attn_indices"):
+        _index_attention(q, bad)
+    f, _ = _compiled(_index_attention)
+    torch.testing.assert_close(f(q, good), _index_attention(q, good))
+    with pytest.raises(RuntimeError, match=r"attn_indices: entries must be -1 or in \[0, Lk\)"):
+        f(q, bad)
+
+
+def test_index_lists_one_frame_over_lengths():
+    f, counter = _compiled(_index_attention)
+    for L in (32, 48, 64):
+        q = _q(1, L, seed=L)
+        idx = torch.randint(-1, L, (1, 2, L, 4), generator=torch.Generator().manual_seed(L))
+        torch.testing.assert_close(f(q, idx), _index_attention(q, idx))
+    assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------ column ranges, block layouts
+
+def test_column_ranges_wrong_length_fails_loudly():
+    """A shape check: eager ValueError; compiled, Dynamo stops tracing with it (no zeros)."""
+    def fn(q, t):
+        return flexsparse.attention(q, q, q, M.column_ranges(t, causal=True), block_size=BLOCK)
+    q = _q(1, 32)
+    t = torch.full((1, 1, 40, 1), 32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="startend_row_indices"):
+        fn(q, t)
+    f, _ = _compiled(fn)
+    with pytest.raises(Exception, match="startend_row_indices"):
+        f(q, t)
+    good = torch.full((1, 1, 32, 1), 32, dtype=torch.int32)
+    torch.testing.assert_close(f(q, good), fn(q, good))
+
+
+def test_block_layout_wrong_grid_fails_loudly():
+    def fn(q, layout):
+        return flexsparse.attention(q, q, q, M.block_sparse(layout, 16), block_size=BLOCK)
+    q = _q(1, 32)
+    bad = torch.ones(1, 1, 3, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="layout"):
+        fn(q, bad)
+    f, _ = _compiled(fn)
+    with pytest.raises(Exception, match="layout"):
+        f(q, bad)
+    good = torch.tensor([[[[True, False], [True, True]]]])
+    torch.testing.assert_close(f(q, good), fn(q, good))
+
+
+# ------------------------------------------------------------------ descriptors at other sizes
+
+def _desc_attention(q, desc):
+    return flexsparse.attention(q, q, q, desc)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_descriptor_at_other_length_value_error(backend):
+    desc = M.causal().compile(1, 2, 2, 32, 32, block_size=BLOCK)
+    q64 = _q(1, 64)
+    msg = r"descriptor was compiled for \(Lq, Lk\)=\(32, 32\), inputs have \(64, 64\)"
+    with pytest.raises(ValueError, match=msg):
+        _desc_attention(q64, desc)
+    f, counter = _compiled(_desc_attention, backend)
+    q32 = _q(1, 32)
+    torch.testing.assert_close(f(q32, desc), _desc_attention(q32, desc), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=msg):
+        f(q64, desc)
+    torch.testing.assert_close(f(q32, desc), _desc_attention(q32, desc), atol=1e-5, rtol=1e-5)
+    # the call at 64 compiles a second frame (measured; the first is not reused for L=64),
+    # and the ValueError comes from that frame's graph op, not from Dynamo's tracing
+    assert counter.frame_count == 2
+
+
+def test_descriptor_other_heads_and_batch_value_error():
+    desc = M.document(torch.tensor([[16, 16], [8, 24]])).compile(2, 2, 2, 32, 32,
+                                                                block_size=BLOCK)
+    f, _ = _compiled(_desc_attention)
+    q = _q(2, 32)
+    torch.testing.assert_close(f(q, desc), _desc_attention(q, desc))
+    for bad, msg in ((_q(2, 32, H=4), r"\(Hq, Hkv\)=\(2, 2\), inputs have \(4, 4\)"),
+                     (_q(3, 32), r"has batch 2, inputs have B=3")):
+        with pytest.raises(ValueError, match=msg):
+            _desc_attention(bad, desc)
+        with pytest.raises(ValueError, match=msg):
+            f(bad, desc)
+
+
+def test_descriptors_of_several_lengths():
+    """A descriptor per length: right results, and the wrong one is refused."""
+    f, _ = _compiled(_desc_attention)
+    descs = {L: M.sliding_window(7).compile(1, 2, 2, L, L, block_size=BLOCK) for L in (32, 48, 64)}
+    for L, desc in descs.items():
+        q = _q(1, L, seed=L)
+        torch.testing.assert_close(f(q, desc), _desc_attention(q, desc))
+    with pytest.raises(ValueError, match=r"\(Lq, Lk\)=\(48, 48\), inputs have \(64, 64\)"):
+        f(_q(1, 64), descs[48])
+
+
+# ------------------------------------------------------------------ converted masks know their sizes
+
+def _causal_mod(b, h, q, kv):
+    return q >= kv
+
+
+def test_to_block_mask_from_mask_mod_needs_no_sizes():
+    m = flex.from_mask_mod(_causal_mod, 2, 4, 40, 40, block_size=16)
+    bm = flex.to_block_mask(m)
+    assert bm.seq_lengths == (40, 40)
+    assert tuple(bm.kv_num_blocks.shape) == (2, 4, 3)
+    assert bm.BLOCK_SIZE == (16, 16)
+    dense = torch.ones(40, 40, dtype=torch.bool).tril()
+    assert torch.equal(bm.to_dense()[0, 0], torch.ones(3, 3, dtype=torch.bool).tril().int())
+    assert torch.equal(m.to_dense(2, 4, 40, 40)[1, 3], dense)
+
+
+def test_to_block_mask_from_block_mask_needs_no_sizes():
+    from torch.nn.attention.flex_attention import create_block_mask
+    bm0 = create_block_mask(_causal_mod, 2, 1, 40, 40, device="cpu", BLOCK_SIZE=16)
+    bm = flex.to_block_mask(flex.from_block_mask(bm0))
+    assert bm.seq_lengths == (40, 40)
+    assert tuple(bm.kv_num_blocks.shape) == (2, 1, 3)
+    assert torch.equal(bm.to_dense(), bm0.to_dense())
+    q = _q(2, 40)
+    torch.testing.assert_close(flexsparse.attention(q, q, q, bm), flexsparse.attention(q, q, q, bm0))
+
+
+def test_to_block_mask_recognized_and_plain_masks():
+    m = flex.from_mask_mod(_causal_mod, None, None, 40, 40, recognize=True)
+    assert flex.to_block_mask(m, block_size=16).seq_lengths == (40, 40)
+    with pytest.raises(ValueError, match="Lq and Lk are required"):
+        flex.to_block_mask(M.causal())
