@@ -57,10 +57,8 @@ def loss_fn(x, target, lengths):
     return torch.nn.functional.mse_loss(model(x, lengths), target)
 
 
-# document lengths summing to L, the same packing for every row of the batch. (Per-row
-# lengths, a (B, n) tensor, work in eager mode and with dynamic=False; with dynamic=True,
-# flexsparse 0.1 / torch 2.13, masks.document's batch check `n_rows in (1, B)` can fail
-# on symbolic sizes.)
+# document lengths summing to L, the same packing for every row of the batch (per-row
+# lengths, a (B, n) tensor, work too: tests/test_compile_checks.py).
 for step, lengths in enumerate([torch.tensor([10, 30, 24]), torch.tensor([7, 50, 7])]):
     x = torch.randn(B, L, H * D, device=dev, dtype=dt)
     target = torch.randn_like(x)
