@@ -11,6 +11,9 @@ where `mask` is a `schema.MaskTensors` and `options` a `kernel_options.KernelOpt
 (backends ignore the options they have no use for). The op's CPU and CUDA kernels both
 route here by the op's `backend` argument, which carries the options too
 (`kernel_options.decode`); "auto" is resolved by `choose` before the op is called.
+Before any of that, `check_attention_args` / `check_attention_backward_args` check the
+op's inputs (mask_checks.py, and the named backend's not_supported_reasons); the fake
+kernels run the same checks (schema.FAKE_CHECKS).
 """
 import torch
 
