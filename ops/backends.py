@@ -11,12 +11,15 @@ where `mask` is a `schema.MaskTensors` and `options` a `kernel_options.KernelOpt
 (backends ignore the options they have no use for). The op's CPU and CUDA kernels both
 route here by the op's `backend` argument, which carries the options too
 (`kernel_options.decode`); "auto" is resolved by `choose` before the op is called.
+Before any of that, `check_attention_args` / `check_attention_backward_args` check the
+op's inputs (mask_checks.py, and the named backend's not_supported_reasons); the fake
+kernels run the same checks (schema.FAKE_CHECKS).
 """
 import torch
 
-from . import kernel_options
-from .reference import LIST_NAMES, complete_mask
-from .schema import EAGER_KERNELS, MASK_TENSOR_NAMES, MaskTensors
+from . import kernel_options, mask_checks
+from .reference import complete_mask
+from .schema import EAGER_KERNELS, FAKE_CHECKS, MASK_TENSOR_NAMES, MaskTensors
 
 _N_MASK = len(MASK_TENSOR_NAMES)
 _REGISTRY = {}
@@ -66,18 +69,58 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
 
-def _check_op_mask(mask: MaskTensors, block_q, block_k):
-    if block_q <= 0 or block_k <= 0:
-        raise ValueError(f"block_q, block_k: must be positive, got ({block_q}, {block_k})")
-    for name in LIST_NAMES + ("col_ranges", "partial_bits_index", "partial_bits",
-                               "attn_indices"):
-        t = getattr(mask, name)
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32,
-                                                                                 torch.int64)):
-            raise TypeError(f"{name}: must be an int32 or int64 tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
-    if mask.dense_mask is not None and mask.dense_mask.dtype != torch.bool:
-        raise TypeError(f"dense_mask: must be a bool tensor, got {mask.dense_mask.dtype}")
+def _check_backend(name, query, key, value, bias, mask: MaskTensors, block_q, block_k,
+                   deterministic, backward=False):
+    """A concrete backend name: registered, and able to run these inputs (its
+    not_supported_reasons; for "cuda" also its block sizes, and its backward when this is
+    the backward op). The Python API reports the same reasons before calling the op."""
+    module = get(name)
+    reasons = module.not_supported_reasons(query, key, value, bias, mask)
+    if name == "cuda" and not reasons:
+        reasons = module.check_block_size(block_q, block_k, query.shape[-1])
+        if backward:
+            reasons += module.backward_not_supported_reasons(query, block_q, block_k,
+                                                             deterministic)
+    if reasons:
+        raise ValueError(f"backend: {name!r} cannot run these inputs: {'; '.join(reasons)}")
+
+
+def check_attention_args(query, key, value, bias, *rest):
+    """The forward op's arguments, checked before any kernel runs (docs/design.md, "The
+    raw op's contract"); shapes, dtypes and devices only, so the fake kernel runs it too.
+    Returns (mask, backend name, kernel options)."""
+    mask = MaskTensors(*rest[:_N_MASK])
+    block_q, block_k, _, _, backend, deterministic = rest[_N_MASK:]
+    name, options = kernel_options.decode(backend)
+    mask_checks.check_inputs(query, key, value, bias, mask, block_q, block_k)
+    if name != "auto":
+        _check_backend(name, query, key, value, bias, mask, block_q, block_k, deterministic)
+    return mask, name, options
+
+
+def check_attention_backward_args(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
+    """check_attention_args for the backward op, and its own tensors' shapes."""
+    mask = MaskTensors(*rest[:_N_MASK])
+    block_q, block_k, _, _, backend, deterministic, _ = rest[_N_MASK:]
+    name, options = kernel_options.decode(backend)
+    mask_checks.check_inputs(query, key, value, bias, mask, block_q, block_k)
+    mask_checks.check_backward(grad_out, grad_lse, query, value, out, lse)
+    if name != "auto":
+        _check_backend(name, query, key, value, bias, mask, block_q, block_k, deterministic,
+                       backward=True)
+    return mask, name, options
+
+
+def _check_cuda_op_args(query, key, value, bias, *rest):
+    """The CUDA backend's own ops (no backend argument): the mask checks, in their fakes
+    (their C++ kernels check the rest)."""
+    mask_checks.check_inputs(query, key, value, bias, MaskTensors(*rest[:_N_MASK]),
+                             rest[_N_MASK], rest[_N_MASK + 1])
+
+
+def _check_cuda_op_backward_args(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
+    _check_cuda_op_args(query, key, value, bias, *rest)
+    mask_checks.check_backward(grad_out, grad_lse, query, value, out, lse)
 
 
 def _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic):
@@ -89,10 +132,8 @@ def _resolve(backend, query, key, value, bias, mask, block_q, block_k, determini
 
 
 def _attention_impl(query, key, value, bias, *rest):
-    mask = MaskTensors(*rest[:_N_MASK])
-    block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
-    backend, options = kernel_options.decode(backend)
-    _check_op_mask(mask, block_q, block_k)
+    mask, backend, options = check_attention_args(query, key, value, bias, *rest)
+    block_q, block_k, scale, softcap, _, deterministic = rest[_N_MASK:]
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
@@ -100,10 +141,9 @@ def _attention_impl(query, key, value, bias, *rest):
 
 
 def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
-    mask = MaskTensors(*rest[:_N_MASK])
-    block_q, block_k, scale, softcap, backend, deterministic, bias_requires_grad = rest[_N_MASK:]
-    backend, options = kernel_options.decode(backend)
-    _check_op_mask(mask, block_q, block_k)
+    mask, backend, options = check_attention_backward_args(
+        grad_out, grad_lse, query, key, value, out, lse, bias, *rest)
+    block_q, block_k, scale, softcap, _, deterministic, bias_requires_grad = rest[_N_MASK:]
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
@@ -115,3 +155,11 @@ for _name, _kernel in (("attention", _attention_impl),
                       ("attention_backward", _attention_backward_impl)):
     torch.library.impl(f"flexsparse::{_name}", ("CPU", "CUDA"))(_kernel)
     EAGER_KERNELS[getattr(torch.ops.flexsparse, _name)] = _kernel
+
+# The fake kernels (schema.py) run the same checks while torch.compile traces.
+FAKE_CHECKS.update({
+    "attention": check_attention_args,
+    "attention_backward": check_attention_backward_args,
+    "cuda_attention": _check_cuda_op_args,
+    "cuda_attention_backward": _check_cuda_op_backward_args,
+})

@@ -77,9 +77,20 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.register_fake("flexsparse::cuda_attention")
-@torch.library.register_fake("flexsparse::attention")
-def _attention_fake(query, key, value, bias, *args):
+# Input checks the fake kernels run before they make outputs, keyed by op name: the same
+# checks as the ops' eager kernels (mask_checks.py: shapes, dtypes, devices; the backend's
+# support), so a bad call fails while torch.compile traces, before any kernel. backends.py
+# fills this; they need the backend registry, which sits above this module.
+FAKE_CHECKS = {}
+
+
+def _fake_check(op_name, *args):
+    check = FAKE_CHECKS.get(op_name)
+    if check is not None:
+        check(*args)
+
+
+def _fake_outputs(query, value):
     B, Hq, Lq, _ = query.shape
     Dv = value.shape[-1]
     out = query.new_empty((B, Hq, Lq, Dv))
@@ -87,10 +98,33 @@ def _attention_fake(query, key, value, bias, *args):
     return out, lse
 
 
-@torch.library.register_fake("flexsparse::cuda_attention_backward")
+@torch.library.register_fake("flexsparse::attention")
+def _attention_fake(query, key, value, bias, *args):
+    _fake_check("attention", query, key, value, bias, *args)
+    return _fake_outputs(query, value)
+
+
+@torch.library.register_fake("flexsparse::cuda_attention")
+def _cuda_attention_fake(query, key, value, bias, *args):
+    _fake_check("cuda_attention", query, key, value, bias, *args)
+    return _fake_outputs(query, value)
+
+
 @torch.library.register_fake("flexsparse::attention_backward")
 def _attention_backward_fake(grad_out, grad_lse, query, key, value, out, lse, bias, *args):
-    bias_requires_grad = args[-1]
+    _fake_check("attention_backward", grad_out, grad_lse, query, key, value, out, lse, bias,
+                *args)
+    return _backward_fake_outputs(query, key, value, bias, args[-1])
+
+
+@torch.library.register_fake("flexsparse::cuda_attention_backward")
+def _cuda_attention_backward_fake(grad_out, grad_lse, query, key, value, out, lse, bias, *args):
+    _fake_check("cuda_attention_backward", grad_out, grad_lse, query, key, value, out, lse,
+                bias, *args)
+    return _backward_fake_outputs(query, key, value, bias, args[-1])
+
+
+def _backward_fake_outputs(query, key, value, bias, bias_requires_grad):
     dbias = bias.new_empty(bias.shape) if (bias is not None and bias_requires_grad) else query.new_empty((0,))
     return (query.new_empty(query.shape), key.new_empty(key.shape),
             value.new_empty(value.shape), dbias)

@@ -72,6 +72,7 @@ LAYERS = [
     # the op and its backends (plain tensors; no mask classes)
     "flexsparse.ops.schema",            # op schemas, MaskTensors, fakes, autograd
     "flexsparse.ops.kernel_options",    # per-call kernel options, carried in the backend string
+    "flexsparse.ops.mask_checks",       # the raw op's input checks (eager and fake kernels)
     "flexsparse.ops.reference",         # the semantics: reference backend + its tensor helpers
     "flexsparse.ops.triton_compat",
     "flexsparse.ops.triton_launch",
