@@ -10,6 +10,7 @@ from . import masks as masks_mod
 from .descriptor import BlockDescriptor, check_sizes, dim_in
 from .ops import backends
 from .ops import kernel_options as kernel_options_mod
+from .ops import mask_checks
 from .ops.schema import attention_with_grad
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -156,12 +157,7 @@ def _check_qkv(query, key, value):
 def _check_bias(bias, query, B, Hq, Hkv, Lq, Lk):
     if bias is None:
         return
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias: must be a tensor, got {type(bias).__name__}")
-    if not bias.dtype.is_floating_point:
-        raise TypeError(f"bias: must be a floating tensor, got {bias.dtype}")
-    if bias.device != query.device:
-        raise ValueError(f"bias: is on {bias.device} but query is on {query.device}")
+    mask_checks.check_bias_tensor(bias, query)
     if bias.dim() != 4:
         raise ValueError(f"bias: must be 4-D (B|1, H|1, Lq|1, Lk|1), got shape {tuple(bias.shape)}")
     b, h, lq, lk = bias.shape
@@ -174,8 +170,9 @@ def _check_bias(bias, query, B, Hq, Hkv, Lq, Lk):
 def check_block_lists(desc: BlockDescriptor) -> None:
     """FLEXSPARSE_DEBUG=1: every block list of a hand-made or modified descriptor is read
     back on the host (a device sync) and checked: counts in [0, width], entries (explicit
-    form) or ranges (range form) inside the block grid. The kernels are not written to
-    tolerate corrupted lists (docs/semantics.md, "Corrupted descriptors")."""
+    form) or ranges (range form) inside the block grid. Without it the kernels stay in
+    bounds on corrupted lists but compute what those lists say (docs/semantics.md,
+    "Corrupted descriptors")."""
     nQB = -(-desc.seq_lengths[0] // desc.block_size[0])
     nKB = -(-desc.seq_lengths[1] // desc.block_size[1])
     mt = desc.mask_tensors()

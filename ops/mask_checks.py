@@ -77,15 +77,20 @@ def check_qkv(query, key, value):
                          f"Hkv={_n(Hkv)}")
 
 
-def check_bias(bias, query, key):
-    if bias is None:
-        return
+def check_bias_tensor(bias, query):
+    """A bias (not None): a floating tensor on the query's device. Shared with the API."""
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias: must be a tensor or None, got {type(bias).__name__}")
     if not bias.dtype.is_floating_point:
         raise TypeError(f"bias: must be a floating tensor, got {bias.dtype}")
     if bias.device != query.device:
         raise ValueError(f"bias: is on {bias.device} but query is on {query.device}")
+
+
+def check_bias(bias, query, key):
+    if bias is None:
+        return
+    check_bias_tensor(bias, query)
     B, Hq, Lq = query.shape[:3]
     Hkv, Lk = key.shape[1], key.shape[2]
     if (bias.dim() != 4 or not _one_of(bias.shape[0], 1, B)
