@@ -100,7 +100,8 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
                     "mask: descriptor was compiled for (Hq, Hkv)={want}, inputs have {got}")
         if mask.device != masks_mod.canonical_device(device):
             raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
-        for name, t in zip(mask.mask_tensors()._fields, mask.mask_tensors()):
+        mt = mask.mask_tensors()
+        for name, t in zip(mt._fields, mt):
             # every mask tensor but the bitmap pool (P, block_q, words) has a batch dim
             if name != "partial_bits" and t is not None and not dim_in(t.shape[0], 1):
                 check_sizes((t.shape[0],), (B,),
