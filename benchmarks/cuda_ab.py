@@ -27,7 +27,7 @@ def arg(name, default):
 def main():
     rows = [a for a in sys.argv[1:] if "@" in a]
     spec = rows[0] if rows else DEFAULT
-    variants = [v for v in arg("--variants", "0,32").split(",")]
+    variants = arg("--variants", "0,32").split(",")
     rounds = int(arg("--rounds", "3"))
     bwd = "--bwd" in sys.argv
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K; "

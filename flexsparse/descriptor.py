@@ -257,10 +257,11 @@ def check_sizes(got: Sequence, want: Sequence, message: str) -> None:
     """ValueError(message) unless the sizes `got` equal `want`; `message` may name
     {got} and {want} (a number for one size, else a tuple).
 
-    Eager, the check runs here. Under torch.compile it is an op of the graph (`flexsparse::check_sizes`, registered as
-    effectful so that it is kept) that raises the ValueError when the graph runs, with the
-    actual numbers: no guard on the sizes, so no recompilation, and a readable error from
-    the compiled call instead of Dynamo's "Observed exception" with symbols."""
+    Eager, the check runs here. Under torch.compile it is an op of the graph
+    (`flexsparse::check_sizes`, registered as effectful so that it is kept) that raises
+    the ValueError when the graph runs, with the actual numbers: no guard on the sizes, so
+    no recompilation, and a readable error from the compiled call instead of Dynamo's
+    "Observed exception" with symbols."""
     got, want = tuple(got), tuple(want)
     # (under Dynamo isinstance(size, int) is True for symbolic sizes too: no shortcut)
     if not torch.compiler.is_compiling():

@@ -10,8 +10,8 @@ Layout of the work (see docs/design.md for the op contract):
   over the G query heads of that kv head and walks the transposed lists
   (`q_count/q_index`, `q_full_count/q_full_index`). No atomics for dK/dV.
 * backward, dQ pass: one program = one BLOCK_M query tile of one (b, query head), walking
-  the kv lists again. The kernel option `bwd_mode` selects alternatives to time against this (both passes in
-  one launch; or dQ by atomics from the dK/dV pass, no dQ pass).
+  the kv lists again. The kernel option `bwd_mode` selects alternatives to time against
+  this (both passes in one launch; or dQ by atomics from the dK/dV pass, no dQ pass).
 
 A descriptor block (block_q x block_k) is covered by (block_q / BLOCK_M) x (block_k / BLOCK_N)
 kernel tiles; the list loops are flattened ("iteration it -> list entry it // SUB, sub-tile
@@ -667,7 +667,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
                           _list_count(QC + b * qc_sb + (h // qc_hdiv) * qc_sh + kb, qc_W,
                                       tl.cdiv(Lq, block_q), QC_RANGES),
                           QFI + row.to(tl.int64) * qf_W,
-                          _list_count(QFC + row, qf_W, tl.cdiv(Lq, block_q), QF_RANGES), nQB, Lq, Lk,
+                          _list_count(QFC + row, qf_W, tl.cdiv(Lq, block_q), QF_RANGES),
+                          nQB, Lq, Lk,
                           block_q, SUB, BLOCK_M, BLOCK_N, QC_RANGES, QF_RANGES)
     dk = dk * scale
     # dK, dV outputs are contiguous (B, Hkv, Lk, D)
@@ -827,12 +828,14 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         DSh = DS + b64 * sdsb + h64 * sdsh
         row = b * kv_sb + (h // kv_hdiv) * kv_sh + qb
         dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
-                                  KVI + row.to(tl.int64) * kv_W, _list_count(KVC + row, kv_W, tl.cdiv(Lk, block_k), KV_RANGES) * SUB,
+                                  KVI + row.to(tl.int64) * kv_W,
+                                  _list_count(KVC + row, kv_W, tl.cdiv(Lk, block_k), KV_RANGES) * SUB,
                                   SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N,
                                   KV_RANGES)
         row = b * kf_sb + (h // kf_hdiv) * kf_sh + qb
         dq = _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
-                                  KFI + row.to(tl.int64) * kf_W, _list_count(KFC + row, kf_W, tl.cdiv(Lk, block_k), KF_RANGES) * SUB,
+                                  KFI + row.to(tl.int64) * kf_W,
+                                  _list_count(KFC + row, kf_W, tl.cdiv(Lk, block_k), KF_RANGES) * SUB,
                                   SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N,
                                   KF_RANGES)
     else:
@@ -1407,9 +1410,11 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
 
 
 def _even(length, tile, block):
-    """True when no tile needs bounds masks along this axis. The kernels walk whole
-    descriptor blocks tile by tile, so the last block's tiles past the length (L=64 at
-    block 128 with 64-wide tiles) must be masked even when the tile divides the length."""
+    """True when no tile needs bounds masks along this axis. Along the axis a pass walks
+    the lists, it visits whole descriptor blocks tile by tile, so the last block's tiles past
+    the length (L=64 at block 128 with 64-wide tiles) must be masked even when the tile
+    divides the length. Along its grid axis the tile alone would do; the same test is used
+    there too, which only adds masks for lengths that divide the tile but not the block."""
     return length % tile == 0 and length % block == 0
 
 
@@ -1428,7 +1433,8 @@ def _forward_call(query, key, value, bias, mask, block_q, block_k, scale, softca
         *c["bias"][1:], *c["kv"], *c["kf"], *c["preds"],
         Hq, c["G"], Lq, Lk, D, block_q, block_k, block_k // BN, c["qk_scale"], c["cap_log2"],
         c["rev_q"]),
-        dict(**c["flags"], **c["kv_ranges"], EVEN_M=_even(Lq, BM, block_q), EVEN_N=_even(Lk, BN, block_k),
+        dict(**c["flags"], **c["kv_ranges"], EVEN_M=_even(Lq, BM, block_q),
+             EVEN_N=_even(Lk, BN, block_k),
              BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=c["BLOCK_D"]), warps, stages)
     return _Call(c, [launch], alloc=None, finish=None)
 
