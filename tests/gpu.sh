@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|sanitize|fuzz|cuda|cudabench ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|sanitize|csanitize|fuzz|cuda|cudabench ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -102,6 +102,22 @@ if [[ " $parts " == *" sanitize "* ]]; then
     -k "${SANITIZE_K:-odd_lengths or fully_masked or noncontiguous or full_bias_hd128 or (mask_kinds and bf16) or gqa}" > "$OUT/sanitize.log" 2>&1
   rc=$?; echo "compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitize.log" | tail -8
+fi
+# The CUDA backend (csrc/) under compute-sanitizer: memcheck over its tests of odd sizes and
+# masks; racecheck and synccheck over a few small calls (tests/gpu/cuda_sanitize_cases.py).
+if [[ " $parts " == *" csanitize "* ]]; then
+  timeout "${T_CSAN:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_gpu.py \
+    -k "${CSAN_K:-odd_lengths or fully_masked or gqa or (mask_kinds and bf16) or head_dims or poisoned or bias or softcap}" \
+    > "$OUT/csan_memcheck.log" 2>&1
+  rc=$?; echo "csrc memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "ERROR SUMMARY|Invalid|passed|failed|FAILED" "$OUT/csan_memcheck.log" | tail -8
+  for tool in ${CSAN_TOOLS:-racecheck synccheck}; do
+    timeout "${T_CSAN_TOOL:-200}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      python3 tests/gpu/cuda_sanitize_cases.py > "$OUT/csan_$tool.log" 2>&1
+    rc=$?; echo "csrc $tool rc=$rc"; [ $rc -eq 0 ] || status=1
+    grep -E "ERROR SUMMARY|RACE|Race|hazard|Error|: ok" "$OUT/csan_$tool.log" | sort | uniq -c | sort -rn | head -8
+  done
 fi
 echo "================ tables"
 for f in "$OUT"/bench.md "$OUT"/bench_indices.md "$OUT"/scale.md; do [ -f "$f" ] && { echo "## $(basename "$f")"; cat "$f"; }; done

@@ -1,0 +1,55 @@
+"""Small calls of the CUDA backend for compute-sanitizer's racecheck and synccheck (too slow
+for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_DEBUG=32
+runs the serial one), head dims 64/128/256, column ranges, a dense mask with fully masked
+rows, bias, odd lengths, GQA, and the backward where it is built. Prints one line per case;
+the tool's summary says whether any hazard was seen."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_triton_gpu as T  # noqa: E402
+
+import flexsparse  # noqa: E402
+from flexsparse import masks as M  # noqa: E402
+from flexsparse.ops import cuda_backend  # noqa: E402
+
+
+def run(name, B, Hq, Hkv, Lq, Lk, D, mask, *, bias=False, backward=True):
+    torch.manual_seed(len(name))
+    dt = torch.bfloat16
+    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dt, requires_grad=True)
+    k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=True)
+    v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=True)
+    b = torch.randn(B, Hq, Lq, Lk, device="cuda", dtype=dt, requires_grad=True) if bias else None
+    out = flexsparse.attention(q, k, v, mask, bias=b, backend="cuda")
+    if backward and cuda_backend.has_backward() and D != 256:
+        out.float().square().sum().backward()
+    torch.cuda.synchronize()
+    print(f"{name}: ok, out finite={bool(torch.isfinite(out).all())}", flush=True)
+
+
+def main():
+    L = 300
+    dm = torch.rand(1, 2, L, L, device="cuda") < 0.5
+    dm[:, :, 100:200] = False
+    cr = torch.randint(0, L + 1, (1, 1, L, 2), device="cuda").sort(-1).values
+    cases = [
+        ("causal hd128", 1, 2, 1, L, L, 128, M.causal()),
+        ("document hd128", 1, 2, 2, 520, 520, 128, M.document([100, 220, 200])),
+        ("column ranges hd128", 1, 2, 1, L, L, 128, M.column_ranges(cr, causal=True)),
+        ("sliding hd64 gqa", 1, 4, 1, 333, 333, 64, M.sliding_window(90)),
+        ("prefix hd64 odd", 1, 2, 2, 129, 517, 64, M.prefix_lm(60)),
+        ("causal hd256", 1, 2, 2, 257, 257, 256, M.causal()),
+        ("dense fully masked rows", 1, 2, 2, L, L, 128, M.dense(dm)),
+    ]
+    for schedule in ("0", "32"):
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = schedule
+        for c in cases:
+            run(f"[debug {schedule}] {c[0]}", *c[1:])
+        run(f"[debug {schedule}] bias hd64", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
+
+
+if __name__ == "__main__":
+    main()
