@@ -19,12 +19,13 @@ from flexsparse.ops import cuda_backend  # noqa: E402
 def run(name, B, Hq, Hkv, Lq, Lk, D, mask, *, bias=False, backward=True):
     torch.manual_seed(len(name))
     dt = torch.bfloat16
-    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dt, requires_grad=True)
-    k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=True)
-    v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=True)
-    b = torch.randn(B, Hq, Lq, Lk, device="cuda", dtype=dt, requires_grad=True) if bias else None
+    grad = backward and cuda_backend.has_backward() and D != 256   # backward: hd 64, 128
+    q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dt, requires_grad=grad)
+    k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=grad)
+    v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=grad)
+    b = torch.randn(B, Hq, Lq, Lk, device="cuda", dtype=dt, requires_grad=grad) if bias else None
     out = flexsparse.attention(q, k, v, mask, bias=b, backend="cuda")
-    if backward and cuda_backend.has_backward() and D != 256:
+    if grad:
         out.float().square().sum().backward()
     torch.cuda.synchronize()
     print(f"{name}: ok, out finite={bool(torch.isfinite(out).all())}", flush=True)
