@@ -228,7 +228,16 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
   if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
-  if (p.B * p.Hq * p.Lq > 0) fwd_sm90(p, dtype_of(query), at::cuda::getCurrentCUDAStream());
+  if (p.B * p.Hq * p.Lq == 0) return {out, lse};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);
+  // FLEXSPARSE_CUDA_DEBUG bit 128 runs the static schedule instead.
+  Tensor tile_counter = at::empty({1}, query.options().dtype(at::kInt));
+  if (!(p.debug & 128)) {
+    C10_CUDA_CHECK(cudaMemsetAsync(tile_counter.data_ptr(), 0, sizeof(int), stream));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
+  fwd_sm90(p, dtype_of(query), stream);
   return {out, lse};
 }
 

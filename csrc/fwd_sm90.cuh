@@ -1,6 +1,10 @@
 // Forward attention over a block descriptor on Hopper (sm_90a).
 //
-// One CTA computes a 128-row query tile of one (batch, head) with three warpgroups:
+// A persistent kernel: each CTA takes work tiles (a 128-row query tile of one (batch,
+// head)) one after another, so that one tile's epilogue and the next one's first loads
+// overlap. The producer takes the next work tile from a global counter (in work-tile
+// order, as the hardware would hand out one CTA per tile) and passes it to the consumers
+// through shared memory. A CTA has three warpgroups:
 //   warpgroup 0 (producer, registers given back): one thread issues TMA loads of the
 //     query tile and then, in list order, of the key and value tiles the descriptor lists
 //     for this query block (partial list first, then full list), through two TMA
@@ -97,6 +101,13 @@ struct FwdTraits {
     // warpgroups never wait for each other), double-buffered: [key][slot].
     alignas(16) int32_t col_ranges[kConsumerWarpgroups][2][kBlockN * 2 * kMaxStagedRanges];
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
+    // Completes when every consumer thread is done with the query tile (its last QK^T),
+    // so the producer may load the next work tile's queries over it.
+    alignas(16) cutlass::arch::ClusterBarrier::ValueType barrier_q_empty;
+    // The work tile the producer started, for the consumers (-1: no more). Written before
+    // the producer's arrival at barrier_q, read after the consumers' wait on it; rewritten
+    // only after barrier_q_empty completes.
+    int work_tile;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
   };
@@ -121,12 +132,23 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   AttentionParams const& p = kp.p;
 
-  const int m_block = p.reverse_tiles ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (p.Hq / p.Hkv);
-  const int qb = m_block * kBlockM / p.block_q;
-  const TileWalk walk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN);
-  const int n_tiles = walk.n_tiles();
+  // Work tiles in (batch, head, query tile) order, query tiles fastest, so that the CTAs
+  // running at one time share the keys and values of a few heads in L2; with
+  // reverse_tiles the heaviest query tiles of a head come first.
+  const int n_m = (p.Lq + kBlockM - 1) / kBlockM;
+  const int n_work = n_m * p.Hq * p.B;
+  int m_block = 0, h = 0, b = 0, hk = 0, qb = 0, n_tiles = 0;
+  TileWalk walk;
+  auto set_work_tile = [&](int w) {
+    const int m = w % n_m;
+    m_block = p.reverse_tiles ? n_m - 1 - m : m;
+    h = (w / n_m) % p.Hq;
+    b = w / n_m / p.Hq;
+    hk = h / (p.Hq / p.Hkv);
+    qb = m_block * kBlockM / p.block_q;
+    walk = TileWalk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN);
+    n_tiles = walk.n_tiles();
+  };
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
@@ -138,7 +160,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                     : T::Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x % 128 == 0;
   pipe_params.num_consumers = T::kMmaThreads;
-  if (threadIdx.x == 0) Barrier::init(&ss.barrier_q, 1);
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.barrier_q, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.barrier_q_empty, T::kMmaThreads);
+  }
   typename T::Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
   typename T::Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
@@ -152,38 +177,62 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (warp_in_group == 0 && lane_leader && n_tiles > 0) {
+    if (warp_in_group == 0 && lane_leader) {
       Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(m_block, 0));
-      auto cta_q = kp.tma_q.get_slice(0);
-      Barrier::arrive_and_expect_tx(&ss.barrier_q, T::kBytesQ);
-      copy(kp.tma_q.with(ss.barrier_q, 0), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
-
       Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, 0));                       // (N, D, n)
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, 0));
+      auto cta_q = kp.tma_q.get_slice(0);
       auto cta_k = kp.tma_k.get_slice(0);
       auto cta_v = kp.tma_v.get_slice(0);
-      Tensor tKgK = cta_k.partition_S(gK);
       Tensor tKsK = cta_k.partition_D(sK);
-      Tensor tVgV = cta_v.partition_S(gV);
       Tensor tVsV = cta_v.partition_D(sV);
+      // The key/value pipeline runs on across work tiles. Each work tile (and the final
+      // "no more") is one phase of barrier_q and of barrier_q_empty.
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
-      for (int t = 0; t < n_tiles; ++t) {
-        bool partial;
-        const int n = walk.tile_at(t, partial);
-        if (n < 0) continue;
-        pipe_k.producer_acquire(write);
-        copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
-             tKsK(_, _, _, write.index()));
-        pipe_v.producer_acquire(write);
-        copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
-             tVsV(_, _, _, write.index()));
-        ++write;
+      int w = blockIdx.x;
+      for (int k = 0;; ++k) {
+        if (k > 0) cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty, (k - 1) & 1);
+        if (w >= n_work) {
+          ss.work_tile = -1;
+          Barrier::arrive(&ss.barrier_q);
+          break;
+        }
+        set_work_tile(w);
+        ss.work_tile = w;
+        // The next work tile is taken once this one's loads are issued (about kStages
+        // tiles before the consumers finish it), not earlier: a CTA holding a claimed
+        // tile it cannot start yet unbalances the end of the grid.
+        auto take_next = [&] {
+          w = p.tile_counter != nullptr ? gridDim.x + atomicAdd(p.tile_counter, 1) : w + gridDim.x;
+        };
+        if (n_tiles == 0) {               // nothing listed: the consumers write 0 / -inf
+          Barrier::arrive(&ss.barrier_q);
+          take_next();
+          continue;
+        }
+        Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                               make_coord(m_block, 0));
+        Barrier::arrive_and_expect_tx(&ss.barrier_q, T::kBytesQ);
+        copy(kp.tma_q.with(ss.barrier_q, 0), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+        Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(_, 0));                     // (N, D, n)
+        Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               make_coord(_, 0));
+        Tensor tKgK = cta_k.partition_S(gK);
+        Tensor tVgV = cta_v.partition_S(gV);
+        for (int t = 0; t < n_tiles; ++t) {
+          bool partial;
+          const int n = walk.tile_at(t, partial);
+          if (n < 0) continue;
+          pipe_k.producer_acquire(write);
+          copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
+               tKsK(_, _, _, write.index()));
+          pipe_v.producer_acquire(write);
+          copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
+               tVsV(_, _, _, write.index()));
+          ++write;
+        }
+        take_next();
       }
     }
   } else {
@@ -198,7 +247,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Tensor tSrK = thr_qk.partition_fragment_B(sK);
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(tOrO);
 
     // (row, column) of every score this thread holds, within the tile.
     Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -224,21 +272,29 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // log2 domain first.
     const bool log2_scores = has_bias || has_softcap;
     const float exp_scale = log2_scores ? 1.f : p.scale * LOG2E;
-    const int i0 = m_block * kBlockM;
-    const Element* bias = static_cast<const Element*>(p.bias);
-    if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
-    // 32-bit loads of key pairs: contiguous, 4-byte aligned bias rows (col_base and the
-    // pair's first key are even).
-    const bool bias_pairs_ok = has_bias && p.bias_sk == 1 && p.bias_sq % 2 == 0 &&
-                               reinterpret_cast<uintptr_t>(bias) % 4 == 0;
-    // Element predicates, at this (batch, head).
-    const PredicateParams& pr = p.pred;
-    const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
-        : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
-    const uint8_t* dense = pr.dense == nullptr ? nullptr
-        : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
-    const int32_t* bits_row = pr.bits_index == nullptr ? nullptr
-        : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh + qb * pr.bi_sq;
+    // Where the work tile's rows, bias and element predicates start (set per work tile).
+    int i0 = 0;
+    const Element* bias = nullptr;
+    bool bias_pairs_ok = false;
+    const int32_t* cr_base = nullptr;
+    const uint8_t* dense = nullptr;
+    const int32_t* bits_row = nullptr;
+    auto set_tile_inputs = [&] {
+      i0 = m_block * kBlockM;
+      bias = static_cast<const Element*>(p.bias);
+      if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
+      // 32-bit loads of key pairs: contiguous, 4-byte aligned bias rows (col_base and the
+      // pair's first key are even).
+      bias_pairs_ok = has_bias && p.bias_sk == 1 && p.bias_sq % 2 == 0 &&
+                      reinterpret_cast<uintptr_t>(bias) % 4 == 0;
+      const PredicateParams& pr = p.pred;
+      cr_base = pr.col_ranges == nullptr ? nullptr
+          : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
+      dense = pr.dense == nullptr ? nullptr
+          : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
+      bits_row = pr.bits_index == nullptr ? nullptr
+          : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh + qb * pr.bi_sq;
+    };
     const int wg = warpgroup - 1;                  // consumer warpgroup: 0 or 1
     const int wg_tid = tid % 128;
     constexpr int kStagedPerWarpgroup = kBlockN * 4 / 128;   // (key, slot) pairs per thread
@@ -247,8 +303,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     int buf = 0;
 
     float row_max[kRows], row_sum[kRows];
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
 
     // Bias of scores (r, c) and (r, c + 1) of tile n (adjacent keys), loaded before the
     // product so that the latency hides behind it: one 32-bit load when the rows allow it.
@@ -462,11 +516,24 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       return t;
     };
 
-    if (n_tiles > 0) Barrier::wait(&ss.barrier_q, 0);
+    // Every consumer thread has read the query tile (its last QK^T is complete).
+    auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty); };
+    // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
+    typename T::PipelineState read, read_k, read_v;
+    for (int k = 0;; ++k) {
+    Barrier::wait(&ss.barrier_q, k & 1);
+    const int w = *reinterpret_cast<volatile int*>(&ss.work_tile);
+    if (w < 0) break;
+    set_work_tile(w);
+    set_tile_inputs();
+    clear(tOrO);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
     int n;
     bool partial;
-    if constexpr (!T::kOverlap) {
-      typename T::PipelineState read;
+    if (n_tiles == 0) {
+      release_q();                          // nothing listed: the epilogue writes 0 and -inf
+    } else if constexpr (!T::kOverlap) {
       for (int t = next_tile(0, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
         TileExtras x{n, partial};
         load_extras(x);
@@ -485,6 +552,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_v.consumer_release(read);
         ++read;
       }
+      release_q();
     } else {
       // Per tile t: issue S(t) = Q K(t)^T; scale O by tile t-1's alpha; issue
       // O += P(t-1) V(t-1); wait for S(t) only; mask and softmax of tile t while the PV
@@ -492,7 +560,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // warpgroups issue their pairs of wgmmas in turn (warpgroup 0 first).
       auto issue_begin = [&] { cutlass::arch::NamedBarrier::sync(2 * 128, kBarrierSchedule + wg); };
       auto issue_end = [&] { cutlass::arch::NamedBarrier::arrive(2 * 128, kBarrierSchedule + 1 - wg); };
-      typename T::PipelineState read_k, read_v;
       Tensor tOrP = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
       float alpha[kRows];
       // Issue S = Q K^T of the tile, holding this warpgroup's turn at the tensor cores.
@@ -542,6 +609,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           ++read_v;
           keep_p(tSrS);
         }
+        release_q();
         rescale_o(alpha);
         pipe_v.consumer_wait(read_v);
         issue_begin();
@@ -553,6 +621,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         warpgroup_wait<0>();
         pipe_v.consumer_release(read_v);
         ++read_v;
+      } else {
+        release_q();
       }
     }
 
@@ -581,6 +651,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
       }
     }
+    }   // work tiles
   }
 #endif
 }
@@ -605,8 +676,13 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   auto kernel = fwd_kernel<T>;
   const int smem = sizeof(typename T::SharedStorage);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  dim3 grid((p.Lq + T::kBlockM - 1) / T::kBlockM, p.Hq, p.B);
-  kernel<<<grid, T::kThreads, smem, stream>>>(kp);
+  // Persistent: one CTA per SM (the shared memory allows no more), each looping over work
+  // tiles; FLEXSPARSE_CUDA_DEBUG bit 64 launches one CTA per work tile instead (A/Bs).
+  // Work tiles past the grid come from p.tile_counter (zeroed by the caller) or, without
+  // it, in a static round-robin.
+  const int n_work = (p.Lq + T::kBlockM - 1) / T::kBlockM * p.Hq * p.B;
+  const int ctas = (p.debug & 64) ? n_work : std::min(n_work, sm_count());
+  kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 }
 

@@ -62,6 +62,9 @@ struct AttentionParams {
   float scale = 1.f;                  // softmax scale
   float softcap = 0.f;                // 0: none
   bool reverse_tiles = false;         // heaviest query tiles first (causal-like masks)
+  // Persistent forward: a zeroed int that the CTAs take work tiles from (atomicAdd), in
+  // work-tile order; nullptr: a static round-robin over the grid.
+  int* tile_counter = nullptr;
   int debug = 0;                      // FLEXSPARSE_CUDA_DEBUG bits (probes, see fwd_sm90.cuh)
 
   BlockListParams kv_partial, kv_full;   // per query block

@@ -8,6 +8,20 @@
 namespace flexsparse::sm90 {
 using namespace cute;
 
+// Streaming multiprocessors of the current device (persistent grids), read once per device.
+inline int sm_count() {
+  static int cached[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cached[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cached[dev] = n > 0 ? n : 132;
+  }
+  return cached[dev];
+}
+
 // C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.
 // wait >= 0: wait until at most `wait` batches are in flight before returning.
 template <bool zero_init, int wait, class TiledMma, class TA, class TB, class TC>
