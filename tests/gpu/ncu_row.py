@@ -23,6 +23,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("row", help="kind@L, e.g. full@8192")
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--backend", default="triton", help="ours: triton or cuda")
+    ap.add_argument("--no-flex", action="store_true", help="ours only")
     args = ap.parse_args()
     kind, L = args.row.split("@")
     L, D = int(L), args.d
@@ -41,8 +43,10 @@ def main():
     bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
     score_mod = (lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]) if has_bias else None
     steps = [lambda: flexsparse.attention(q, k, v, desc, bias=bias,
-                                          backend="triton").backward(do),
+                                          backend=args.backend).backward(do),
              lambda: fa(q, k, v, score_mod=score_mod, block_mask=bm).backward(do)]
+    if args.no_flex:
+        steps = steps[:1]
     for step in steps:            # compile and warm up
         step()
     torch.cuda.synchronize()
