@@ -148,7 +148,7 @@ def test_compiled_training_step_one_frame():
         return flexsparse.attention(q, k, v, desc, backend="cuda").float().square().sum()
 
     def grads(backend, dtype, desc, base):
-        xs = [t.to(dtype).requires_grad_() for t in base]
+        xs = [t.detach().to(dtype).clone().requires_grad_() for t in base]
         fn = loss if backend == "cuda" else (
             lambda q, k, v, d: flexsparse.attention(q, k, v, d, backend=backend).float().square().sum())
         fn(*xs, desc).backward()
