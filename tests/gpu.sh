@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|sanitize|csanitize|fuzz|cuda|cudabench ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -87,6 +87,18 @@ if [[ " $parts " == *" ncu "* ]]; then
   echo "ncu rc=$?"
   grep -E "^  [a-z_]+.*\(|Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps Per|Eligible Warps|Executed Ipc A|DRAM Throughput|stalled" "$OUT/ncu.log" \
     | awk '$NF+0 >= 0.05 || !/stalled/' | head -90
+fi
+# Per-instruction warp-stall samples of one kernel (SourceCounters):
+#   NCU_KERNELS=fwd_kernel NCU_ARGS="--backend cuda --no-flex" bash tests/gpu.sh ncusrc
+if [[ " $parts " == *" ncusrc "* ]]; then
+  timeout "${T_NCU:-300}" ncu --clock-control none --profile-from-start off -c 1 \
+    -k "regex:${NCU_KERNELS:-fwd_kernel}" --section SourceCounters --section WarpStateStats \
+    -o "$OUT/src" -f python3 tests/gpu/ncu_row.py "${NCU_ROW:-full@8192}" ${NCU_ARGS:-} \
+    > "$OUT/ncusrc.log" 2>&1
+  echo "ncusrc rc=$?"
+  ncu --import "$OUT/src.ncu-rep" --page source --csv --print-source sass > "$OUT/src.csv" 2>&1
+  python3 tests/gpu/ncu_source_top.py "$OUT/src.csv" --top "${NCU_TOP:-40}" 2>&1 | tee "$OUT/ncusrc_top.txt"
+  rm -f "$OUT/src.ncu-rep"
 fi
 # Corrupted and reused descriptors on the GPU backends under compute-sanitizer memcheck.
 if [[ " $parts " == *" fuzz "* ]]; then
