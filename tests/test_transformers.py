@@ -128,7 +128,11 @@ def _left_pad(B, L, pads):
 def _packed(pos):
     """transformers' own packed-sequence structure from position_ids (B, L)."""
     ids = mu.find_packed_sequence_indices(pos)
-    return lambda fn: mu.packed_sequence_compatibility_function(fn, pos, ids)
+    if hasattr(mu, "packed_sequence_compatibility_function"):        # transformers <= 5.23
+        return lambda fn: mu.packed_sequence_compatibility_function(fn, pos, ids)
+    # 5.24 composes the two pieces inline in create_causal_mask and its siblings
+    return lambda fn: mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos),
+                                   mu.packed_sequence_mask_function(ids))
 
 
 POS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5],
