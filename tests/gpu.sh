@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|hf ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -17,6 +17,24 @@ status=0
 # Wheels carried in .whl (expecttest etc.), if any.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+# transformers and what it imports, carried in .hfw (cp312 wheels): only the distributions
+# the device lacks, so that its own packages are not shadowed.
+if ls .hfw/*.whl >/dev/null 2>&1; then
+  python3 - <<'PY'
+import glob, importlib.metadata as md, re, subprocess, sys
+need = []
+for w in sorted(glob.glob(".hfw/*.whl")):
+    try:
+        md.version(re.split(r"-\d", w.split("/")[-1])[0])
+    except md.PackageNotFoundError:
+        need.append(w)
+if need:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                           "--no-compile", "--target", "/tmp/site", *need])
+print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
+PY
+  export PYTHONPATH=/tmp/site
 fi
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
 t0=$(date +%s)
@@ -36,6 +54,16 @@ if want cuda; then
     > "$OUT/cuda_tests.log" 2>&1
   rc=$?; echo "cuda tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/cuda_tests.log" | cut -c1-300 | tail -25
+fi
+# Hugging Face on the GPU (needs .hfw carried): the model tests, then the training-step row.
+if [[ " $parts " == *" hf "* ]]; then
+  timeout "${T_HF:-240}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_transformers_gpu.py \
+    > "$OUT/hf_tests.log" 2>&1
+  rc=$?; echo "hf tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "^FAILED|^ERROR|passed|failed|skipped" "$OUT/hf_tests.log" | cut -c1-300 | tail -15
+  timeout "${T_HFBENCH:-300}" python3 -m benchmarks.bench_hf ${HF_ARGS:-} --out "$OUT/bench_hf.md" \
+    > "$OUT/bench_hf.log" 2>&1
+  echo "bench_hf rc=$?"; grep -v Warning "$OUT/bench_hf.log" | tail -12
 fi
 if want cudabench; then
   timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \
