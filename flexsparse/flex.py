@@ -29,8 +29,8 @@ import torch
 
 from . import masks as masks_mod
 from .blocklists import descriptor_from_entries
-from .descriptor import (FULL, PARTIAL, BlockDescriptor, DescriptorParts, Sizes, check_sizes,
-                         dim_in, pack_bits, parts_from_visible)
+from .descriptor import (FULL, PARTIAL, BlockDescriptor, DescriptorParts, Sizes, assert_in_graph,
+                         check_sizes, dim_in, pack_bits, parts_from_visible)
 from .masks import Mask
 
 # Elements of mask_mod evaluated per vectorized call (bounds the transient memory).
@@ -99,7 +99,8 @@ def _eval_grid(mask_mod, Be, He, q0, q1, k0, k1, device) -> torch.Tensor:
     ar = lambda a, z: torch.arange(a, z, device=device)  # noqa: E731
     with _transform_ctx():
         v = f(ar(0, Be), ar(0, He), ar(q0, q1), ar(k0, k1))
-    STATS["mask_mod_points"] += Be * He * (q1 - q0) * (k1 - k0)
+    if not torch.compiler.is_compiling():     # (a global counter would guard the graph)
+        STATS["mask_mod_points"] += Be * He * (q1 - q0) * (k1 - k0)
     return v.to(torch.bool).expand(Be, He, q1 - q0, k1 - k0)
 
 
@@ -122,10 +123,15 @@ class _BlockListMask(Mask):
     re-evaluated element-wise in row chunks.
     """
 
-    def __init__(self, seq_lengths, block_size, build, text, device, dims_ok):
-        self.seq_lengths = tuple(int(x) for x in seq_lengths)
+    def __init__(self, seq_lengths, block_size, build, text, device, dims_ok, traced=None):
+        # Sizes stay symbolic inside torch.compile (int() would specialize the graph).
+        self.seq_lengths = tuple(x if torch.compiler.is_compiling() else int(x)
+                                 for x in seq_lengths)
         self.block = tuple(int(x) for x in block_size)
         self.build, self.text, self.device, self.dims_ok = build, text, torch.device(device), dims_ok
+        # traced(sz) -> the element visibility, bool (b, h, Lq, Lk): the path taken inside
+        # torch.compile, where the block lists' data-dependent sizes cannot be built.
+        self.traced = traced
         self._cache = {}
 
     def _default_device(self):
@@ -159,10 +165,24 @@ class _BlockListMask(Mask):
 
     def _descriptor(self, sz: Sizes) -> BlockDescriptor:
         self._check(sz)
+        if torch.compiler.is_compiling():
+            return self._parts(sz).to_descriptor(sz)
         return self.descriptor(sz.B, sz.Hq, sz.Hkv)
 
     def _parts(self, sz: Sizes) -> DescriptorParts:
         self._check(sz)
+        if torch.compiler.is_compiling():
+            if self.traced is None:
+                raise ValueError(f"mask: {self.text} cannot be built inside torch.compile; "
+                                 "build it outside and pass it in")
+            Lq, Lk = self.seq_lengths
+            # The traced path needs equal sizes to build its graph: compared here (a guard;
+            # only a call with other sizes retraces, and raises).
+            if not (Lq == sz.Lq and Lk == sz.Lk):
+                raise ValueError(f"mask: a converted FlexAttention mask was made for (Lq, Lk)="
+                                 f"({int(Lq)}, {int(Lk)}), inputs have ({int(sz.Lq)}, "
+                                 f"{int(sz.Lk)})")
+            return masks_mod.dense(self.traced(sz))._parts(sz)
         d = self.descriptor(sz.B, sz.Hq, sz.Hkv)
         if (sz.block_q, sz.block_k) == self.block:
             return DescriptorParts(state=d.block_state(), partial_bits_index=d.partial_bits_index,
@@ -193,11 +213,44 @@ def _entries_to_build(dims, bh, qb, kb, full, bits_by_entry, nQB, nKB, order=Non
 
 # ------------------------------------------------------------------ BlockMask -> flexsparse
 
+def _listed_state(count, index, nQB, nKB, state, times, value):
+    """Mark the blocks of one BlockMask list pair in state (B_, H_, nQB, nKB + 1) with
+    `value`, and count them in `times`; static shapes (column nKB takes invalid entries)."""
+    c = count[..., :nQB].to(torch.int64)
+    idx = index[..., :nQB, :].to(torch.int64)
+    W = idx.shape[-1]
+    valid = (torch.arange(W, device=idx.device) < c[..., None]) & (idx >= 0) & (idx < nKB)
+    slot = torch.where(valid, idx, nKB)
+    state.scatter_(-1, slot, torch.full_like(slot, value, dtype=state.dtype))
+    times.scatter_add_(-1, slot, valid.to(times.dtype))
+
+
+def _traced_visibility(bm, mask_mod, Be, He, Lq, Lk, bq, bk):
+    """The BlockMask's element visibility, bool (Be, He, Lq, Lk), at static shapes: full
+    blocks all visible, partial blocks mask_mod (evaluated on the whole grid, at the inputs'
+    batch and heads where the BlockMask broadcasts, as FlexAttention calls it), the rest
+    hidden. A block listed twice fails the graph (torch._assert_async)."""
+    nQB, nKB = -(-Lq // bq), -(-Lk // bk)
+    B_, H_ = bm.kv_num_blocks.shape[:2]
+    device = bm.kv_num_blocks.device
+    state = torch.zeros((B_, H_, nQB, nKB + 1), dtype=torch.int32, device=device)
+    times = torch.zeros_like(state)
+    _listed_state(bm.kv_num_blocks, bm.kv_indices, nQB, nKB, state, times, PARTIAL)
+    if bm.full_kv_num_blocks is not None:
+        _listed_state(bm.full_kv_num_blocks, bm.full_kv_indices, nQB, nKB, state, times, FULL)
+    assert_in_graph(times[..., :nKB] <= 1,
+                    "block_mask: a block is listed twice (in both the partial and the full "
+                    "lists, or twice in one list) (checked inside torch.compile)")
+    # FlexAttention reads list (b % B_, h % H_)
+    state = state[..., :nKB].repeat(Be // B_, He // H_, 1, 1)
+    elem = lambda t: t[:, :, :, None, :, None].expand(Be, He, nQB, bq, nKB, bk).reshape(  # noqa: E731
+        Be, He, nQB * bq, nKB * bk)[:, :, :Lq, :Lk]
+    grid = _eval_grid(mask_mod, Be, He, 0, Lq, 0, Lk, device)
+    return elem(state == FULL) | (elem(state == PARTIAL) & grid)
+
+
 def _bm_entries(count, index, nQB, nKB, full_flag):
     """Valid (b, h, qb, kb) of one BlockMask list pair."""
-    if index.shape[-2] < nQB:
-        raise ValueError(f"block_mask: lists have {index.shape[-2]} query-block rows, "
-                         f"need {nQB} for its seq_lengths")
     c = count[..., :nQB].to(torch.int64)
     idx = index[..., :nQB, :].to(torch.int64)
     W = idx.shape[-1]
@@ -224,7 +277,8 @@ def from_block_mask(block_mask, *, assume_broadcast: bool = False) -> Mask:
     kernels would process it twice, which flexsparse cannot express.
     """
     bm = block_mask
-    Lq, Lk = (int(x) for x in bm.seq_lengths)
+    compiling = torch.compiler.is_compiling()
+    Lq, Lk = (x if compiling else int(x) for x in bm.seq_lengths)
     bq, bk = (int(x) for x in bm.BLOCK_SIZE)
     if bq <= 0 or bk <= 0 or bq >= (1 << 30):
         raise ValueError(f"block_mask: unsupported BLOCK_SIZE {bm.BLOCK_SIZE} (the empty "
@@ -236,15 +290,31 @@ def from_block_mask(block_mask, *, assume_broadcast: bool = False) -> Mask:
     B_, H_ = bm.kv_num_blocks.shape[:2]
     mask_mod = bm.mask_mod
     device = bm.kv_num_blocks.device
-    lists = [_bm_entries(bm.kv_num_blocks, bm.kv_indices, nQB, nKB, False)]
-    if bm.full_kv_num_blocks is not None:
-        lists.append(_bm_entries(bm.full_kv_num_blocks, bm.full_kv_indices, nQB, nKB, True))
-    b0, h0, q0, k0, f0 = (torch.cat(x) for x in zip(*lists))
+    if bm.kv_indices.shape[-2] < nQB:
+        raise ValueError(f"block_mask: lists have {bm.kv_indices.shape[-2]} query-block rows, "
+                         f"need {nQB} for its seq_lengths")
 
     def dims_ok(B, Hq):
         if B % B_ or Hq % H_:
             raise ValueError(f"block_mask: batch/head dims ({B_}, {H_}) do not divide the "
                              f"inputs' (B={B}, Hq={Hq})")
+
+    def traced(sz):
+        Be = B_ if (assume_broadcast or B_ != 1) else sz.B
+        He = H_ if (assume_broadcast or H_ != 1) else sz.Hq
+        return _traced_visibility(bm, mask_mod, Be, He, Lq, Lk, bq, bk)
+
+    text = ("from_block_mask(<BlockMask> inside torch.compile)" if compiling else
+            f"from_block_mask(<BlockMask {tuple(bm.kv_num_blocks.shape[:2])}, "
+            f"seq_lengths={(Lq, Lk)}, BLOCK_SIZE={(bq, bk)}>)")
+    if compiling:      # the eager lists below have data-dependent sizes
+        mask = _BlockListMask((Lq, Lk), (bq, bk), None, text, device, dims_ok, traced)
+        mask.known_sizes = (B_, H_, Lq, Lk)
+        return mask
+    lists = [_bm_entries(bm.kv_num_blocks, bm.kv_indices, nQB, nKB, False)]
+    if bm.full_kv_num_blocks is not None:
+        lists.append(_bm_entries(bm.full_kv_num_blocks, bm.full_kv_indices, nQB, nKB, True))
+    b0, h0, q0, k0, f0 = (torch.cat(x) for x in zip(*lists))
 
     def build(B, Hq):
         Bt = B_ if dim_in(B_, 1, B) else B
@@ -298,9 +368,7 @@ def from_block_mask(block_mask, *, assume_broadcast: bool = False) -> Mask:
         return _entries_to_build(dims, (b * Ht + h)[sel], q[sel], k[sel], full[sel], bits,
                                  nQB, nKB, order="kv")
 
-    text = f"from_block_mask(<BlockMask {tuple(bm.kv_num_blocks.shape[:2])}, " \
-           f"seq_lengths={(Lq, Lk)}, BLOCK_SIZE={(bq, bk)}>)"
-    mask = _BlockListMask((Lq, Lk), (bq, bk), build, text, device, dims_ok)
+    mask = _BlockListMask((Lq, Lk), (bq, bk), build, text, device, dims_ok, traced)
     mask.known_sizes = (int(bm.kv_num_blocks.shape[0]), int(bm.kv_num_blocks.shape[1]), Lq, Lk)
     return mask
 
@@ -342,21 +410,33 @@ def from_mask_mod(mask_mod, B: Optional[int], H: Optional[int], Lq: int, Lk: int
     bq, bk = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
     device = torch.device(device or "cpu")
     Be, He = B or 1, H or 1
+    name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    # (inside torch.compile Dynamo would specialize sizes formatted into a string)
+    text = (f"from_mask_mod({name}) inside torch.compile" if torch.compiler.is_compiling() else
+            f"from_mask_mod({name}, B={B}, H={H}, Lq={Lq}, Lk={Lk}, block_size={(bq, bk)})")
+
+    def dims_ok(Bc, Hq):
+        if not (dim_in(Be, 1, Bc) and dim_in(He, 1, Hq)):
+            raise ValueError(f"mask: from_mask_mod was built for (B, H)=({B}, {H}), inputs "
+                             f"have (B={Bc}, Hq={Hq})")
+
+    def traced(sz):
+        return _eval_grid(mask_mod, Be, He, 0, Lq, 0, Lk, device)
+
+    if torch.compiler.is_compiling():
+        # Inside torch.compile: every element once, held as a dense mask (recognition and
+        # the block lists need host decisions on the data).
+        mask = _BlockListMask((Lq, Lk), (bq, bk), None, text, device, dims_ok, traced)
+        mask.known_sizes = (B, H, Lq, Lk)
+        return mask
     if recognize:
         m = recognize_mask_mod(mask_mod, Be, He, Lq, Lk, device=device, probes=probes)
         if m is not None:
             m.known_sizes = (B, H, Lq, Lk)
             return m
     built = _build_from_mask_mod(mask_mod, Be, He, Lq, Lk, bq, bk, device)
-
-    def dims_ok(Bc, Hq):
-        if not (dim_in(Be, 1, Bc) and dim_in(He, 1, Hq)):
-            raise ValueError(f"mask: from_mask_mod was built for (B, H)=({B}, {H}), inputs "
-                             f"have (B={Bc}, Hq={Hq})")
-    name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
-    mask = _BlockListMask((Lq, Lk), (bq, bk), lambda Bc, Hq: built,
-                          f"from_mask_mod({name}, B={B}, H={H}, Lq={Lq}, Lk={Lk}, "
-                          f"block_size={(bq, bk)})", device, dims_ok)
+    mask = _BlockListMask((Lq, Lk), (bq, bk), lambda Bc, Hq: built, text, device, dims_ok,
+                          traced)
     mask.known_sizes = (B, H, Lq, Lk)
     return mask
 
