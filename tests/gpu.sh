@@ -50,14 +50,14 @@ if want tests; then
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -15
 fi
 if want cuda; then
-  timeout "${T_CUDA:-300}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_cuda_gpu.py \
+  timeout "${T_CUDA:-300}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_gpu.py \
     > "$OUT/cuda_tests.log" 2>&1
   rc=$?; echo "cuda tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/cuda_tests.log" | cut -c1-300 | tail -25
 fi
 # Hugging Face on the GPU (needs .hfw carried): the model tests, then the training-step row.
 if [[ " $parts " == *" hf "* ]]; then
-  timeout "${T_HF:-240}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_transformers_gpu.py \
+  timeout "${T_HF:-240}" python3 -m pytest -p no:cacheprovider tests/gpu/test_transformers_gpu.py \
     > "$OUT/hf_tests.log" 2>&1
   rc=$?; echo "hf tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed|skipped" "$OUT/hf_tests.log" | cut -c1-300 | tail -15

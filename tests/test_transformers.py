@@ -160,6 +160,18 @@ CASES = {
                        20, 0, 0, "column_ranges"),
     "packed_chunked": (_packed(POS)(mu.chunked_causal_mask_function(
         4, torch.zeros(2, dtype=torch.long))), None, 2, 20, 20, 0, 0, "column_ranges"),
+    # transformers before 5.24: the packed-id mask without the position remap
+    "packed_causal_no_remap": (mu.and_masks(mu.causal_mask_function,
+                                            mu.packed_sequence_mask_function(
+                                                mu.find_packed_sequence_indices(POS))),
+                               None, 2, 20, 20, 0, 0, "column_ranges"),
+    "packed_sliding_no_remap": (mu.and_masks(mu.sliding_window_causal_mask_function(4),
+                                             mu.packed_sequence_mask_function(
+                                                 mu.find_packed_sequence_indices(POS))),
+                                None, 2, 20, 20, 0, 0, "column_ranges"),
+    "packed_chunked_no_remap": (mu.and_masks(mu.chunked_causal_mask_function(
+        4, torch.zeros(2, dtype=torch.long)), mu.packed_sequence_mask_function(
+            mu.find_packed_sequence_indices(POS))), None, 2, 20, 20, 0, 0, "column_ranges"),
     # KV cache: decode (q_length=1) and a chunked prefill against a dynamic cache
     "decode": (mu.causal_mask_function, None, 2, 1, 21, 20, 0, "named"),
     "decode_left_pad": (mu.causal_mask_function, _left_pad(2, 21, [0, 5]), 2, 1, 21, 20, 0,

@@ -121,9 +121,10 @@ def _structure(mask_function):
         _parse(mask_function, s)
     except _Unknown:
         return None
-    # Packed sequences: transformers pairs one packed-id mask with one position remap (the
-    # documents are the runs of consecutive position ids, each with its own ids).
-    if len(s["packed"]) != len(s["positions"]) or len(s["packed"]) > 1:
+    # Packed sequences: one packed-id mask (the documents are the runs of equal ids), with
+    # one position remap (transformers >= 5.24: positions restart in each document) or
+    # without (earlier 5.x: the mask function sees the row's own indices).
+    if len(s["packed"]) > 1 or len(s["positions"]) > len(s["packed"]):
         return None
     return s
 
@@ -155,13 +156,19 @@ def _column_intervals(s, B, Lq, Lk, q_offset, kv_offset, attention_mask, device)
         if not (isinstance(q_offset, int) and isinstance(kv_offset, int)
                 and q_offset == 0 and kv_offset == 0 and Lq == Lk):
             return None
-        ids, pos = s["packed"][0], s["positions"][0]
-        if ids.shape != (B, Lk) or pos.shape[-1] != Lk:
+        ids = s["packed"][0]
+        if ids.shape != (B, Lk):
             return None
-        pos = pos.to(device=device, dtype=torch.int64).expand(B, Lk)
         start, end = _doc_bounds(ids.to(device))
         lo, hi = torch.maximum(lo, start), torch.minimum(hi, end)
-        kpos, A = pos, pos - j
+        if s["positions"]:
+            pos = s["positions"][0]
+            if pos.shape[-1] != Lk:
+                return None
+            pos = pos.to(device=device, dtype=torch.int64).expand(B, Lk)
+            kpos, A = pos, pos - j
+        else:
+            kpos, A = j, torch.zeros((), device=device, dtype=torch.int64)
     else:
         kpos = j + kv_offset
         A = torch.as_tensor(q_offset, device=device, dtype=torch.int64)
