@@ -98,6 +98,11 @@ def main():
             line = f"| {L} | {len(lengths)} | {impl} | {1e3 * t:.1f} | {L / t:,.0f} | {ratio} | {loss:.4f} |"
             lines.append(line)
             print(line, flush=True)
+        # how transformers' masks reached flexsparse (recognized or transformers' dense mask)
+        note = f"flexsparse masks at {L}: {dict(fs_hf.STATS)}"
+        fs_hf.STATS.clear()
+        lines.append(note)
+        print(note, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
