@@ -26,12 +26,13 @@ def cases():
     layout |= torch.eye(L // 128, dtype=torch.bool, device=DEV)
     dm = torch.rand(B, 1, L, L, device=DEV) < 0.7
     idx = torch.randint(-1, L, (B, H, L, 16), device=DEV, dtype=torch.int32)
+    prefix = torch.tensor([77], device=DEV)     # made here: a host-to-device copy syncs
     return {
         "causal": lambda: M.causal(),
         "sliding": lambda: M.sliding_window(100),
         "document(list)": lambda: M.document([100, 250, 162]),
         "document(tensor)": lambda: M.document(lens),
-        "prefix_lm(tensor)": lambda: M.prefix_lm(torch.tensor([77], device=DEV)),
+        "prefix_lm(tensor)": lambda: M.prefix_lm(prefix),
         "column_ranges": lambda: M.column_ranges(cr, causal=True),
         "block_sparse": lambda: M.block_sparse(layout, 128),
         "dense": lambda: M.dense(dm),
