@@ -8,6 +8,8 @@ half-open block ranges (O(N / block) for the named column-range masks); the coun
 number of blocks either way. For index masks the lists are None and `attn_indices` holds
 the per-query key lists.
 """
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -54,7 +56,7 @@ class BlockDescriptor:
         """
         st = state.transpose(-1, -2)
         sels = (state == PARTIAL, state == FULL, st == PARTIAL, st == FULL)
-        if not torch.compiler.is_compiling():
+        if not static_shapes():
             ranges = _as_ranges(sels)         # few runs of blocks per row: range form
             if ranges is not None:
                 return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
@@ -170,6 +172,30 @@ class BlockDescriptor:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+# ---- static shapes: building without reading the data on the host
+
+# Masks that hold GPU tensors are built at static shapes (full-width lists, no decision
+# on the data, so no host synchronization and CUDA-graph capturable) when a (b, h) slice
+# has at most this many blocks (128K tokens at block 128); beyond, the compact O(N)
+# lists, whose sizes are read on the host (one synchronization per build).
+STATIC_MAX_BLOCKS = 1 << 20
+_STATIC = contextvars.ContextVar("flexsparse_static_shapes", default=False)
+
+
+def static_shapes() -> bool:
+    """Build at static shapes: inside torch.compile, and inside `building_static()`."""
+    return torch.compiler.is_compiling() or _STATIC.get()
+
+
+@contextlib.contextmanager
+def building_static(on: bool = True):
+    token = _STATIC.set(on)
+    try:
+        yield
+    finally:
+        _STATIC.reset(token)
 
 
 def groups_to_heads(vis: torch.Tensor, num_heads) -> torch.Tensor:

@@ -18,8 +18,9 @@ import torch
 from . import intervals
 from .blocklists import (column_range_descriptor, column_range_range_descriptor,
                          key_block_stats)
-from .descriptor import (FULL, PARTIAL, SKIP, BlockDescriptor, DescriptorParts, Sizes,
-                         assert_in_graph, dim_in, groups_to_heads, parts_from_visible)
+from .descriptor import (FULL, PARTIAL, SKIP, STATIC_MAX_BLOCKS, BlockDescriptor,
+                         DescriptorParts, Sizes, assert_in_graph, building_static, dim_in,
+                         groups_to_heads, parts_from_visible, static_shapes)
 from .index_blocks import indices_to_blocks, prefer_blocks
 from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
 from .ops import reference
@@ -52,6 +53,12 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _values_text(t: torch.Tensor) -> str:
+    """A tensor's values for a mask's text; a GPU tensor's shape only (reading its values
+    would synchronize with the device, and fails during CUDA-graph capture)."""
+    return f"{t.tolist()}" if t.device.type == "cpu" else f"<{t.device.type} tensor>"
+
+
 class Mask:
     """Base class. Subclasses implement `_parts(sizes) -> DescriptorParts` and `__repr__`."""
 
@@ -64,9 +71,13 @@ class Mask:
         if bq <= 0 or bk <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
-        key = None if _is_compiling() else self._cache_key()
-        if key is None:
+        if _is_compiling():
             return self._descriptor(sz)
+        key = self._cache_key()
+        if key is None:       # holds user tensors: built per call, without host syncs
+            with building_static(sz.device.type == "cuda"
+                                 and sz.nQB * sz.nKB <= STATIC_MAX_BLOCKS):
+                return self._descriptor(sz)
         key = (key, sz)
         desc = _CACHE.pop(key, None)
         if desc is None:
@@ -283,7 +294,7 @@ class _ColumnRanges(Mask):
 
     def _descriptor(self, sz):
         # Eager: O(N) without the dense block grid (flexsparse/blocklists.py).
-        cr = None if _is_compiling() else self._column_ranges(sz)
+        cr = None if static_shapes() else self._column_ranges(sz)
         if cr is None:
             return self._parts(sz).to_descriptor(sz)
         common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
@@ -426,7 +437,7 @@ def _checked_lengths(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tenso
     if not dim_in(lens.shape[0], 1, sz.B):
         raise ValueError(f"{name}: batch dim {lens.shape[0]} must be 1 or B={sz.B}")
     totals = lens.sum(-1)
-    if _is_compiling():
+    if static_shapes():
         # the values are data: checked by the graph when it runs (torch._assert_async)
         assert_in_graph((lens >= 0).all() & (totals == sz.Lk).all(),
                         f"{name}: lengths must be non-negative and each row must sum to the "
@@ -468,8 +479,8 @@ def document(lengths, causal: bool = True) -> Mask:
         lo = (Term(DOC_START),) + ((Term(COL, -sz.offset),) if use_causal else ())
         return IntervalSpec((Interval(lo, (Term(DOC_END),)),),
                             _checked_lengths(lens, sz, "lengths"))
-    return _ColumnRanges(build, f"document(lengths={lens.tolist()}, causal={causal})",
-                         spec=spec)
+    return _ColumnRanges(build, f"document(lengths={_values_text(lens)}, causal={causal})",
+                         spec=spec, cacheable=lens.device.type == "cpu")
 
 
 def prefix_lm(prefix_len) -> Mask:
@@ -492,7 +503,7 @@ def prefix_lm(prefix_len) -> Mask:
             raise ValueError(f"prefix_len: batch dim {pl.shape[0]} must be 1 or B={sz.B}")
         if is_int:
             return pl
-        if _is_compiling():
+        if static_shapes():
             assert_in_graph(pl >= 0, "prefix_len: must be >= 0 (checked inside torch.compile)")
         elif bool((pl < 0).any()):
             raise ValueError(f"prefix_len: must be >= 0, got {pl.tolist()}")
@@ -506,8 +517,8 @@ def prefix_lm(prefix_len) -> Mask:
 
     def spec(sz):
         return IntervalSpec((Interval(lo=(Term(COL, -sz.offset, below=checked(sz), alt=0),)),))
-    text = f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({p.tolist()})"
-    return _ColumnRanges(build, text, spec=spec)
+    text = f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({_values_text(p)})"
+    return _ColumnRanges(build, text, spec=spec, cacheable=p.device.type == "cpu")
 
 
 def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
@@ -625,7 +636,7 @@ class _Indices(Mask):
             raise ValueError(f"attn_indices: head dim {t.shape[1]} must be 1 or Hkv={sz.Hkv}")
         if t.device != sz.device:
             raise ValueError(f"attn_indices: is on {t.device} but the inputs are on {sz.device}")
-        if self.validate and _is_compiling():
+        if self.validate and static_shapes():
             assert_in_graph((t >= -1) & (t < sz.Lk),
                             "attn_indices: entries must be -1 or in [0, Lk) (checked inside "
                             "torch.compile)")
@@ -644,7 +655,7 @@ class _Indices(Mask):
         # layout "blocks" / "auto": the lists as block lists + bitmaps (flexsparse/index_blocks.py).
         # Only for the mask used alone: in and_/or_ the combination compiles _parts().
         parts = self._parts(sz)
-        if self.layout == "gather" or (self.layout == "auto" and _is_compiling()):
+        if self.layout == "gather" or (self.layout == "auto" and static_shapes()):
             return parts.to_descriptor(sz)
         if _is_compiling():
             raise ValueError("indices: layout='blocks' has data-dependent sizes and cannot be "

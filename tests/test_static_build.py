@@ -1,0 +1,72 @@
+"""The static-shape build (issue 16: no host synchronization for masks that hold GPU
+tensors): on CPU, forced with `building_static()`, every tensor-holding mask kind gives the
+same mask and the same attention as the compact build, and reads no data on the host
+(`Tensor.item`, `tolist`, `__bool__`, `nonzero` are made to fail inside it)."""
+import contextlib
+
+import pytest
+import torch
+
+import flexsparse
+from flexsparse import masks as M
+from flexsparse.descriptor import building_static
+
+B, H, L = 2, 2, 200
+BLOCK = (32, 32)
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    cr = torch.randint(0, L + 1, (B, H, L, 2), generator=g).sort(-1).values
+    layout = torch.rand(1, H, -(-L // 32), -(-L // 32), generator=g) < 0.5
+    dense = torch.rand(B, 1, L, L, generator=g) < 0.6
+    idx = torch.randint(-1, L, (B, H, L, 9), generator=g, dtype=torch.int32)
+    return {
+        "document(tensor)": M.document(torch.tensor([[50, 90, 60], [120, 0, 80]])),
+        "prefix_lm(tensor)": M.prefix_lm(torch.tensor([30, 77])),
+        "column_ranges": M.column_ranges(cr, causal=True),
+        "block_sparse": M.block_sparse(layout, 32),
+        "dense": M.dense(dense),
+        "indices": M.indices(idx),
+        "and(dense, document)": M.and_(M.dense(dense), M.document(torch.tensor([100, 100]))),
+        "or(prefix, sliding)": M.or_(M.prefix_lm(torch.tensor([40, 9])), M.sliding_window(20)),
+    }
+
+
+@contextlib.contextmanager
+def _no_host_reads(monkeypatch):
+    """Host reads of tensor data raise inside the block."""
+    def refuse(name):
+        def f(*args, **kwargs):
+            raise AssertionError(f"host read of tensor data: Tensor.{name}")
+        return f
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "nonzero", "__int__"):
+            m.setattr(torch.Tensor, name, refuse(name))
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_static_build_equals_compact_build(name, monkeypatch):
+    mask = _cases()[name]
+    compact = mask.compile(B, H, H, L, L, block_size=BLOCK)
+    with building_static(), _no_host_reads(monkeypatch):
+        static = mask._descriptor(_sizes(mask))
+    assert torch.equal(static.to_dense(), compact.to_dense())
+    q, k, v = (torch.randn(B, H, L, 16, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch.testing.assert_close(flexsparse.attention(q, k, v, static),
+                               flexsparse.attention(q, k, v, compact))
+
+
+def _sizes(mask):
+    from flexsparse.descriptor import Sizes
+    return Sizes(B, H, H, L, L, *BLOCK, torch.device("cpu"))
+
+
+def test_the_compact_build_does_read_the_data(monkeypatch):
+    """The check above is real: the compact build of a dense mask sizes its lists on the
+    host, and is caught by it."""
+    mask = _cases()["dense"]
+    with pytest.raises(AssertionError, match="host read"), _no_host_reads(monkeypatch):
+        mask._descriptor(_sizes(mask))
