@@ -44,18 +44,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     Hkv, Lk = key.shape[1], key.shape[2]
     desc = compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=query.device, block_size=block_size)
     _check_bias(bias, query, B, Hq, Hkv, Lq, Lk)
+    # Types while tracing; values eagerly here, and under torch.compile by the op's kernel
+    # when the graph runs (a float argument is traced symbolically: comparing it here
+    # would fail to trace or specialize the graph on its value; mask_checks.check_scalars).
+    compiling = torch.compiler.is_compiling()
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: must be a float, got {type(scale).__name__}")
-    elif not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale: must be a finite positive float, got {scale!r}")
     if softcap is None:
-        softcap = 0.0
+        softcap = 0.0                  # 0: no softcap (as in the op, and flash-attn's API)
     elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
         raise TypeError(f"softcap: must be a float or None, got {type(softcap).__name__}")
-    elif not math.isfinite(softcap) or softcap <= 0:
-        raise ValueError(f"softcap: must be a finite positive float or None, got {softcap!r}")
+    if not compiling:
+        mask_checks.check_scalars(scale, softcap)
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
     options = kernel_options_mod.from_dict(kernel_options)

@@ -13,9 +13,12 @@ route here by the op's `backend` argument, which carries the options too
 (`kernel_options.decode`); "auto" is resolved by `choose` before the op is called.
 Before any of that, `check_attention_args` / `check_attention_backward_args` check the
 op's inputs (mask_checks.py, and the named backend's not_supported_reasons); the fake
-kernels run the same checks (schema.FAKE_CHECKS).
+kernels run the same checks (schema.FAKE_CHECKS) but leave a refusal to the kernel, so
+that compiled code raises the same ValueError/TypeError when the graph runs
+(`_at_run_time`).
 """
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import kernel_options, mask_checks
 from .reference import complete_mask
@@ -90,9 +93,10 @@ def check_attention_args(query, key, value, bias, *rest):
     raw op's contract"); shapes, dtypes and devices only, so the fake kernel runs it too.
     Returns (mask, backend name, kernel options)."""
     mask = MaskTensors(*rest[:_N_MASK])
-    block_q, block_k, _, _, backend, deterministic = rest[_N_MASK:]
+    block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
     name, options = kernel_options.decode(backend)
     mask_checks.check_inputs(query, key, value, bias, mask, block_q, block_k)
+    mask_checks.check_scalars(scale, softcap)
     if name != "auto":
         _check_backend(name, query, key, value, bias, mask, block_q, block_k, deterministic)
     return mask, name, options
@@ -101,9 +105,10 @@ def check_attention_args(query, key, value, bias, *rest):
 def check_attention_backward_args(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
     """check_attention_args for the backward op, and its own tensors' shapes."""
     mask = MaskTensors(*rest[:_N_MASK])
-    block_q, block_k, _, _, backend, deterministic, _ = rest[_N_MASK:]
+    block_q, block_k, scale, softcap, backend, deterministic, _ = rest[_N_MASK:]
     name, options = kernel_options.decode(backend)
     mask_checks.check_inputs(query, key, value, bias, mask, block_q, block_k)
+    mask_checks.check_scalars(scale, softcap)
     mask_checks.check_backward(grad_out, grad_lse, query, value, out, lse)
     if name != "auto":
         _check_backend(name, query, key, value, bias, mask, block_q, block_k, deterministic,
@@ -116,6 +121,28 @@ def _check_cuda_op_args(query, key, value, bias, *rest):
     (their C++ kernels check the rest)."""
     mask_checks.check_inputs(query, key, value, bias, MaskTensors(*rest[:_N_MASK]),
                              rest[_N_MASK], rest[_N_MASK + 1])
+    mask_checks.check_scalars(rest[_N_MASK + 2], rest[_N_MASK + 3])
+
+
+def _at_run_time(check, n_before_query):
+    """The fake-kernel check of an op whose kernel is Python (`attention`,
+    `attention_backward`): that kernel runs the same check first whenever the graph runs,
+    so a refusal is left to it. A compiled call then raises the check's own ValueError or
+    TypeError, with the sizes of that call, as an eager call does; raised while tracing
+    it would reach the caller as Dynamo's TorchRuntimeError. The comparisons the check
+    made still guard the graph (a call that passes them does not reuse it). Refused here
+    when the fake outputs cannot be shaped (query, key, value not 4-D tensors), and
+    outside tracing (meta tensors: then this is the op's only kernel). The CUDA backend's
+    ops keep refusing while tracing: their C++ kernels do not run these checks."""
+    def fake_check(*args):
+        try:
+            check(*args)
+        except (ValueError, TypeError):
+            qkv = args[n_before_query:n_before_query + 3]
+            if not (all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv)
+                    and isinstance(qkv[0], FakeTensor)):
+                raise
+    return fake_check
 
 
 def _check_cuda_op_backward_args(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
@@ -158,8 +185,8 @@ for _name, _kernel in (("attention", _attention_impl),
 
 # The fake kernels (schema.py) run the same checks while torch.compile traces.
 FAKE_CHECKS.update({
-    "attention": check_attention_args,
-    "attention_backward": check_attention_backward_args,
+    "attention": _at_run_time(check_attention_args, 0),
+    "attention_backward": _at_run_time(check_attention_backward_args, 2),
     "cuda_attention": _check_cuda_op_args,
     "cuda_attention_backward": _check_cuda_op_backward_args,
 })

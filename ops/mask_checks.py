@@ -12,6 +12,7 @@ The Python API (flexsparse/api.py) checks the same things first with its own mes
 every descriptor the library builds passes these checks.
 """
 import collections
+import math
 import weakref
 
 import torch
@@ -71,10 +72,24 @@ def check_qkv(query, key, value):
     if key.shape[3] != query.shape[3]:
         raise ValueError(f"key: head dim {_n(key.shape[3])} must match query head dim "
                          f"{_n(query.shape[3])}")
+    if query.shape[3] == 0:
+        raise ValueError(f"query: head dim must be > 0, got shape {_shape(query)}")
     Hq, Hkv = query.shape[1], key.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"key: query heads Hq={_n(Hq)} must be a multiple of key/value heads "
                          f"Hkv={_n(Hkv)}")
+
+
+def check_scalars(scale, softcap):
+    """scale finite and > 0; softcap finite and >= 0 (0 = no softcap). Plain floats only:
+    a SymFloat (a float input that torch.compile traces symbolically) is left to the
+    op's kernel, which sees the number when the graph runs (a check here would
+    specialize the graph on the value)."""
+    if type(scale) in (float, int) and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: must be a finite positive float, got {scale!r}")
+    if type(softcap) in (float, int) and not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be a finite float >= 0 (0 or None: no softcap), "
+                         f"got {softcap!r}")
 
 
 def check_bias_tensor(bias, query):
