@@ -42,6 +42,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
+    block_size = masks_mod.block_pair(block_size)
     desc = compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=query.device, block_size=block_size)
     _check_bias(bias, query, B, Hq, Hkv, Lq, Lk)
     # Types while tracing; values eagerly here, and under torch.compile by the op's kernel

@@ -10,6 +10,7 @@ Three families, by how the element predicate is stored (docs/design.md):
 Conventions: query i sees key j; with Lq != Lk causal masks align bottom-right,
 i' = i + (Lk - Lq).
 """
+import numbers
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -52,6 +53,38 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool)
+
+
+def _check_count(name, v, allow_none=False) -> None:
+    """A non-negative int argument (None too when allow_none): TypeError for another type
+    (bool and float included), ValueError for a negative value."""
+    if v is None and allow_none:
+        return
+    what = "a non-negative int" + (" or None" if allow_none else "")
+    if not _is_int(v):
+        raise TypeError(f"{name}: must be {what}, got {v!r}")
+    if v < 0:
+        raise ValueError(f"{name}: must be {what}, got {v!r}")
+
+
+def _check_bool(name, v) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name}: must be a bool, got {v!r}")
+
+
+def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
+    """(block_q, block_k) from a positive int or a pair of positive ints."""
+    pair = (block_size, block_size) if _is_int(block_size) else block_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_int, pair)):
+        raise TypeError(f"{name}: must be an int or a (block_q, block_k) pair of ints, got "
+                        f"{block_size!r}")
+    if pair[0] <= 0 or pair[1] <= 0:
+        raise ValueError(f"{name}: must be positive, got {block_size!r}")
+    return pair[0], pair[1]
+
+
 class Mask:
     """Base class. Subclasses implement `_parts(sizes) -> DescriptorParts` and `__repr__`."""
 
@@ -60,9 +93,7 @@ class Mask:
         """The BlockDescriptor of this mask for these sizes (H = query heads)."""
         if Hkv <= 0 or Hq % Hkv != 0:
             raise ValueError(f"num_kv_heads: Hq={Hq} must be a multiple of Hkv={Hkv}")
-        bq, bk = block_size
-        if bq <= 0 or bk <= 0:
-            raise ValueError(f"block_size: must be positive, got {block_size}")
+        bq, bk = block_pair(block_size)
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         key = None if _is_compiling() else self._cache_key()
         if key is None:
@@ -203,10 +234,7 @@ class _BlockSparse(Mask):
             raise TypeError("layout: must be a bool tensor (B|1, H|1, ceil(Lq/bq), ceil(Lk/bk))")
         if layout.dim() != 4:
             raise ValueError(f"layout: must be 4-D, got shape {tuple(layout.shape)}")
-        bq, bk = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-        if bq <= 0 or bk <= 0:
-            raise ValueError(f"block_size: must be positive, got {block_size}")
-        self.layout, self.block = layout, (bq, bk)
+        self.layout, self.block = layout, block_pair(block_size)
 
     def _parts(self, sz):
         lay = self.layout
@@ -390,8 +418,7 @@ def causal() -> Mask:
 def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
     """Query i sees key j iff i' - left <= j <= i' + right, i' = i + (Lk - Lq); None = unbounded."""
     for name, v in (("left", left), ("right", right)):
-        if v is not None and (not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name}: must be a non-negative int or None, got {v!r}")
+        _check_count(name, v, allow_none=True)
 
     def build(sz):
         j = _cols(sz)
@@ -410,11 +437,21 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
 
 
 def _as_lengths(lengths, name) -> torch.Tensor:
-    t = torch.as_tensor(lengths).detach().clone()     # a copy: the mask is a value
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
+    """Lengths as an int64 tensor (a copy: the mask is a value). A list is checked here
+    (no device data to read); a tensor's values when the mask is compiled."""
+    try:
+        t = torch.as_tensor(lengths).detach().clone()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name}: must be a list or tensor of integers, 1-D (n,) or 2-D "
+                        f"(B, n), got {lengths!r} ({err})") from None
+    if t.numel() == 0:
+        raise ValueError(f"{name}: must not be empty, got {lengths!r}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name}: must be integers, got {t.dtype}")
     if t.dim() not in (1, 2):
         raise ValueError(f"{name}: must be 1-D (n,) or 2-D (B, n), got shape {tuple(t.shape)}")
+    if not isinstance(lengths, torch.Tensor) and bool((t < 0).any()):
+        raise ValueError(f"{name}: must be non-negative, got {lengths!r}")
     return t.to(torch.int64)
 
 
@@ -455,6 +492,7 @@ def document(lengths, causal: bool = True) -> Mask:
     `lengths`: 1-D (n,) summing to L, or (B, n) padded with zeros, each row summing to L.
     """
     lens = _as_lengths(lengths, "lengths")
+    _check_bool("causal", causal)
     use_causal = causal
 
     def build(sz):
@@ -514,9 +552,8 @@ def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
     """Causal; every answer sees the question and itself, never another answer."""
     answers = _as_lengths(answer_lengths, "answer_lengths")
     if answers.dim() != 1:
-        raise ValueError("answer_lengths: must be 1-D")
-    if not isinstance(question_len, int) or question_len < 0:
-        raise ValueError(f"question_len: must be a non-negative int, got {question_len!r}")
+        raise ValueError(f"answer_lengths: must be 1-D, got shape {tuple(answers.shape)}")
+    _check_count("question_len", question_len)
 
     lengths = torch.cat([torch.tensor([question_len]), answers])
 
@@ -538,8 +575,7 @@ def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
 def global_tokens(n: int) -> Mask:
     """The first n tokens are global: query i sees key j iff i < n or j < n (Longformer /
     BigBird global attention; combine with or_, e.g. or_(sliding_window(w), global_tokens(n)))."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: must be a non-negative int, got {n!r}")
+    _check_count("n", n)
 
     def build(sz):
         j = _cols(sz)
@@ -559,6 +595,7 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
     With causal the part above the diagonal is masked too.
     """
     t = startend_row_indices
+    _check_bool("causal", causal)
     if not isinstance(t, torch.Tensor):
         raise TypeError("startend_row_indices: must be an integer tensor")
     if t.dtype.is_floating_point or t.dtype == torch.bool:
@@ -607,6 +644,8 @@ class _Indices(Mask):
                  layout: str = "gather"):
         if layout not in INDEX_LAYOUTS:
             raise ValueError(f"layout: must be one of {INDEX_LAYOUTS}, got {layout!r}")
+        _check_bool("causal", causal)
+        _check_bool("validate", validate)
         self.layout = layout
         t = attn_indices
         if not isinstance(t, torch.Tensor):

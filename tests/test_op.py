@@ -326,3 +326,58 @@ def test_raw_op_mask_tensor_dtypes_named():
 def test_int16_index_lists_refused():
     with pytest.raises(TypeError, match="int32 or int64"):
         M.indices(torch.zeros(1, 1, 4, 2, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("make,exc,pattern", [
+    (lambda: M.document([]), ValueError, r"lengths: must not be empty"),
+    (lambda: M.document([[3, 4], [7]]), TypeError, r"lengths: must be a list or tensor of integers"),
+    (lambda: M.document("ab"), TypeError, r"lengths: must be a list or tensor of integers"),
+    (lambda: M.document([3, -4]), ValueError, r"lengths: must be non-negative, got \[3, -4\]"),
+    (lambda: M.document([3.5, 4]), TypeError, r"lengths: must be integers, got torch.float32"),
+    (lambda: M.document([3, 4], causal="yes"), TypeError, r"causal: must be a bool, got 'yes'"),
+    (lambda: M.shared_question(2, [3, -1]), ValueError, r"answer_lengths: must be non-negative"),
+    (lambda: M.shared_question(2.5, [3]), TypeError, r"question_len: must be a non-negative int, got 2.5"),
+    (lambda: M.shared_question(True, [3]), TypeError, r"question_len: .* got True"),
+    (lambda: M.sliding_window(2.5), TypeError, r"left: must be a non-negative int or None, got 2.5"),
+    (lambda: M.sliding_window(True), TypeError, r"left: .* got True"),
+    (lambda: M.sliding_window(3, -2), ValueError, r"right: must be a non-negative int or None, got -2"),
+    (lambda: M.global_tokens(True), TypeError, r"n: must be a non-negative int, got True"),
+    (lambda: M.column_ranges(torch.zeros(1, 1, 6, 1, dtype=torch.int32), causal="x"), TypeError,
+     r"causal: must be a bool, got 'x'"),
+    (lambda: M.indices(torch.zeros(1, 1, 6, 2, dtype=torch.int64), causal=1), TypeError,
+     r"causal: must be a bool, got 1"),
+    (lambda: M.block_sparse(torch.ones(1, 1, 2, 2, dtype=torch.bool), 2.5), TypeError,
+     r"block_size: must be an int or a \(block_q, block_k\) pair of ints, got 2.5"),
+    (lambda: M.causal().compile(1, 1, 1, 8, 8, block_size=(16,)), TypeError, r"block_size: .* got \(16,\)"),
+    (lambda: M.causal().compile(1, 1, 1, 8, 8, block_size=(0, 16)), ValueError,
+     r"block_size: must be positive, got \(0, 16\)"),
+])
+def test_mask_constructor_arguments_named(make, exc, pattern):
+    """Each mask constructor argument: a TypeError (wrong type: float, bool, str, ragged
+    lists) or ValueError (range) naming it and showing the value, never torch's own
+    error from inside (document([[3, 4], [7]]) used to give "expected sequence of length
+    2 at dim 1") nor a silent acceptance (document(causal="yes"), sliding_window(True))."""
+    with pytest.raises(exc, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize("block_size,exc,pattern", [
+    ((16,), TypeError, r"block_size: must be an int or a \(block_q, block_k\) pair of ints"),
+    ((16.5, 16), TypeError, r"block_size: .* got \(16.5, 16\)"),
+    ((0, 16), ValueError, r"block_size: must be positive, got \(0, 16\)"),
+    ("16", TypeError, r"block_size: .* got '16'"),
+])
+def test_attention_block_size_named(block_size, exc, pattern):
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(exc, match=pattern):
+        flexsparse.attention(q, q, q, M.causal(), block_size=block_size)
+    # also with a descriptor (whose own block size is used): the argument is still checked
+    desc = M.causal().compile(1, 2, 2, 8, 8, block_size=(4, 4))
+    with pytest.raises(exc, match=pattern):
+        flexsparse.attention(q, q, q, desc, block_size=block_size)
+
+
+def test_attention_block_size_int_is_square():
+    q = torch.randn(1, 2, 40, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(flexsparse.attention(q, q, q, M.causal(), block_size=16),
+                               flexsparse.attention(q, q, q, M.causal(), block_size=(16, 16)))
