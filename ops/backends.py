@@ -50,6 +50,18 @@ def not_supported_reasons(name, query, key, value, bias, mask: MaskTensors) -> l
     return get(name).not_supported_reasons(query, key, value, bias, mask)
 
 
+def block_size_reasons(name, query, mask: MaskTensors, block_q, block_k) -> list:
+    """Why backend `name` cannot run a descriptor of this block size (empty: it can).
+    The Triton block kernels tile a block with powers of two >= 16 (triton_block.py,
+    _pow2_divisor raised NotImplementedError at launch); index masks have no blocks."""
+    if name == "cuda":
+        return get("cuda").check_block_size(block_q, block_k, query.shape[-1])
+    if name == "triton" and mask.attn_indices is None and (block_q % 16 or block_k % 16):
+        return [f"triton: descriptor block size ({block_q}, {block_k}): the block kernels "
+                f"need multiples of 16"]
+    return []
+
+
 def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
            block_size=(128, 128), deterministic: bool = False) -> str:
     """The first backend in preference order that supports these inputs; "cuda" only where
@@ -67,7 +79,9 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
                                    deterministic)):
         return "cuda"
     for name in _AUTO_ORDER:
-        if name in _REGISTRY and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask):
+        if (name in _REGISTRY
+                and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask)
+                and not block_size_reasons(name, query, mask, *block_size)):
             return name
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
@@ -75,12 +89,13 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
 def _check_backend(name, query, key, value, bias, mask: MaskTensors, block_q, block_k,
                    deterministic, backward=False):
     """A concrete backend name: registered, and able to run these inputs (its
-    not_supported_reasons; for "cuda" also its block sizes, and its backward when this is
-    the backward op). The Python API reports the same reasons before calling the op."""
+    not_supported_reasons, its block sizes, and for "cuda" its backward when this is the
+    backward op). The Python API reports the same reasons before calling the op."""
     module = get(name)
     reasons = module.not_supported_reasons(query, key, value, bias, mask)
+    if not reasons:
+        reasons = block_size_reasons(name, query, mask, block_q, block_k)
     if name == "cuda" and not reasons:
-        reasons = module.check_block_size(block_q, block_k, query.shape[-1])
         if backward:
             reasons += module.backward_not_supported_reasons(query, block_q, block_k,
                                                              deterministic)
@@ -158,9 +173,16 @@ def _resolve(backend, query, key, value, bias, mask, block_q, block_k, determini
     return choose(query, key, value, bias, mask, True, (block_q, block_k), deterministic)
 
 
+def _check_data(mask, query, key, block_q, block_k):
+    """FLEXSPARSE_DEBUG=1: the mask tensors' values too (a host sync; mask_checks.py)."""
+    if mask_checks.debug_enabled():
+        mask_checks.check_mask_data(mask, query.shape[2], key.shape[2], block_q, block_k)
+
+
 def _attention_impl(query, key, value, bias, *rest):
     mask, backend, options = check_attention_args(query, key, value, bias, *rest)
     block_q, block_k, scale, softcap, _, deterministic = rest[_N_MASK:]
+    _check_data(mask, query, key, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
@@ -171,6 +193,7 @@ def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bi
     mask, backend, options = check_attention_backward_args(
         grad_out, grad_lse, query, key, value, out, lse, bias, *rest)
     block_q, block_k, scale, softcap, _, deterministic, bias_requires_grad = rest[_N_MASK:]
+    _check_data(mask, query, key, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,

@@ -381,3 +381,25 @@ def test_attention_block_size_int_is_square():
     q = torch.randn(1, 2, 40, 4, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(flexsparse.attention(q, q, q, M.causal(), block_size=16),
                                flexsparse.attention(q, q, q, M.causal(), block_size=(16, 16)))
+
+
+@pytest.mark.parametrize("block_size", [(8, 8), (24, 24), (16, 8)])
+def test_triton_block_size_refused_by_name(block_size):
+    """Descriptor blocks the Triton block kernels cannot tile (not multiples of 16): a
+    ValueError naming the backend and the block size before any launch (it was the
+    launcher's NotImplementedError), from the API and from the raw op; index masks have
+    no blocks and run."""
+    pytest.importorskip("triton")
+    q = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(0))
+    pattern = (r"backend: 'triton' cannot run these inputs: triton: descriptor block size "
+               r"\(\d+, \d+\): the block kernels need multiples of 16")
+    with pytest.raises(ValueError, match=pattern):
+        flexsparse.attention(q, q, q, M.causal(), block_size=block_size, backend="triton")
+    mt = M.causal().compile(1, 2, 2, 40, 40, block_size=block_size).mask_tensors()
+    with pytest.raises(ValueError, match=pattern):
+        torch.ops.flexsparse.attention(q, q, q, None, *mt, *block_size, 0.25, 0.0, "triton",
+                                       False)
+    idx = torch.randint(-1, 40, (1, 2, 40, 3), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(
+        flexsparse.attention(q, q, q, M.indices(idx), block_size=block_size, backend="triton"),
+        flexsparse.attention(q, q, q, M.indices(idx), block_size=block_size), atol=2e-5, rtol=1e-4)
