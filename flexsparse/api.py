@@ -35,7 +35,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     _check_qkv(query, key, value)
     for name, flag in (("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name}: must be a bool, got {flag!r}")
+            raise TypeError(f"{name}: must be a bool, got {masks_mod.shown(flag)}")
     if isinstance(bias, torch.Tensor) and 2 <= bias.dim() < 4:
         # SDPA's rule: missing leading dims broadcast; the gradient keeps the bias's shape.
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
@@ -57,7 +57,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
         raise TypeError(f"softcap: must be a float or None, got {type(softcap).__name__}")
     if not compiling:
-        mask_checks.check_scalars(scale, softcap)
+        mask_checks.check_scalars(float(scale), float(softcap))     # as the op sees them
     if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
     options = kernel_options_mod.from_dict(kernel_options)

@@ -53,6 +53,15 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def shown(v) -> str:
+    """repr(v) for an error message. Inside torch.compile an int or float argument may be
+    symbolic, which Dynamo cannot format into a string ("BUILD_STRING type error" would
+    replace the message): there only its type is shown."""
+    if _is_compiling() and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"a {type(v).__name__} (its value is not shown inside torch.compile)"
+    return repr(v)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool)
 
@@ -64,14 +73,14 @@ def _check_count(name, v, allow_none=False) -> None:
         return
     what = "a non-negative int" + (" or None" if allow_none else "")
     if not _is_int(v):
-        raise TypeError(f"{name}: must be {what}, got {v!r}")
+        raise TypeError(f"{name}: must be {what}, got {shown(v)}")
     if v < 0:
-        raise ValueError(f"{name}: must be {what}, got {v!r}")
+        raise ValueError(f"{name}: must be {what}, got {shown(v)}")
 
 
 def _check_bool(name, v) -> None:
     if not isinstance(v, bool):
-        raise TypeError(f"{name}: must be a bool, got {v!r}")
+        raise TypeError(f"{name}: must be a bool, got {shown(v)}")
 
 
 def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
@@ -281,10 +290,24 @@ class _ColumnRanges(Mask):
     def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
                  device=None, kv_heads_hint=None, cacheable=True,
                  spec: Optional[Callable[[Sizes], Optional[IntervalSpec]]] = None):
-        self.build, self.text, self.device, self.kv_hint = build, text, device, kv_heads_hint
+        # text: the repr, or a function making it when first asked (eagerly: under
+        # torch.compile a mask's int arguments may be symbolic, and Dynamo cannot format
+        # them into a string, "BUILD_STRING type error", so the text waits)
+        self._text = text
+        self.build, self.device, self.kv_hint = build, device, kv_heads_hint
         self.cacheable = cacheable   # False when `text` does not pin down the values
         # The same column ranges in closed form (flexsparse/intervals.py): one launch on GPUs.
         self.spec = spec
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
 
     def _cache_key(self):
         return self.text if self.cacheable else None
@@ -433,7 +456,8 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
         lo = () if right is None else (Term(COL, -sz.offset - right),)
         hi = () if left is None else (Term(COL, -sz.offset + left + 1),)
         return IntervalSpec((Interval(lo, hi),))
-    return _ColumnRanges(build, f"sliding_window(left={left}, right={right})", spec=spec)
+    return _ColumnRanges(build, lambda: f"sliding_window(left={left}, right={right})",
+                         spec=spec)
 
 
 def _as_lengths(lengths, name) -> torch.Tensor:
@@ -506,19 +530,20 @@ def document(lengths, causal: bool = True) -> Mask:
         lo = (Term(DOC_START),) + ((Term(COL, -sz.offset),) if use_causal else ())
         return IntervalSpec((Interval(lo, (Term(DOC_END),)),),
                             _checked_lengths(lens, sz, "lengths"))
-    return _ColumnRanges(build, f"document(lengths={lens.tolist()}, causal={causal})",
+    return _ColumnRanges(build, lambda: f"document(lengths={lens.tolist()}, causal={causal})",
                          spec=spec)
 
 
 def prefix_lm(prefix_len) -> Mask:
     """Key j is visible iff j < prefix_len or causal. prefix_len: int or (B,) tensor."""
     if isinstance(prefix_len, bool) or isinstance(prefix_len, float):
-        raise TypeError(f"prefix_len: must be an int or an integer (B,) tensor, got {prefix_len!r}")
+        raise TypeError(f"prefix_len: must be an int or an integer (B,) tensor, got "
+                        f"{shown(prefix_len)}")
     if isinstance(prefix_len, torch.Tensor) and (prefix_len.dtype.is_floating_point
                                                  or prefix_len.dtype == torch.bool):
         raise TypeError(f"prefix_len: tensor dtype must be an integer type, got {prefix_len.dtype}")
     if isinstance(prefix_len, int) and prefix_len < 0:
-        raise ValueError(f"prefix_len: must be >= 0, got {prefix_len}")
+        raise ValueError(f"prefix_len: must be >= 0, got {shown(prefix_len)}")
     is_int = isinstance(prefix_len, int)
     p = torch.as_tensor(prefix_len, dtype=torch.int64).detach().clone()
     if p.dim() > 1:
@@ -544,7 +569,8 @@ def prefix_lm(prefix_len) -> Mask:
 
     def spec(sz):
         return IntervalSpec((Interval(lo=(Term(COL, -sz.offset, below=checked(sz), alt=0),)),))
-    text = f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({p.tolist()})"
+    def text():
+        return f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({p.tolist()})"
     return _ColumnRanges(build, text, spec=spec)
 
 
@@ -568,7 +594,7 @@ def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
         docs = _checked_lengths(lengths, sz, "shared_question lengths")
         return IntervalSpec((Interval((Term(COL, -sz.offset),),
                                       (Term(DOC_END, below=question_len, alt=sz.Lq),)),), docs)
-    return _ColumnRanges(build, f"shared_question({question_len}, {answers.tolist()})",
+    return _ColumnRanges(build, lambda: f"shared_question({question_len}, {answers.tolist()})",
                          spec=spec)
 
 
@@ -584,7 +610,7 @@ def global_tokens(n: int) -> Mask:
 
     def spec(sz):
         return IntervalSpec((Interval(hi=(Term(CONST, n, below=n, alt=sz.Lq),)),))
-    return _ColumnRanges(build, f"global_tokens({n})", spec=spec)
+    return _ColumnRanges(build, lambda: f"global_tokens({n})", spec=spec)
 
 
 def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
@@ -630,7 +656,7 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
         if causal:
             slots.append((UPPER, _interval(torch.zeros_like(_cols(sz)), _cols(sz) - sz.offset)))
         return slots
-    return _ColumnRanges(build, f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
+    return _ColumnRanges(build, lambda: f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
                          device=t.device, kv_heads_hint=t.shape[1], cacheable=False)
 
 
@@ -886,7 +912,8 @@ def and_(*masks: Mask) -> Mask:
     masks = _check_masks("and_", masks)
     if len(masks) == 1:
         return masks[0]
-    text = "and_(" + ", ".join(repr(m) for m in masks) + ")"
+    def text():
+        return "and_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: union
         return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text,
                              cacheable=all(m.cacheable for m in masks),
@@ -899,7 +926,8 @@ def or_(*masks: Mask) -> Mask:
     masks = _check_masks("or_", masks)
     if len(masks) == 1:
         return masks[0]
-    text = "or_(" + ", ".join(repr(m) for m in masks) + ")"
+    def text():
+        return "or_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: intersection
         return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text,
                              cacheable=all(m.cacheable for m in masks),

@@ -9,6 +9,7 @@
 - converted FlexAttention masks know their sizes in `flex.to_block_mask`.
 docs/dynamic-masks.md describes which check runs where.
 """
+import math
 import warnings
 
 import pytest
@@ -292,7 +293,7 @@ def test_scale_and_softcap_arguments_compiled():
     for scale, softcap in ((0.3, 5.0), (0.7, 20.0)):
         torch.testing.assert_close(f(q, scale, softcap), _scaled_attention(q, scale, softcap))
     torch.testing.assert_close(_scaled_attention(q, 0.3, 0.0), _scaled_attention(q, 0.3, None))
-    for scale, softcap, msg in ((float("nan"), 5.0, "scale: must be a finite positive float, got nan"),
+    for scale, softcap, msg in ((math.nan, 5.0, "scale: must be a finite positive float, got nan"),
                                 (-0.3, 5.0, r"scale: must be a finite positive float, got -0.3"),
                                 (0.3, float("inf"), "softcap: must be a finite float >= 0"),
                                 (0.3, -2.0, r"softcap: must be a finite float >= 0 .*got -2.0")):
@@ -300,3 +301,56 @@ def test_scale_and_softcap_arguments_compiled():
             _scaled_attention(q, scale, softcap)
         with pytest.raises(ValueError, match=msg):
             f(q, scale, softcap)
+
+
+# ------------------------------------------------------------------ int arguments of masks
+
+@pytest.mark.parametrize("make", [
+    lambda n: M.prefix_lm(n), lambda n: M.sliding_window(n), lambda n: M.global_tokens(n),
+    lambda n: M.shared_question(n, [32 - n]), lambda n: M.sliding_window(3) | M.prefix_lm(n),
+], ids=["prefix_lm", "sliding_window", "global_tokens", "shared_question", "or_"])
+def test_int_mask_arguments_compiled(make):
+    """A Python int passed into a compiled function is symbolic under dynamic=True: masks
+    taking one traced into Dynamo's "BUILD_STRING type error" (their repr text was an
+    f-string of the value, built at construction). Now it is built when first asked for."""
+    def fn(q, n):
+        return flexsparse.attention(q, q, q, make(n), block_size=BLOCK)
+    f, _ = _compiled(fn)
+    q = _q(1, 32)
+    for n in (5, 7):
+        torch.testing.assert_close(f(q, n), fn(q, n))
+    assert repr(make(5)) == repr(make(5)) and "5" in repr(make(5))
+
+
+def test_bad_int_mask_argument_compiled_names_it():
+    """A bad symbolic int argument: refused while tracing, the message naming the
+    argument (its value cannot be formatted there: masks.shown)."""
+    def fn(q, n):
+        return flexsparse.attention(q, q, q, M.sliding_window(n), block_size=BLOCK)
+    f, _ = _compiled(fn)
+    q = _q(1, 32)
+    f(q, 5)
+    with pytest.raises(ValueError, match=r"left: must be a non-negative int or None, got -3"):
+        fn(q, -3)
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"raised exception ValueError\('left: must be a non-negative int"):
+        f(q, -3)
+
+
+def test_element_wise_masks_refused_by_name_compiled():
+    """Masks evaluated element-wise into bitmaps (eager only, data-dependent sizes):
+    inside torch.compile a ValueError saying so and what to do, not Dynamo's "Could not
+    guard on data-dependent expression" from deep inside; eager they work."""
+    layout = torch.tensor([[[[True, False], [True, True]]]])
+
+    def fn(q):
+        return flexsparse.attention(q, q, q, M.block_sparse(layout, 16), block_size=(32, 32))
+    q = _q(1, 32)
+    fn(q)
+    f, _ = _compiled(fn)
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"ValueError\(['\"]mask: this mask is evaluated element-wise"):
+        f(q)
+    desc = M.block_sparse(layout, 16).compile(1, 2, 2, 32, 32, block_size=(32, 32))
+    g, _ = _compiled(_desc_attention)
+    torch.testing.assert_close(g(q, desc), _desc_attention(q, desc))
