@@ -350,6 +350,8 @@ def test_int16_index_lists_refused():
      r"causal: must be a bool, got 'x'"),
     (lambda: M.indices(torch.zeros(1, 1, 6, 2, dtype=torch.int64), causal=1), TypeError,
      r"causal: must be a bool, got 1"),
+    (lambda: M.indices(torch.zeros(1, 1, 6, 2, dtype=torch.int16)), TypeError,
+     r"attn_indices: must be int32 or int64, got torch.int16"),
     (lambda: M.block_sparse(torch.ones(1, 1, 2, 2, dtype=torch.bool), 2.5), TypeError,
      r"block_size: must be an int or a \(block_q, block_k\) pair of ints, got 2.5"),
     (lambda: M.causal().compile(1, 1, 1, 8, 8, block_size=(16,)), TypeError,
@@ -408,3 +410,34 @@ def test_triton_block_size_refused_by_name(block_size):
     torch.testing.assert_close(
         flexsparse.attention(q, q, q, M.indices(idx), block_size=block_size, backend="triton"),
         flexsparse.attention(q, q, q, M.indices(idx), block_size=block_size), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("shape", [(40, 40), (2, 40, 40), (1, 40)], ids=["2d", "3d", "row"])
+def test_low_rank_bias_on_every_backend_and_compiled(shape, backend, compiled):
+    """2-D and 3-D biases with a bool mask of the same rank, as SDPA broadcasts them, on
+    the Triton kernels too and inside torch.compile(fullgraph=True, dynamic=True): out
+    and the bias gradient (in the bias's own shape) equal SDPA's in float64."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(len(shape))
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    bias = torch.randn(*shape, generator=g, requires_grad=True)
+    vis = (torch.rand(*shape[:-2], 40, 40, generator=g) < 0.7) if shape[-2] == 40 else None
+
+    def fn(q, k, v, b):
+        return flexsparse.attention(q, k, v, vis, bias=b, backend=backend, block_size=16)
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    out = fn(q, k, v, bias)
+    (g_bias,) = torch.autograd.grad(out.sum(), bias)
+    b64 = bias.detach().double().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(),
+        attn_mask=b64 if vis is None else b64.masked_fill(~vis, float("-inf")))
+    (g_ref,) = torch.autograd.grad(ref.sum(), b64)
+    assert g_bias.shape == bias.shape
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_bias.double(), g_ref, atol=1e-4, rtol=1e-4)
