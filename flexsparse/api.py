@@ -59,7 +59,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     if not compiling:
         mask_checks.check_scalars(float(scale), float(softcap))     # as the op sees them
     if not isinstance(backend, str) or backend not in _BACKENDS:
-        raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend: must be one of {_BACKENDS}, got "
+                         f"{masks_mod.shown(backend)}")
     options = kernel_options_mod.from_dict(kernel_options)
     mt = desc.mask_tensors()
     needs_grad = torch.is_grad_enabled() and any(

@@ -57,7 +57,13 @@ def shown(v) -> str:
     """repr(v) for an error message. Inside torch.compile an int or float argument may be
     symbolic, which Dynamo cannot format into a string ("BUILD_STRING type error" would
     replace the message): there only its type is shown."""
-    if _is_compiling() and isinstance(v, (int, float)) and not isinstance(v, bool):
+    if not _is_compiling():
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        inner = ", ".join(shown(x) for x in v)
+        return f"({inner},)" if isinstance(v, tuple) and len(v) == 1 else (
+            f"({inner})" if isinstance(v, tuple) else f"[{inner}]")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
         return f"a {type(v).__name__} (its value is not shown inside torch.compile)"
     return repr(v)
 
@@ -88,9 +94,9 @@ def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
     pair = (block_size, block_size) if _is_int(block_size) else block_size
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_int, pair)):
         raise TypeError(f"{name}: must be an int or a (block_q, block_k) pair of ints, got "
-                        f"{block_size!r}")
+                        f"{shown(block_size)}")
     if pair[0] <= 0 or pair[1] <= 0:
-        raise ValueError(f"{name}: must be positive, got {block_size!r}")
+        raise ValueError(f"{name}: must be positive, got {shown(block_size)}")
     return pair[0], pair[1]
 
 
@@ -467,15 +473,15 @@ def _as_lengths(lengths, name) -> torch.Tensor:
         t = torch.as_tensor(lengths).detach().clone()
     except (TypeError, ValueError, RuntimeError) as err:
         raise TypeError(f"{name}: must be a list or tensor of integers, 1-D (n,) or 2-D "
-                        f"(B, n), got {lengths!r} ({err})") from None
+                        f"(B, n), got {shown(lengths)} ({err})") from None
     if t.numel() == 0:
-        raise ValueError(f"{name}: must not be empty, got {lengths!r}")
+        raise ValueError(f"{name}: must not be empty, got {shown(lengths)}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name}: must be integers, got {t.dtype}")
     if t.dim() not in (1, 2):
         raise ValueError(f"{name}: must be 1-D (n,) or 2-D (B, n), got shape {tuple(t.shape)}")
     if not isinstance(lengths, torch.Tensor) and bool((t < 0).any()):
-        raise ValueError(f"{name}: must be non-negative, got {lengths!r}")
+        raise ValueError(f"{name}: must be non-negative, got {shown(lengths)}")
     return t.to(torch.int64)
 
 

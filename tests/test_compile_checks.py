@@ -354,3 +354,19 @@ def test_element_wise_masks_refused_by_name_compiled():
     desc = M.block_sparse(layout, 16).compile(1, 2, 2, 32, 32, block_size=(32, 32))
     g, _ = _compiled(_desc_attention)
     torch.testing.assert_close(g(q, desc), _desc_attention(q, desc))
+
+
+def test_bad_block_size_of_symbolic_ints_compiled_names_it():
+    """A bad block_size whose ints are symbolic (passed into the compiled function): the
+    refusal while tracing names block_size (formatting the tuple's repr used to stop
+    Dynamo with "repr_impl not implemented" instead)."""
+    def fn(q, bq):
+        return flexsparse.attention(q, q, q, M.causal(), block_size=(bq, 16))
+    f, _ = _compiled(fn)
+    q = _q(1, 32)
+    torch.testing.assert_close(f(q, 32), fn(q, 32))
+    with pytest.raises(ValueError, match=r"block_size: must be positive, got \(-16, 16\)"):
+        fn(q, -16)
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"raised exception ValueError\(['\"]block_size: must be positive"):
+        f(q, -16)
