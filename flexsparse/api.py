@@ -1,6 +1,5 @@
 """flexsparse.attention: validate, compile the mask, pick a backend, call the op."""
 import math
-import os
 from typing import Optional, Tuple, Union
 
 import torch
@@ -36,28 +35,32 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     _check_qkv(query, key, value)
     for name, flag in (("return_lse", return_lse), ("deterministic", deterministic)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name}: must be a bool, got {flag!r}")
+            raise TypeError(f"{name}: must be a bool, got {masks_mod.shown(flag)}")
     if isinstance(bias, torch.Tensor) and 2 <= bias.dim() < 4:
         # SDPA's rule: missing leading dims broadcast; the gradient keeps the bias's shape.
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
+    block_size = masks_mod.block_pair(block_size)
     desc = compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=query.device, block_size=block_size)
     _check_bias(bias, query, B, Hq, Hkv, Lq, Lk)
+    # Types while tracing; values eagerly here, and under torch.compile by the op's kernel
+    # when the graph runs (a float argument is traced symbolically: comparing it here
+    # would fail to trace or specialize the graph on its value; mask_checks.check_scalars).
+    compiling = torch.compiler.is_compiling()
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: must be a float, got {type(scale).__name__}")
-    elif not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale: must be a finite positive float, got {scale!r}")
     if softcap is None:
-        softcap = 0.0
+        softcap = 0.0                  # 0: no softcap (as in the op, and flash-attn's API)
     elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
         raise TypeError(f"softcap: must be a float or None, got {type(softcap).__name__}")
-    elif not math.isfinite(softcap) or softcap <= 0:
-        raise ValueError(f"softcap: must be a finite positive float or None, got {softcap!r}")
+    if not compiling:
+        mask_checks.check_scalars(float(scale), float(softcap))     # as the op sees them
     if not isinstance(backend, str) or backend not in _BACKENDS:
-        raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend: must be one of {_BACKENDS}, got "
+                         f"{masks_mod.shown(backend)}")
     options = kernel_options_mod.from_dict(kernel_options)
     mt = desc.mask_tensors()
     needs_grad = torch.is_grad_enabled() and any(
@@ -67,15 +70,21 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
                                   deterministic)
     else:
         reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
-        if backend == "cuda" and not reasons:
-            cuda = backends.get("cuda")
-            reasons = cuda.check_block_size(*desc.block_size, D)
-            if needs_grad:
-                reasons += cuda.backward_not_supported_reasons(query, *desc.block_size,
-                                                               deterministic)
+        if not reasons:
+            reasons = backends.block_size_reasons(backend, query, mt, *desc.block_size)
+        if backend == "cuda" and not reasons and needs_grad:
+            reasons = backends.get("cuda").backward_not_supported_reasons(
+                query, *desc.block_size, deterministic)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
     tail = (desc.block_size[0], desc.block_size[1], float(scale), float(softcap))
+    if backend == "cuda" and mask_checks.debug_enabled():
+        # FLEXSPARSE_DEBUG=1: the op's Python kernel checks the mask tensors' values for
+        # the other backends (eager and when a compiled graph runs); the CUDA op's C++
+        # kernel does not, so here: on the host eagerly, as graph asserts when compiling.
+        check = (mask_checks.assert_mask_data if torch.compiler.is_compiling()
+                 else mask_checks.check_mask_data)
+        check(mt, Lq, Lk, *desc.block_size)
     if backend == "cuda":
         # The CUDA backend's own op: a compiled graph calls its C++ kernel directly.
         out, lse = torch.ops.flexsparse.cuda_attention(query, key, value, bias, *mt, *tail,
@@ -107,8 +116,6 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
                 check_sizes((t.shape[0],), (B,),
                             f"mask: descriptor tensor {name} has batch {{got}}, inputs have "
                             f"B={{want}} (it must be 1 or B)")
-        if os.environ.get("FLEXSPARSE_DEBUG") == "1" and not torch.compiler.is_compiling():
-            check_block_lists(mask)
         return mask
     if mask is None:
         mask = masks_mod.full()
@@ -166,37 +173,3 @@ def _check_bias(bias, query, B, Hq, Hkv, Lq, Lk):
             and dim_in(lk, 1, Lk)):
         raise ValueError(f"bias: shape {tuple(bias.shape)} is not broadcastable to "
                          f"(B={B}, Hq={Hq} or Hkv={Hkv}, Lq={Lq}, Lk={Lk})")
-
-
-def check_block_lists(desc: BlockDescriptor) -> None:
-    """FLEXSPARSE_DEBUG=1: every block list of a hand-made or modified descriptor is read
-    back on the host (a device sync) and checked: counts in [0, width], entries (explicit
-    form) or ranges (range form) inside the block grid. Without it the kernels stay in
-    bounds on corrupted lists but compute what those lists say (docs/semantics.md,
-    "Corrupted descriptors")."""
-    nQB = -(-desc.seq_lengths[0] // desc.block_size[0])
-    nKB = -(-desc.seq_lengths[1] // desc.block_size[1])
-    mt = desc.mask_tensors()
-    for prefix, n in (("kv", nKB), ("kv_full", nKB), ("q", nQB), ("q_full", nQB)):
-        count, index = getattr(mt, prefix + "_count"), getattr(mt, prefix + "_index")
-        if count is None or index is None:
-            continue
-        count, index = count.cpu().long(), index.cpu().long()
-        if index.dim() == 5:             # range form: [lo, hi) inside [0, n], lo <= hi
-            lo, hi = index[..., 0], index[..., 1]
-            width = (hi - lo).clamp(min=0).sum(-1)
-            bad = (lo < 0) | (hi > n) | (hi < lo)
-            if bool(bad.any()):
-                raise ValueError(f"mask: descriptor list {prefix}_index holds a range outside "
-                                 f"[0, {n}] or with hi < lo: {index[bad.any(-1)][0].tolist()}")
-        else:
-            width = torch.full_like(count, index.shape[-1])
-            used = torch.arange(index.shape[-1]) < count[..., None]
-            bad = used & ((index < 0) | (index >= n))
-            if bool(bad.any()):
-                raise ValueError(f"mask: descriptor list {prefix}_index holds block "
-                                 f"{int(index[bad][0])} outside [0, {n})")
-        if bool(((count < 0) | (count > width)).any()):
-            c = count[(count < 0) | (count > width)][0]
-            raise ValueError(f"mask: descriptor list {prefix}_count holds {int(c)}, outside "
-                             f"[0, its row's width]")

@@ -371,8 +371,18 @@ def parts_from_visible(visible: Callable[[int, int], torch.Tensor], sz: Sizes) -
     """Block state + bitmaps of partial blocks from a row-chunk visibility function.
 
     `visible(r0, r1)` returns group form (b, hkv|1, g|1, rows, Lk). Memory stays
-    O(rows x Lk) per step plus the bits of partial blocks. Eager only (data-dependent sizes).
+    O(rows x Lk) per step plus the bits of partial blocks. Eager only (data-dependent sizes):
+    inside torch.compile a ValueError saying so, instead of Dynamo's "Could not guard on
+    data-dependent expression" from deep inside.
     """
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            "mask: this mask is evaluated element-wise into block bitmaps (block_sparse at "
+            "another block size than the call, or_/and_ mixing index lists or dense masks "
+            "with other kinds, converted FlexAttention masks at another block size), which "
+            "has data-dependent sizes and is not done inside torch.compile; compile it "
+            "outside (desc = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=...)) and pass the "
+            "descriptor, or for block_sparse pass the block_size of its layout")
     bq, bk = sz.block_q, sz.block_k
     step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, bq)
     states, bit_chunks, index_chunks = [], [], []

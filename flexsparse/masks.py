@@ -10,6 +10,7 @@ Three families, by how the element predicate is stored (docs/design.md):
 Conventions: query i sees key j; with Lq != Lk causal masks align bottom-right,
 i' = i + (Lk - Lq).
 """
+import numbers
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -54,9 +55,56 @@ def _is_compiling() -> bool:
 
 
 def _values_text(t: torch.Tensor) -> str:
-    """A tensor's values for a mask's text; a GPU tensor's shape only (reading its values
+    """A tensor's values for a mask's text; a GPU tensor's device only (reading its values
     would synchronize with the device, and fails during CUDA-graph capture)."""
     return f"{t.tolist()}" if t.device.type == "cpu" else f"<{t.device.type} tensor>"
+
+
+def shown(v) -> str:
+    """repr(v) for an error message. Inside torch.compile an int or float argument may be
+    symbolic, which Dynamo cannot format into a string ("BUILD_STRING type error" would
+    replace the message): there only its type is shown."""
+    if not _is_compiling():
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        inner = ", ".join(shown(x) for x in v)
+        return f"({inner},)" if isinstance(v, tuple) and len(v) == 1 else (
+            f"({inner})" if isinstance(v, tuple) else f"[{inner}]")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"a {type(v).__name__} (its value is not shown inside torch.compile)"
+    return repr(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool)
+
+
+def _check_count(name, v, allow_none=False) -> None:
+    """A non-negative int argument (None too when allow_none): TypeError for another type
+    (bool and float included), ValueError for a negative value."""
+    if v is None and allow_none:
+        return
+    what = "a non-negative int" + (" or None" if allow_none else "")
+    if not _is_int(v):
+        raise TypeError(f"{name}: must be {what}, got {shown(v)}")
+    if v < 0:
+        raise ValueError(f"{name}: must be {what}, got {shown(v)}")
+
+
+def _check_bool(name, v) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name}: must be a bool, got {shown(v)}")
+
+
+def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
+    """(block_q, block_k) from a positive int or a pair of positive ints."""
+    pair = (block_size, block_size) if _is_int(block_size) else block_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_int, pair)):
+        raise TypeError(f"{name}: must be an int or a (block_q, block_k) pair of ints, got "
+                        f"{shown(block_size)}")
+    if pair[0] <= 0 or pair[1] <= 0:
+        raise ValueError(f"{name}: must be positive, got {shown(block_size)}")
+    return pair[0], pair[1]
 
 
 class Mask:
@@ -67,9 +115,7 @@ class Mask:
         """The BlockDescriptor of this mask for these sizes (H = query heads)."""
         if Hkv <= 0 or Hq % Hkv != 0:
             raise ValueError(f"num_kv_heads: Hq={Hq} must be a multiple of Hkv={Hkv}")
-        bq, bk = block_size
-        if bq <= 0 or bk <= 0:
-            raise ValueError(f"block_size: must be positive, got {block_size}")
+        bq, bk = block_pair(block_size)
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         if _is_compiling():
             return self._descriptor(sz)
@@ -214,10 +260,7 @@ class _BlockSparse(Mask):
             raise TypeError("layout: must be a bool tensor (B|1, H|1, ceil(Lq/bq), ceil(Lk/bk))")
         if layout.dim() != 4:
             raise ValueError(f"layout: must be 4-D, got shape {tuple(layout.shape)}")
-        bq, bk = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-        if bq <= 0 or bk <= 0:
-            raise ValueError(f"block_size: must be positive, got {block_size}")
-        self.layout, self.block = layout, (bq, bk)
+        self.layout, self.block = layout, block_pair(block_size)
 
     def _parts(self, sz):
         lay = self.layout
@@ -264,10 +307,24 @@ class _ColumnRanges(Mask):
     def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
                  device=None, kv_heads_hint=None, cacheable=True,
                  spec: Optional[Callable[[Sizes], Optional[IntervalSpec]]] = None):
-        self.build, self.text, self.device, self.kv_hint = build, text, device, kv_heads_hint
+        # text: the repr, or a function making it when first asked (eagerly: under
+        # torch.compile a mask's int arguments may be symbolic, and Dynamo cannot format
+        # them into a string, "BUILD_STRING type error", so the text waits)
+        self._text = text
+        self.build, self.device, self.kv_hint = build, device, kv_heads_hint
         self.cacheable = cacheable   # False when `text` does not pin down the values
         # The same column ranges in closed form (flexsparse/intervals.py): one launch on GPUs.
         self.spec = spec
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
 
     def _cache_key(self):
         return self.text if self.cacheable else None
@@ -401,8 +458,7 @@ def causal() -> Mask:
 def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
     """Query i sees key j iff i' - left <= j <= i' + right, i' = i + (Lk - Lq); None = unbounded."""
     for name, v in (("left", left), ("right", right)):
-        if v is not None and (not isinstance(v, int) or v < 0):
-            raise ValueError(f"{name}: must be a non-negative int or None, got {v!r}")
+        _check_count(name, v, allow_none=True)
 
     def build(sz):
         j = _cols(sz)
@@ -417,15 +473,26 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
         lo = () if right is None else (Term(COL, -sz.offset - right),)
         hi = () if left is None else (Term(COL, -sz.offset + left + 1),)
         return IntervalSpec((Interval(lo, hi),))
-    return _ColumnRanges(build, f"sliding_window(left={left}, right={right})", spec=spec)
+    return _ColumnRanges(build, lambda: f"sliding_window(left={left}, right={right})",
+                         spec=spec)
 
 
 def _as_lengths(lengths, name) -> torch.Tensor:
-    t = torch.as_tensor(lengths).detach().clone()     # a copy: the mask is a value
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
+    """Lengths as an int64 tensor (a copy: the mask is a value). A list is checked here
+    (no device data to read); a tensor's values when the mask is compiled."""
+    try:
+        t = torch.as_tensor(lengths).detach().clone()
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name}: must be a list or tensor of integers, 1-D (n,) or 2-D "
+                        f"(B, n), got {shown(lengths)} ({err})") from None
+    if t.numel() == 0:
+        raise ValueError(f"{name}: must not be empty, got {shown(lengths)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name}: must be integers, got {t.dtype}")
     if t.dim() not in (1, 2):
         raise ValueError(f"{name}: must be 1-D (n,) or 2-D (B, n), got shape {tuple(t.shape)}")
+    if not isinstance(lengths, torch.Tensor) and bool((t < 0).any()):
+        raise ValueError(f"{name}: must be non-negative, got {shown(lengths)}")
     return t.to(torch.int64)
 
 
@@ -466,6 +533,7 @@ def document(lengths, causal: bool = True) -> Mask:
     `lengths`: 1-D (n,) summing to L, or (B, n) padded with zeros, each row summing to L.
     """
     lens = _as_lengths(lengths, "lengths")
+    _check_bool("causal", causal)
     use_causal = causal
 
     def build(sz):
@@ -479,19 +547,20 @@ def document(lengths, causal: bool = True) -> Mask:
         lo = (Term(DOC_START),) + ((Term(COL, -sz.offset),) if use_causal else ())
         return IntervalSpec((Interval(lo, (Term(DOC_END),)),),
                             _checked_lengths(lens, sz, "lengths"))
-    return _ColumnRanges(build, f"document(lengths={_values_text(lens)}, causal={causal})",
+    return _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
                          spec=spec, cacheable=lens.device.type == "cpu")
 
 
 def prefix_lm(prefix_len) -> Mask:
     """Key j is visible iff j < prefix_len or causal. prefix_len: int or (B,) tensor."""
     if isinstance(prefix_len, bool) or isinstance(prefix_len, float):
-        raise TypeError(f"prefix_len: must be an int or an integer (B,) tensor, got {prefix_len!r}")
+        raise TypeError(f"prefix_len: must be an int or an integer (B,) tensor, got "
+                        f"{shown(prefix_len)}")
     if isinstance(prefix_len, torch.Tensor) and (prefix_len.dtype.is_floating_point
                                                  or prefix_len.dtype == torch.bool):
         raise TypeError(f"prefix_len: tensor dtype must be an integer type, got {prefix_len.dtype}")
     if isinstance(prefix_len, int) and prefix_len < 0:
-        raise ValueError(f"prefix_len: must be >= 0, got {prefix_len}")
+        raise ValueError(f"prefix_len: must be >= 0, got {shown(prefix_len)}")
     is_int = isinstance(prefix_len, int)
     p = torch.as_tensor(prefix_len, dtype=torch.int64).detach().clone()
     if p.dim() > 1:
@@ -517,7 +586,8 @@ def prefix_lm(prefix_len) -> Mask:
 
     def spec(sz):
         return IntervalSpec((Interval(lo=(Term(COL, -sz.offset, below=checked(sz), alt=0),)),))
-    text = f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({_values_text(p)})"
+    def text():
+        return f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({_values_text(p)})"
     return _ColumnRanges(build, text, spec=spec, cacheable=p.device.type == "cpu")
 
 
@@ -525,9 +595,8 @@ def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
     """Causal; every answer sees the question and itself, never another answer."""
     answers = _as_lengths(answer_lengths, "answer_lengths")
     if answers.dim() != 1:
-        raise ValueError("answer_lengths: must be 1-D")
-    if not isinstance(question_len, int) or question_len < 0:
-        raise ValueError(f"question_len: must be a non-negative int, got {question_len!r}")
+        raise ValueError(f"answer_lengths: must be 1-D, got shape {tuple(answers.shape)}")
+    _check_count("question_len", question_len)
 
     lengths = torch.cat([torch.tensor([question_len]), answers])
 
@@ -542,15 +611,14 @@ def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
         docs = _checked_lengths(lengths, sz, "shared_question lengths")
         return IntervalSpec((Interval((Term(COL, -sz.offset),),
                                       (Term(DOC_END, below=question_len, alt=sz.Lq),)),), docs)
-    return _ColumnRanges(build, f"shared_question({question_len}, {answers.tolist()})",
+    return _ColumnRanges(build, lambda: f"shared_question({question_len}, {answers.tolist()})",
                          spec=spec)
 
 
 def global_tokens(n: int) -> Mask:
     """The first n tokens are global: query i sees key j iff i < n or j < n (Longformer /
     BigBird global attention; combine with or_, e.g. or_(sliding_window(w), global_tokens(n)))."""
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"n: must be a non-negative int, got {n!r}")
+    _check_count("n", n)
 
     def build(sz):
         j = _cols(sz)
@@ -559,7 +627,7 @@ def global_tokens(n: int) -> Mask:
 
     def spec(sz):
         return IntervalSpec((Interval(hi=(Term(CONST, n, below=n, alt=sz.Lq),)),))
-    return _ColumnRanges(build, f"global_tokens({n})", spec=spec)
+    return _ColumnRanges(build, lambda: f"global_tokens({n})", spec=spec)
 
 
 def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
@@ -570,6 +638,7 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
     With causal the part above the diagonal is masked too.
     """
     t = startend_row_indices
+    _check_bool("causal", causal)
     if not isinstance(t, torch.Tensor):
         raise TypeError("startend_row_indices: must be an integer tensor")
     if t.dtype.is_floating_point or t.dtype == torch.bool:
@@ -604,7 +673,7 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
         if causal:
             slots.append((UPPER, _interval(torch.zeros_like(_cols(sz)), _cols(sz) - sz.offset)))
         return slots
-    return _ColumnRanges(build, f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
+    return _ColumnRanges(build, lambda: f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
                          device=t.device, kv_heads_hint=t.shape[1], cacheable=False)
 
 
@@ -618,6 +687,8 @@ class _Indices(Mask):
                  layout: str = "gather"):
         if layout not in INDEX_LAYOUTS:
             raise ValueError(f"layout: must be one of {INDEX_LAYOUTS}, got {layout!r}")
+        _check_bool("causal", causal)
+        _check_bool("validate", validate)
         self.layout = layout
         t = attn_indices
         if not isinstance(t, torch.Tensor):
@@ -858,7 +929,8 @@ def and_(*masks: Mask) -> Mask:
     masks = _check_masks("and_", masks)
     if len(masks) == 1:
         return masks[0]
-    text = "and_(" + ", ".join(repr(m) for m in masks) + ")"
+    def text():
+        return "and_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: union
         return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text,
                              cacheable=all(m.cacheable for m in masks),
@@ -871,7 +943,8 @@ def or_(*masks: Mask) -> Mask:
     masks = _check_masks("or_", masks)
     if len(masks) == 1:
         return masks[0]
-    text = "or_(" + ", ".join(repr(m) for m in masks) + ")"
+    def text():
+        return "or_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: intersection
         return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text,
                              cacheable=all(m.cacheable for m in masks),

@@ -13,9 +13,12 @@ route here by the op's `backend` argument, which carries the options too
 (`kernel_options.decode`); "auto" is resolved by `choose` before the op is called.
 Before any of that, `check_attention_args` / `check_attention_backward_args` check the
 op's inputs (mask_checks.py, and the named backend's not_supported_reasons); the fake
-kernels run the same checks (schema.FAKE_CHECKS).
+kernels run the same checks (schema.FAKE_CHECKS) but leave a refusal to the kernel, so
+that compiled code raises the same ValueError/TypeError when the graph runs
+(`_at_run_time`).
 """
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import kernel_options, mask_checks
 from .reference import complete_mask
@@ -47,6 +50,18 @@ def not_supported_reasons(name, query, key, value, bias, mask: MaskTensors) -> l
     return get(name).not_supported_reasons(query, key, value, bias, mask)
 
 
+def block_size_reasons(name, query, mask: MaskTensors, block_q, block_k) -> list:
+    """Why backend `name` cannot run a descriptor of this block size (empty: it can).
+    The Triton block kernels tile a block with powers of two >= 16 (triton_block.py,
+    _pow2_divisor raised NotImplementedError at launch); index masks have no blocks."""
+    if name == "cuda":
+        return get("cuda").check_block_size(block_q, block_k, query.shape[-1])
+    if name == "triton" and mask.attn_indices is None and (block_q % 16 or block_k % 16):
+        return [f"triton: descriptor block size ({block_q}, {block_k}): the block kernels "
+                f"need multiples of 16"]
+    return []
+
+
 def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
            block_size=(128, 128), deterministic: bool = False) -> str:
     """The first backend in preference order that supports these inputs; "cuda" only where
@@ -64,7 +79,9 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
                                    deterministic)):
         return "cuda"
     for name in _AUTO_ORDER:
-        if name in _REGISTRY and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask):
+        if (name in _REGISTRY
+                and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask)
+                and not block_size_reasons(name, query, mask, *block_size)):
             return name
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
@@ -72,12 +89,13 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
 def _check_backend(name, query, key, value, bias, mask: MaskTensors, block_q, block_k,
                    deterministic, backward=False):
     """A concrete backend name: registered, and able to run these inputs (its
-    not_supported_reasons; for "cuda" also its block sizes, and its backward when this is
-    the backward op). The Python API reports the same reasons before calling the op."""
+    not_supported_reasons, its block sizes, and for "cuda" its backward when this is the
+    backward op). The Python API reports the same reasons before calling the op."""
     module = get(name)
     reasons = module.not_supported_reasons(query, key, value, bias, mask)
+    if not reasons:
+        reasons = block_size_reasons(name, query, mask, block_q, block_k)
     if name == "cuda" and not reasons:
-        reasons = module.check_block_size(block_q, block_k, query.shape[-1])
         if backward:
             reasons += module.backward_not_supported_reasons(query, block_q, block_k,
                                                              deterministic)
@@ -90,9 +108,10 @@ def check_attention_args(query, key, value, bias, *rest):
     raw op's contract"); shapes, dtypes and devices only, so the fake kernel runs it too.
     Returns (mask, backend name, kernel options)."""
     mask = MaskTensors(*rest[:_N_MASK])
-    block_q, block_k, _, _, backend, deterministic = rest[_N_MASK:]
+    block_q, block_k, scale, softcap, backend, deterministic = rest[_N_MASK:]
     name, options = kernel_options.decode(backend)
     mask_checks.check_inputs(query, key, value, bias, mask, block_q, block_k)
+    mask_checks.check_scalars(scale, softcap)
     if name != "auto":
         _check_backend(name, query, key, value, bias, mask, block_q, block_k, deterministic)
     return mask, name, options
@@ -101,9 +120,10 @@ def check_attention_args(query, key, value, bias, *rest):
 def check_attention_backward_args(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
     """check_attention_args for the backward op, and its own tensors' shapes."""
     mask = MaskTensors(*rest[:_N_MASK])
-    block_q, block_k, _, _, backend, deterministic, _ = rest[_N_MASK:]
+    block_q, block_k, scale, softcap, backend, deterministic, _ = rest[_N_MASK:]
     name, options = kernel_options.decode(backend)
     mask_checks.check_inputs(query, key, value, bias, mask, block_q, block_k)
+    mask_checks.check_scalars(scale, softcap)
     mask_checks.check_backward(grad_out, grad_lse, query, value, out, lse)
     if name != "auto":
         _check_backend(name, query, key, value, bias, mask, block_q, block_k, deterministic,
@@ -116,6 +136,28 @@ def _check_cuda_op_args(query, key, value, bias, *rest):
     (their C++ kernels check the rest)."""
     mask_checks.check_inputs(query, key, value, bias, MaskTensors(*rest[:_N_MASK]),
                              rest[_N_MASK], rest[_N_MASK + 1])
+    mask_checks.check_scalars(rest[_N_MASK + 2], rest[_N_MASK + 3])
+
+
+def _at_run_time(check, n_before_query):
+    """The fake-kernel check of an op whose kernel is Python (`attention`,
+    `attention_backward`): that kernel runs the same check first whenever the graph runs,
+    so a refusal is left to it. A compiled call then raises the check's own ValueError or
+    TypeError, with the sizes of that call, as an eager call does; raised while tracing
+    it would reach the caller as Dynamo's TorchRuntimeError. The comparisons the check
+    made still guard the graph (a call that passes them does not reuse it). Refused here
+    when the fake outputs cannot be shaped (query, key, value not 4-D tensors), and
+    outside tracing (meta tensors: then this is the op's only kernel). The CUDA backend's
+    ops keep refusing while tracing: their C++ kernels do not run these checks."""
+    def fake_check(*args):
+        try:
+            check(*args)
+        except (ValueError, TypeError):
+            qkv = args[n_before_query:n_before_query + 3]
+            if not (all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv)
+                    and isinstance(qkv[0], FakeTensor)):
+                raise
+    return fake_check
 
 
 def _check_cuda_op_backward_args(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
@@ -131,9 +173,16 @@ def _resolve(backend, query, key, value, bias, mask, block_q, block_k, determini
     return choose(query, key, value, bias, mask, True, (block_q, block_k), deterministic)
 
 
+def _check_data(mask, query, key, block_q, block_k):
+    """FLEXSPARSE_DEBUG=1: the mask tensors' values too (a host sync; mask_checks.py)."""
+    if mask_checks.debug_enabled():
+        mask_checks.check_mask_data(mask, query.shape[2], key.shape[2], block_q, block_k)
+
+
 def _attention_impl(query, key, value, bias, *rest):
     mask, backend, options = check_attention_args(query, key, value, bias, *rest)
     block_q, block_k, scale, softcap, _, deterministic = rest[_N_MASK:]
+    _check_data(mask, query, key, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
@@ -144,6 +193,7 @@ def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bi
     mask, backend, options = check_attention_backward_args(
         grad_out, grad_lse, query, key, value, out, lse, bias, *rest)
     block_q, block_k, scale, softcap, _, deterministic, bias_requires_grad = rest[_N_MASK:]
+    _check_data(mask, query, key, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
     backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
@@ -158,8 +208,8 @@ for _name, _kernel in (("attention", _attention_impl),
 
 # The fake kernels (schema.py) run the same checks while torch.compile traces.
 FAKE_CHECKS.update({
-    "attention": check_attention_args,
-    "attention_backward": check_attention_backward_args,
+    "attention": _at_run_time(check_attention_args, 0),
+    "attention_backward": _at_run_time(check_attention_backward_args, 2),
     "cuda_attention": _check_cuda_op_args,
     "cuda_attention_backward": _check_cuda_op_backward_args,
 })

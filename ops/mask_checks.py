@@ -1,7 +1,8 @@
 """Checks of the raw op's inputs: the 13 mask tensors (and query/key/value/bias) against
 the contract in docs/design.md ("The raw op's contract"), before any kernel runs.
 
-Only shapes, dtypes and devices are read, never tensor data: no host sync, and the same
+Only shapes, dtypes, devices and the two floats are read, never tensor data (except under
+FLEXSPARSE_DEBUG=1, at the end of this file): no host sync, and the same
 code runs in the op's eager kernels (`backends.py`) and in its fake kernels while
 torch.compile traces (`schema.py`), where sizes are SymInts. Comparisons are plain Python
 ones on those sizes (under torch.compile they become guards on the input shapes).
@@ -12,6 +13,8 @@ The Python API (flexsparse/api.py) checks the same things first with its own mes
 every descriptor the library builds passes these checks.
 """
 import collections
+import math
+import os
 import weakref
 
 import torch
@@ -71,10 +74,24 @@ def check_qkv(query, key, value):
     if key.shape[3] != query.shape[3]:
         raise ValueError(f"key: head dim {_n(key.shape[3])} must match query head dim "
                          f"{_n(query.shape[3])}")
+    if query.shape[3] == 0:
+        raise ValueError(f"query: head dim must be > 0, got shape {_shape(query)}")
     Hq, Hkv = query.shape[1], key.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"key: query heads Hq={_n(Hq)} must be a multiple of key/value heads "
                          f"Hkv={_n(Hkv)}")
+
+
+def check_scalars(scale, softcap):
+    """scale finite and > 0; softcap finite and >= 0 (0 = no softcap). Plain floats only:
+    a SymFloat (a float input that torch.compile traces symbolically) is left to the
+    op's kernel, which sees the number when the graph runs (a check here would
+    specialize the graph on the value)."""
+    if type(scale) in (float, int) and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: must be a finite positive float, got {scale!r}")
+    if type(softcap) in (float, int) and not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: must be a finite float >= 0 (0 or None: no softcap), "
+                         f"got {softcap!r}")
 
 
 def check_bias_tensor(bias, query):
@@ -281,3 +298,78 @@ def check_backward(grad_out, grad_lse, query, value, out, lse):
             raise ValueError(f"{name}: is on {t.device} but query is on {query.device}")
         if t.dim() != len(shape) or any(a != b for a, b in zip(t.shape, shape)):
             raise ValueError(f"{name}: shape {_shape(t)}, expected {tuple(_n(s) for s in shape)}")
+
+
+# ---- FLEXSPARSE_DEBUG=1: the values of the mask tensors (reads data)
+
+def debug_enabled() -> bool:
+    """FLEXSPARSE_DEBUG=1 in the environment (read per call)."""
+    return os.environ.get("FLEXSPARSE_DEBUG") == "1"
+
+
+def _data_faults(mask, Lq, Lk, block_q, block_k):
+    """(argument name, bool tensor of faults, message for the first fault) of each mask
+    tensor whose values can be checked: block lists (entries inside the block grid,
+    counts within their rows), partial_bits_index (-1 or a bitmap of the pool),
+    attn_indices (-1 or a key). Tensor ops only, on the tensors' device."""
+    nQB, nKB = -(-Lq // block_q), -(-Lk // block_k)
+    out = []
+    for count_name, index_name, rows in _LISTS:
+        count, index = getattr(mask, count_name), getattr(mask, index_name)
+        if count is None or index is None:
+            continue
+        n = nKB if rows == "q" else nQB
+        count, index = count.long(), index.long()
+        if index.dim() == 5:            # range form: [lo, hi) inside [0, n], lo <= hi
+            lo, hi = index[..., 0], index[..., 1]
+            width = (hi - lo).clamp(min=0).sum(-1)
+            bad = (lo < 0) | (hi > n) | (hi < lo)
+            out.append((index_name, bad, lambda index=index, bad=bad, n=n, name=index_name:
+                        f"mask: descriptor list {name} holds a range outside [0, {n}] or "
+                        f"with hi < lo: {index[bad][0].tolist()}"))
+        else:
+            width = torch.full_like(count, index.shape[-1])
+            used = torch.arange(index.shape[-1], device=index.device) < count[..., None]
+            bad = used & ((index < 0) | (index >= n))
+            out.append((index_name, bad, lambda index=index, bad=bad, n=n, name=index_name:
+                        f"mask: descriptor list {name} holds block {int(index[bad][0])} "
+                        f"outside [0, {n})"))
+        bad_count = (count < 0) | (count > width)
+        out.append((count_name, bad_count, lambda count=count, bad=bad_count, name=count_name:
+                    f"mask: descriptor list {name} holds {int(count[bad][0])}, outside "
+                    f"[0, its row's width]"))
+    pbi, pb = mask.partial_bits_index, mask.partial_bits
+    if pbi is not None and pb is not None:
+        P = pb.shape[0]
+        bad = (pbi < -1) | (pbi >= P)
+        out.append(("partial_bits_index", bad, lambda pbi=pbi, bad=bad, P=P:
+                    f"mask: descriptor tensor partial_bits_index holds {int(pbi[bad][0])}, "
+                    f"not -1 or a bitmap of the pool [0, {P})"))
+    idx = mask.attn_indices
+    if idx is not None:
+        bad = (idx < -1) | (idx >= Lk)
+        out.append(("attn_indices", bad, lambda idx=idx, bad=bad:
+                    f"mask: descriptor tensor attn_indices holds {int(idx[bad][0])}, not -1 "
+                    f"or a key in [0, Lk={Lk})"))
+    return out
+
+
+def check_mask_data(mask, Lq, Lk, block_q, block_k) -> None:
+    """FLEXSPARSE_DEBUG=1, before any kernel: ValueError naming the first mask tensor that
+    holds a value the kernels would skip or clamp (a hand-made or corrupted descriptor).
+    Reads the faults back on the host: one device sync per tensor. Without it the
+    kernels stay in bounds but compute what the tensors say (docs/semantics.md,
+    "Corrupted descriptors")."""
+    for _, bad, message in _data_faults(mask, Lq, Lk, block_q, block_k):
+        if bool(bad.any()):
+            raise ValueError(message())
+
+
+def assert_mask_data(mask, Lq, Lk, block_q, block_k) -> None:
+    """The checks of check_mask_data as asserts in the graph (torch._assert_async), for
+    compiled graphs whose kernels are C++ (the CUDA backend's ops, which run no Python):
+    no host sync; on CPU a RuntimeError with the message, on CUDA a device-side assert
+    (the CUDA context is lost; the message is not shown)."""
+    for name, bad, _ in _data_faults(mask, Lq, Lk, block_q, block_k):
+        torch._assert_async(~bad.any(), f"mask: descriptor tensor {name} holds a value "
+                                        f"outside its range (FLEXSPARSE_DEBUG=1)")

@@ -122,12 +122,18 @@ def col_ranges_visible(col_ranges: torch.Tensor, r0: int, r1: int) -> torch.Tens
 
 
 def _bits_visible(mask: MaskTensors, qb0, qb1, rows, Lk, block_q, block_k):
-    """bool (Bd, Hd, rows, Lk) from the partial-block bitmaps (True where no bitmap)."""
+    """bool (Bd, Hd, rows, Lk) from the partial-block bitmaps (True where no bitmap).
+    An entry outside [0, P) of a corrupted index (P bitmaps in the pool) reads no bitmap,
+    as -1 does (docs/semantics.md, "Corrupted descriptors")."""
     pidx = mask.partial_bits_index[:, :, qb0:qb1, :].to(torch.int64)
-    words = mask.partial_bits[pidx.clamp(min=0)]            # (Bd, Hd, n, nKB, bq, nw)
+    pool = mask.partial_bits
+    has = (pidx >= 0) & (pidx < pool.shape[0])
+    if pool.shape[0] == 0:                                  # nothing to read
+        pool = torch.zeros((1,) + tuple(pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    words = pool[torch.where(has, pidx, 0)]                 # (Bd, Hd, n, nKB, bq, nw)
     col = torch.arange(block_k, device=words.device)
     bits = (words[..., col // 32] >> (col % 32)) & 1           # (Bd, Hd, n, nKB, bq, bk)
-    vis = (bits != 0) | (pidx < 0)[..., None, None]
+    vis = (bits != 0) | (~has)[..., None, None]
     Bd, Hd, n, nKB = pidx.shape
     vis = vis.permute(0, 1, 2, 4, 3, 5).reshape(Bd, Hd, n * block_q, nKB * block_k)
     return vis[:, :, :rows, :Lk]
@@ -213,14 +219,17 @@ def _softcap(s, softcap):
 
 
 def _softmax_with_lse(s, vis):
-    """Masked softmax along the last dim; rows with nothing visible give p = 0, lse = -inf."""
+    """Masked softmax along the last dim; rows with nothing visible give p = 0, lse = -inf.
+    A row with a visible score of +inf (or NaN) has no softmax: p NaN, and lse NaN too, as
+    in the kernels' online softmax (docs/semantics.md, "Non-finite input")."""
     s = s.masked_fill(~vis, -math.inf)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m_raw = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m_raw), m_raw, torch.zeros_like(m_raw))
     e = torch.exp(s - m)
     l = e.sum(-1, keepdim=True)
     p = e / torch.where(l > 0, l, torch.ones_like(l))
-    lse = (torch.log(l) + m).squeeze(-1)
+    lse = torch.log(l) + m
+    lse = torch.where(m_raw == math.inf, torch.full_like(lse, math.nan), lse).squeeze(-1)
     return p, lse
 
 

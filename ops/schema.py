@@ -2,7 +2,8 @@
 
 `attention` returns (out, lse); `attention_backward` returns (dq, dk, dv, dbias). Both
 dispatch on their `backend` argument to a module registered in `backends.py`; the
-Python API resolves "auto" before calling, so the op only ever sees concrete names.
+Python API resolves "auto" before calling, and the op resolves it itself when called
+directly (backends._resolve).
 """
 from typing import NamedTuple, Optional
 
@@ -78,9 +79,11 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # Input checks the fake kernels run before they make outputs, keyed by op name: the same
-# checks as the ops' eager kernels (mask_checks.py: shapes, dtypes, devices; the backend's
-# support), so a bad call fails while torch.compile traces, before any kernel. backends.py
-# fills this; they need the backend registry, which sits above this module.
+# checks as the ops' kernels (mask_checks.py: shapes, dtypes, devices, scale and softcap;
+# the backend's support). For `attention` and `attention_backward` a refusal is left to
+# the kernel, which runs when the compiled graph runs, so that the caller gets the
+# ValueError/TypeError itself (backends._at_run_time); the CUDA ops refuse while tracing.
+# backends.py fills this; they need the backend registry, which sits above this module.
 FAKE_CHECKS = {}
 
 

@@ -435,7 +435,7 @@ def flexsparse_masks(B, H, L):
     }
 
 
-@pytest.mark.parametrize("name", sorted(flexsparse_masks(2, 2, 8)))
+@pytest.mark.parametrize("name", sorted(flexsparse_masks(2, 2, 64)))
 @pytest.mark.parametrize("L,bs", [(75, 16), (64, 32)])
 def test_to_block_mask_round_trip(name, L, bs):
     B, Hq, Hkv = 2, 4, 2

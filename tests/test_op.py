@@ -326,3 +326,118 @@ def test_raw_op_mask_tensor_dtypes_named():
 def test_int16_index_lists_refused():
     with pytest.raises(TypeError, match="int32 or int64"):
         M.indices(torch.zeros(1, 1, 4, 2, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("make,exc,pattern", [
+    (lambda: M.document([]), ValueError, r"lengths: must not be empty"),
+    (lambda: M.document([[3, 4], [7]]), TypeError,
+     r"lengths: must be a list or tensor of integers"),
+    (lambda: M.document("ab"), TypeError, r"lengths: must be a list or tensor of integers"),
+    (lambda: M.document([3, -4]), ValueError, r"lengths: must be non-negative, got \[3, -4\]"),
+    (lambda: M.document([3.5, 4]), TypeError, r"lengths: must be integers, got torch.float32"),
+    (lambda: M.document([3, 4], causal="yes"), TypeError, r"causal: must be a bool, got 'yes'"),
+    (lambda: M.shared_question(2, [3, -1]), ValueError, r"answer_lengths: must be non-negative"),
+    (lambda: M.shared_question(2.5, [3]), TypeError,
+     r"question_len: must be a non-negative int, got 2.5"),
+    (lambda: M.shared_question(True, [3]), TypeError, r"question_len: .* got True"),
+    (lambda: M.sliding_window(2.5), TypeError,
+     r"left: must be a non-negative int or None, got 2.5"),
+    (lambda: M.sliding_window(True), TypeError, r"left: .* got True"),
+    (lambda: M.sliding_window(3, -2), ValueError,
+     r"right: must be a non-negative int or None, got -2"),
+    (lambda: M.global_tokens(True), TypeError, r"n: must be a non-negative int, got True"),
+    (lambda: M.column_ranges(torch.zeros(1, 1, 6, 1, dtype=torch.int32), causal="x"), TypeError,
+     r"causal: must be a bool, got 'x'"),
+    (lambda: M.indices(torch.zeros(1, 1, 6, 2, dtype=torch.int64), causal=1), TypeError,
+     r"causal: must be a bool, got 1"),
+    (lambda: M.indices(torch.zeros(1, 1, 6, 2, dtype=torch.int16)), TypeError,
+     r"attn_indices: must be int32 or int64, got torch.int16"),
+    (lambda: M.block_sparse(torch.ones(1, 1, 2, 2, dtype=torch.bool), 2.5), TypeError,
+     r"block_size: must be an int or a \(block_q, block_k\) pair of ints, got 2.5"),
+    (lambda: M.causal().compile(1, 1, 1, 8, 8, block_size=(16,)), TypeError,
+     r"block_size: .* got \(16,\)"),
+    (lambda: M.causal().compile(1, 1, 1, 8, 8, block_size=(0, 16)), ValueError,
+     r"block_size: must be positive, got \(0, 16\)"),
+])
+def test_mask_constructor_arguments_named(make, exc, pattern):
+    """Each mask constructor argument: a TypeError (wrong type: float, bool, str, ragged
+    lists) or ValueError (range) naming it and showing the value, never torch's own
+    error from inside (document([[3, 4], [7]]) used to give "expected sequence of length
+    2 at dim 1") nor a silent acceptance (document(causal="yes"), sliding_window(True))."""
+    with pytest.raises(exc, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize("block_size,exc,pattern", [
+    ((16,), TypeError, r"block_size: must be an int or a \(block_q, block_k\) pair of ints"),
+    ((16.5, 16), TypeError, r"block_size: .* got \(16.5, 16\)"),
+    ((0, 16), ValueError, r"block_size: must be positive, got \(0, 16\)"),
+    ("16", TypeError, r"block_size: .* got '16'"),
+])
+def test_attention_block_size_named(block_size, exc, pattern):
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(exc, match=pattern):
+        flexsparse.attention(q, q, q, M.causal(), block_size=block_size)
+    # also with a descriptor (whose own block size is used): the argument is still checked
+    desc = M.causal().compile(1, 2, 2, 8, 8, block_size=(4, 4))
+    with pytest.raises(exc, match=pattern):
+        flexsparse.attention(q, q, q, desc, block_size=block_size)
+
+
+def test_attention_block_size_int_is_square():
+    q = torch.randn(1, 2, 40, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(flexsparse.attention(q, q, q, M.causal(), block_size=16),
+                               flexsparse.attention(q, q, q, M.causal(), block_size=(16, 16)))
+
+
+@pytest.mark.parametrize("block_size", [(8, 8), (24, 24), (16, 8)])
+def test_triton_block_size_refused_by_name(block_size):
+    """Descriptor blocks the Triton block kernels cannot tile (not multiples of 16): a
+    ValueError naming the backend and the block size before any launch (it was the
+    launcher's NotImplementedError), from the API and from the raw op; index masks have
+    no blocks and run."""
+    pytest.importorskip("triton")
+    q = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(0))
+    pattern = (r"backend: 'triton' cannot run these inputs: triton: descriptor block size "
+               r"\(\d+, \d+\): the block kernels need multiples of 16")
+    with pytest.raises(ValueError, match=pattern):
+        flexsparse.attention(q, q, q, M.causal(), block_size=block_size, backend="triton")
+    mt = M.causal().compile(1, 2, 2, 40, 40, block_size=block_size).mask_tensors()
+    with pytest.raises(ValueError, match=pattern):
+        torch.ops.flexsparse.attention(q, q, q, None, *mt, *block_size, 0.25, 0.0, "triton",
+                                       False)
+    idx = torch.randint(-1, 40, (1, 2, 40, 3), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(
+        flexsparse.attention(q, q, q, M.indices(idx), block_size=block_size, backend="triton"),
+        flexsparse.attention(q, q, q, M.indices(idx), block_size=block_size), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("shape", [(40, 40), (2, 40, 40), (1, 40)], ids=["2d", "3d", "row"])
+def test_low_rank_bias_on_every_backend_and_compiled(shape, backend, compiled):
+    """2-D and 3-D biases with a bool mask of the same rank, as SDPA broadcasts them, on
+    the Triton kernels too and inside torch.compile(fullgraph=True, dynamic=True): out
+    and the bias gradient (in the bias's own shape) equal SDPA's in float64."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(len(shape))
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(3))
+    bias = torch.randn(*shape, generator=g, requires_grad=True)
+    vis = (torch.rand(*shape[:-2], 40, 40, generator=g) < 0.7) if shape[-2] == 40 else None
+
+    def fn(q, k, v, b):
+        return flexsparse.attention(q, k, v, vis, bias=b, backend=backend, block_size=16)
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    out = fn(q, k, v, bias)
+    (g_bias,) = torch.autograd.grad(out.sum(), bias)
+    b64 = bias.detach().double().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(),
+        attn_mask=b64 if vis is None else b64.masked_fill(~vis, float("-inf")))
+    (g_ref,) = torch.autograd.grad(ref.sum(), b64)
+    assert g_bias.shape == bias.shape
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_bias.double(), g_ref, atol=1e-4, rtol=1e-4)
