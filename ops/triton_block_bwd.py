@@ -102,7 +102,7 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
                   Qh, sqm, sqd, DOh, sdm, sdd, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
                   DQAh, idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, kb, block_q: tl.constexpr,
                   block_k: tl.constexpr, scale, qk_scale, cap_log2, preds, slots,
-                  PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+                  PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_COL_RANGES: tl.constexpr,
                   CR_KINDS: tl.constexpr,
                   HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                   DB_MODE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
@@ -136,7 +136,7 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
             if PARTIAL:
                 vis = _visible(i[None, :], j[:, None], Lq, Lk, qb, kb, block_q, block_k, b, h,
                                preds, _slots_on_rows(slots),
-                               HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, False)
+                               HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, False, False)
                 pT = tl.where(vis, pT, 0.0)
             do = _load_tile(DOh + i[:, None] * sdm + offs_d[None, :] * sdd, i_ok[:, None], d_ok,
                             not EVEN_M, not EVEN_D)
@@ -180,7 +180,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
                    Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr,
                    block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale, cap_log2,
                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                   N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+                   N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                    DB_MODE: tl.constexpr,
                    ZERO_SKIPPED: tl.constexpr,
                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -198,7 +198,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
         sbb, sbh, sbq, sbk, b_hdiv, sdbb, sdbh, sdbq, sdbk, db_hdiv, q_partial, q_full, preds,
         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
-        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
+        HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
         EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, Q_PARTIAL_RANGES, Q_FULL_RANGES,
         DQ_ATOMIC)
 
@@ -214,7 +214,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
                       block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale,
                       cap_log2,
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                      N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+                      N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                       DB_MODE: tl.constexpr,
                       ZERO_SKIPPED: tl.constexpr,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -254,7 +254,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
         DBh = DB + b64 * sdbb + (h // db_hdiv).to(tl.int64) * sdbh
         DQAh = DQA + (b64 * Hq + h64) * Lq * D
         dbacc = tl.zeros([BLOCK_N], tl.float32)
-        slots = _cr_prefetch(preds, b, h, j, Lk, N_RANGES, CR_KINDS, True)
+        slots = _cr_prefetch(preds, b, h, j, Lk, N_COL_RANGES, CR_KINDS, True)
         row = b * qp_sb + (h // qp_hdiv) * qp_sh + kb
         n_iters = _list_count(Q_COUNT + row, qp_W, tl.cdiv(Lq, block_q), Q_PARTIAL_RANGES) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
@@ -262,8 +262,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
             DQAh, Q_INDEX + row.to(tl.int64) * qp_W, n_iters, SUB, Lq, Lk, D, kb, block_q,
             block_k, scale, qk_scale, cap_log2, preds, slots,
-            True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
-            BLOCK_M, Q_PARTIAL_RANGES, DQ_ATOMIC)
+            True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP,
+            DB_MODE, EVEN_M, EVEN_D, BLOCK_M, Q_PARTIAL_RANGES, DQ_ATOMIC)
         row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb
         n_iters = _list_count(Q_FULL_COUNT + row, qf_W, tl.cdiv(Lq, block_q), Q_FULL_RANGES) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
@@ -271,8 +271,8 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             Qh, sqm, sqd, DOh, sdom, sdod, LSE2h, DELh, Bh, sbq, sbk, DBh, sdbq, sdbk,
             DQAh, Q_FULL_INDEX + row.to(tl.int64) * qf_W, n_iters, SUB, Lq, Lk, D, kb, block_q,
             block_k, scale, qk_scale, cap_log2, preds, slots,
-            False, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_MODE, EVEN_M, EVEN_D,
-            BLOCK_M, Q_FULL_RANGES, DQ_ATOMIC)
+            False, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP,
+            DB_MODE, EVEN_M, EVEN_D, BLOCK_M, Q_FULL_RANGES, DQ_ATOMIC)
         if DB_MODE == 3:
             tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
         if ZERO_SKIPPED:
@@ -304,7 +304,7 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
                  Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
                  idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, qb, block_q: tl.constexpr,
                  block_k: tl.constexpr, qk_scale, cap_log2, preds,
-                 PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+                 PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_COL_RANGES: tl.constexpr,
                  CR_KINDS: tl.constexpr,
                  HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                  DB_COLSUM: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -328,7 +328,7 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
             p = tl.math.exp2(s - lse2[:, None])
             if PARTIAL:
                 vis = _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q, block_k, preds,
-                                          HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, not EVEN_N)
+                                          HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, not EVEN_N)
                 p = tl.where(vis, p, 0.0)
 
             elif not EVEN_N:
@@ -380,7 +380,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
                  SUB: tl.constexpr, scale, qk_scale, cap_log2, rev_q,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                 N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+                 N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                  DB_COLSUM: tl.constexpr,
                  DQ_FROM_DS: tl.constexpr,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -398,7 +398,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
         sbb, sbh, sbq, sbk, b_hdiv, sdsb, sdsh, sdsq, sdsk, kv_partial, kv_full, preds,
         Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
-        HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, DQ_FROM_DS,
+        HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, DQ_FROM_DS,
         EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, KV_PARTIAL_RANGES, KV_FULL_RANGES)
 
 
@@ -412,7 +412,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                     Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
                     SUB: tl.constexpr, scale, qk_scale, cap_log2,
                     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                    N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+                    N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                     DB_COLSUM: tl.constexpr,
                     DQ_FROM_DS: tl.constexpr,
                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
@@ -460,7 +460,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
             sqb, sqh, sqm, sqd, svb, svh, svn, svd, skn, skd, sdob, sdoh, sdom, sdod,
             sbb, sbh, sbq, sbk, b_hdiv, kv_partial, kv_full, preds,
             Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
-            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N,
             EVEN_D, BLOCK_M, BLOCK_N, KV_PARTIAL_RANGES, KV_FULL_RANGES)
     dq = dq * scale
     o = rbase * D + i[:, None] * D + offs_d[None, :]
@@ -479,7 +479,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
                       Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr,
                       qk_scale, cap_log2,
                       HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                      N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+                      N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                       DB_COLSUM: tl.constexpr,
                       EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -508,8 +508,8 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
         KV_INDEX + row.to(tl.int64) * kvp_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
         qk_scale, cap_log2, preds,
-        True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D,
-        BLOCK_N, KV_PARTIAL_RANGES)
+        True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP,
+        DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N, KV_PARTIAL_RANGES)
     row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb
     n_iters = _list_count(KV_FULL_COUNT + row, kvf_W, tl.cdiv(Lk, block_k), KV_FULL_RANGES) * SUB
     dq, dbacc = _bwd_q_inner(
@@ -517,8 +517,8 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
         KV_FULL_INDEX + row.to(tl.int64) * kvf_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
         qk_scale, cap_log2, preds,
-        False, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, DB_COLSUM, EVEN_N, EVEN_D,
-        BLOCK_N, KV_FULL_RANGES)
+        False, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP,
+        DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N, KV_FULL_RANGES)
     if DB_COLSUM:
         tl.store(DBQ + rbase + i, dbacc, mask=i_ok)
     return dq
@@ -543,7 +543,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
                          block_k: tl.constexpr, SUB1: tl.constexpr, SUB2: tl.constexpr, nQB,
                          n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2, rev_q,
                          HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-                         N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+                         N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
                          DB_MODE: tl.constexpr,
                          ZERO_SKIPPED: tl.constexpr, DB_COLSUM: tl.constexpr,
                          EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
@@ -572,7 +572,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
             sbb, sbh, sbq, sbk, b_hdiv, sdbb, sdbh, sdbq, sdbk, db_hdiv, q_partial, q_full,
             preds, Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
-            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
             EVEN_M1, EVEN_N1, EVEN_D, BLOCK_M1, BLOCK_N1, BLOCK_D, Q_PARTIAL_RANGES,
             Q_FULL_RANGES, False)
     else:
@@ -585,7 +585,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
             sdob, sdoh, sdom, sdod, sbb, sbh, sbq, sbk, b_hdiv, 0, 0, 0, 0,
             kv_partial, kv_full, preds,
             Hq, G, Lq, Lk, D, block_q, block_k, SUB2, scale, qk_scale, cap_log2,
-            HAS_BIAS, SOFTCAP, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, False,
+            HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, False,
             EVEN_M2, EVEN_N2, EVEN_D, BLOCK_M2, BLOCK_N2, BLOCK_D, KV_PARTIAL_RANGES,
             KV_FULL_RANGES)
 
@@ -663,7 +663,7 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     # Short per-tile work: explicit block lists (not the range form), or column ranges that
     # also hide rows below the keys (windows, documents); not full, causal or prefix-LM.
     list_form = m.ranges.q_full == 0 and m.ranges.kv_full == 0
-    short_work = list_form or (m.flags.N_RANGES > 0 and not m.reverse_query_tiles)
+    short_work = list_form or (m.flags.N_COL_RANGES > 0 and not m.reverse_query_tiles)
     cfg = dict(has_bias=dq_from_ds, short_work=short_work)
     BM, BN, warps, stages = _config("dkdv", c.BLOCK_D, block_q, block_k, options, **cfg)
     n_kv_tiles = _cdiv(Lk, BN)

@@ -24,7 +24,7 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
                idx_ptr, n_iters, SUB: tl.constexpr, Lq, Lk, D, qb, block_q: tl.constexpr,
                block_k: tl.constexpr, qk_scale, cap_log2, preds,
-               PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_RANGES: tl.constexpr,
+               PARTIAL: tl.constexpr, HAS_DM: tl.constexpr, N_COL_RANGES: tl.constexpr,
                CR_KINDS: tl.constexpr,
                HAS_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -46,7 +46,7 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
                           i[:, None] < Lq, j_ok, HAS_BIAS, SOFTCAP)
             if PARTIAL:
                 vis = _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q, block_k, preds,
-                                          HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, not EVEN_N)
+                                          HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, not EVEN_N)
                 s = tl.where(vis, s, float("-inf"))
 
             elif not EVEN_N:
@@ -77,7 +77,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
               SUB: tl.constexpr, qk_scale, cap_log2, rev_q,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
-              N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
+              N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, HAS_BITS: tl.constexpr,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               KV_PARTIAL_RANGES: tl.constexpr, KV_FULL_RANGES: tl.constexpr):
@@ -115,7 +115,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
         KV_INDEX + row.to(tl.int64) * kvp_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
         qk_scale, cap_log2, preds,
-        True, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
+        True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KV_PARTIAL_RANGES)
     row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb
     n_iters = _list_count(KV_FULL_COUNT + row, kvf_W, tl.cdiv(Lk, block_k), KV_FULL_RANGES) * SUB
@@ -123,7 +123,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
         KV_FULL_INDEX + row.to(tl.int64) * kvf_W, n_iters, SUB, Lq, Lk, D, qb, block_q, block_k,
         qk_scale, cap_log2, preds,
-        False, HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
+        False, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KV_FULL_RANGES)
 
     empty = l_i == 0.0
@@ -164,7 +164,7 @@ def forward_plan(query, key, value, bias, mask, block_q, block_k, scale, softcap
     Lk = key.shape[2]
     c = call_args(query, key, value, bias, mask, block_q, block_k, scale, softcap, options)
     m = c.mask
-    short_work = (m.flags.N_RANGES > 0 and not m.reverse_query_tiles
+    short_work = (m.flags.N_COL_RANGES > 0 and not m.reverse_query_tiles
                   and _mean_blocks_per_row(c) <= FWD_SHORT_BLOCKS)
     BM, BN, warps, stages = _config("fwd", c.BLOCK_D, block_q, block_k, options,
                                     c.constexprs["HAS_BIAS"], short_work)

@@ -124,7 +124,7 @@ def _in_ranges(idx_ptr, x, RANGES: tl.constexpr):
 
 @triton.jit
 def _cr_prefetch(preds, b, h, j, Lk,
-                 N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, ACTIVE: tl.constexpr):
+                 N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr, ACTIVE: tl.constexpr):
     """Column ranges of key columns j (up to 4 intervals) as the tuple (s0, e0, ..., s3, e3)
     of vectors shaped like j: hoisted out of the dK/dV loop (j is fixed there); loaded per
     tile in the forward and dQ loops (docs/perf-notes.md, "Numbers moved out of the code")."""
@@ -139,15 +139,15 @@ def _cr_prefetch(preds, b, h, j, Lk,
     e2 = z
     s3 = z
     e3 = z
-    if ACTIVE and N_RANGES > 0 and N_RANGES <= 4:
+    if ACTIVE and N_COL_RANGES > 0 and N_COL_RANGES <= 4:
         ok = j < Lk
         base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
         s0, e0 = _slot_load(base, ok, z, CR_KINDS & 3)
-        if N_RANGES > 1:
+        if N_COL_RANGES > 1:
             s1, e1 = _slot_load(base + 2, ok, z, (CR_KINDS >> 2) & 3)
-        if N_RANGES > 2:
+        if N_COL_RANGES > 2:
             s2, e2 = _slot_load(base + 4, ok, z, (CR_KINDS >> 4) & 3)
-        if N_RANGES > 3:
+        if N_COL_RANGES > 3:
             s3, e3 = _slot_load(base + 6, ok, z, (CR_KINDS >> 6) & 3)
     return s0, e0, s1, e1, s2, e2, s3, e3
 
@@ -194,24 +194,24 @@ def _slot_visible(i, s, e, KIND: tl.constexpr):
 @triton.jit
 def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr, b, h,
              preds, slots,
-             HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
+             HAS_DM: tl.constexpr, N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
              HAS_BITS: tl.constexpr, CHECK_I: tl.constexpr, CHECK_J: tl.constexpr):
     """Element visibility inside a partial block; i, j broadcastable index tiles.
     preds: the PredicateArgs tuple. slots: the prefetched column ranges (broadcast like j)
-    when 1 <= N_RANGES <= 4.
+    when 1 <= N_COL_RANGES <= 4.
     CHECK_I / CHECK_J: the caller needs rows >= Lq / columns >= Lk hidden (they are, also,
     whenever a predicate is loaded); where padded rows or columns cannot change a stored
     result the compares are left out."""
     (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
      PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr) = preds
     s0, e0, s1, e1, s2, e2, s3, e3 = slots
-    if N_RANGES > 0 and N_RANGES <= 4:
+    if N_COL_RANGES > 0 and N_COL_RANGES <= 4:
         vis = _slot_visible(i, s0, e0, CR_KINDS & 3)
-        if N_RANGES > 1:
+        if N_COL_RANGES > 1:
             vis = vis & _slot_visible(i, s1, e1, (CR_KINDS >> 2) & 3)
-        if N_RANGES > 2:
+        if N_COL_RANGES > 2:
             vis = vis & _slot_visible(i, s2, e2, (CR_KINDS >> 4) & 3)
-        if N_RANGES > 3:
+        if N_COL_RANGES > 3:
             vis = vis & _slot_visible(i, s3, e3, (CR_KINDS >> 6) & 3)
         if CHECK_I or HAS_DM or HAS_BITS:
             vis = vis & (i < Lq)
@@ -223,10 +223,10 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
         d = tl.load(DM + b * dm_sb + (h // dm_hdiv) * dm_sh + i * dm_sq + j * dm_sk,
                     mask=vis, other=0)
         vis = vis & (d != 0)
-    if N_RANGES > 4:
+    if N_COL_RANGES > 4:
         base = CR + b * cr_sb + (h // cr_hdiv) * cr_sh + j * cr_sk
         j_ok = j < Lk
-        for r in tl.static_range(N_RANGES):
+        for r in tl.static_range(N_COL_RANGES):
             start = tl.load(base + 2 * r, mask=j_ok, other=0)
             end = tl.load(base + 2 * r + 1, mask=j_ok, other=0)
             vis = vis & ((i < start) | (i >= end))
@@ -242,14 +242,14 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
 @triton.jit
 def _query_tile_visible(i, j, kb, qb, b, h, Lq, Lk, block_q: tl.constexpr,
                         block_k: tl.constexpr, preds,
-                        HAS_DM: tl.constexpr, N_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
+                        HAS_DM: tl.constexpr, N_COL_RANGES: tl.constexpr, CR_KINDS: tl.constexpr,
                         HAS_BITS: tl.constexpr, CHECK_J: tl.constexpr):
     """_visible for a tile with queries i as rows and keys j as columns (the forward and dQ
     loops), the column ranges of keys j loaded for this tile."""
-    slots = _cr_prefetch(preds, b, h, j, Lk, N_RANGES, CR_KINDS, True)
+    slots = _cr_prefetch(preds, b, h, j, Lk, N_COL_RANGES, CR_KINDS, True)
     return _visible(i[:, None], j[None, :], Lq, Lk, qb, kb, block_q, block_k, b, h,
                     preds, _slots_on_columns(slots),
-                    HAS_DM, N_RANGES, CR_KINDS, HAS_BITS, False, CHECK_J)
+                    HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, False, CHECK_J)
 
 
 # ======================================================================= host: kernel arguments
@@ -292,7 +292,7 @@ class PredicateArgs(NamedTuple):
 class PredicateFlags(NamedTuple):
     """The predicates' constexprs (kernel keyword arguments of the same names)."""
     HAS_DM: bool                # a dense mask is given
-    N_RANGES: int               # column-range slots per key (0: none)
+    N_COL_RANGES: int               # column-range slots per key (0: none)
     CR_KINDS: int               # 2 bits per slot (of the first 4): KIND_GENERAL/UPPER/LOWER
     HAS_BITS: bool              # partial-block bitmaps are given
 
@@ -401,7 +401,7 @@ def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8):
     else:
         pb_args = (dummy_i32, 0, 0, 0, 1, dummy_i32, 0, 0)
     kinds = _slot_kinds(cr, Lq) if 0 < n_ranges <= 4 else 0
-    flags = PredicateFlags(HAS_DM=dm is not None, N_RANGES=n_ranges, CR_KINDS=kinds,
+    flags = PredicateFlags(HAS_DM=dm is not None, N_COL_RANGES=n_ranges, CR_KINDS=kinds,
                            HAS_BITS=has_bits)
     return PredicateArgs(*dm_args, *cr_args, *pb_args), flags
 
@@ -554,7 +554,7 @@ def mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device, trim_lists=True) 
     # Query tiles last-first when the column ranges only hide rows above the keys (some slot
     # starts at 0 for every key, none ends at Lq for every key: causal, prefix-LM, so work
     # grows with the query index; windows and documents also cut rows below), see _tile_order.
-    slot_kinds = [(flags.CR_KINDS >> (2 * r)) & 3 for r in range(min(flags.N_RANGES, 4))]
+    slot_kinds = [(flags.CR_KINDS >> (2 * r)) & 3 for r in range(min(flags.N_COL_RANGES, 4))]
     rev_q = int(KIND_UPPER in slot_kinds and KIND_LOWER not in slot_kinds)
     value = MaskArgs(kv_partial, kv_full, q_partial, q_full, ranges, preds, flags, rev_q,
                      dummy_i32)

@@ -97,23 +97,23 @@ def main():
     # (label, flags): a plain causal-like case and one with every element predicate,
     # bias + dbias, softcap and ragged lengths / head dim.
     variants = [
-        ("lists only, even", dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=0,
+        ("lists only, even", dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_COL_RANGES=0,
                                   HAS_BITS=False, DB_MODE=DB_NONE, ZERO_SKIPPED=False,
                                   EVEN_D=True, BLOCK_D=D_PAD, Q_PARTIAL_RANGES=0,
                                   Q_FULL_RANGES=0, KV_PARTIAL_RANGES=0, KV_FULL_RANGES=0,
                                   CR_KINDS=0), True),
         ("causal-like col range, slot kind upper (starts all 0)",
-         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=1, HAS_BITS=False,
+         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_COL_RANGES=1, HAS_BITS=False,
               DB_MODE=DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
               Q_PARTIAL_RANGES=4, Q_FULL_RANGES=4, KV_PARTIAL_RANGES=4, KV_FULL_RANGES=4,
               CR_KINDS=KIND_UPPER), True),
         ("col ranges (range-form lists), bias + atomic dbias, softcap, ragged",
-         dict(HAS_BIAS=True, SOFTCAP=True, HAS_DM=True, N_RANGES=2, HAS_BITS=True,
+         dict(HAS_BIAS=True, SOFTCAP=True, HAS_DM=True, N_COL_RANGES=2, HAS_BITS=True,
               DB_MODE=DB_ATOMIC, ZERO_SKIPPED=False, EVEN_D=False, BLOCK_D=D_PAD,
               Q_PARTIAL_RANGES=4, Q_FULL_RANGES=4, KV_PARTIAL_RANGES=4, KV_FULL_RANGES=4,
               CR_KINDS=KIND_UPPER | (KIND_LOWER << 2)), False),
         ("full mask (partial lists EMPTY_LIST, one range), GQA",
-         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=0, HAS_BITS=False,
+         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_COL_RANGES=0, HAS_BITS=False,
               DB_MODE=DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
               Q_PARTIAL_RANGES=EMPTY_LIST, Q_FULL_RANGES=1, KV_PARTIAL_RANGES=EMPTY_LIST,
               KV_FULL_RANGES=1,
@@ -124,7 +124,7 @@ def main():
     ok = True
     for label, flags, even in variants:
         flags = dict(dict(G=1), **flags)
-        fwd = {k: flags[k] for k in ("HAS_BIAS", "SOFTCAP", "HAS_DM", "N_RANGES", "CR_KINDS",
+        fwd = {k: flags[k] for k in ("HAS_BIAS", "SOFTCAP", "HAS_DM", "N_COL_RANGES", "CR_KINDS",
                                      "HAS_BITS", "EVEN_D", "BLOCK_D", "KV_PARTIAL_RANGES",
                                      "KV_FULL_RANGES", "G")}
         fwd.update(EVEN_M=even, EVEN_N=even, BLOCK_M=BM0, BLOCK_N=BN0, block_q=BQ, block_k=BK,
