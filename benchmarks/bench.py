@@ -202,14 +202,37 @@ def _bwd_mode(mode):
 
 
 def load_block_module(path):
-    """A copy of ops/triton_block.py (e.g. `cp ops/triton_block.py /tmp/old_block.py` before
-    a change) as module flexsparse.ops._ab_old, so its relative imports resolve."""
+    """Another copy of the Triton block backend, for a same-run A/B: either a directory
+    holding copies of ops/triton_block*.py (e.g. `mkdir /tmp/old && cp ops/triton_block*.py
+    /tmp/old` before a change), or one file, a copy of ops/triton_block.py from before it
+    was split into triton_block_*.py (`git show a461f6f:ops/triton_block.py`). Loaded as
+    package flexsparse.ops._ab_old: the copies import each other, and every other module of
+    flexsparse.ops (schema, reference, triton_launch, ...) is the current one."""
+    import importlib
     import importlib.util
-    spec = importlib.util.spec_from_file_location("flexsparse.ops._ab_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    import types
+    import flexsparse.ops
+    name = "flexsparse.ops._ab_old"
+    if not os.path.isdir(path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        del sys.modules[key]
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [os.path.abspath(path)]
+    pkg.__package__ = name
+    sys.modules[name] = pkg
+    for key, mod in list(sys.modules.items()):
+        short = key[len("flexsparse.ops."):] if key.startswith("flexsparse.ops.") else ""
+        if short and "." not in short and not short.startswith(("triton_block", "_ab_old")):
+            sys.modules[f"{name}.{short}"] = mod      # the current module, shared
+    for short in ("reference", "schema", "kernel_options", "triton_compat", "triton_launch"):
+        sys.modules.setdefault(f"{name}.{short}",
+                               importlib.import_module(f"flexsparse.ops.{short}"))
+    return importlib.import_module(f"{name}.triton_block")
 
 
 def _block_module(mod):
@@ -232,8 +255,8 @@ def time_row(kind, L, D, *, flex=True, sdpa=True, repeat=1, bwd="direct", device
     is labelled "(sub)" in the table. `repeat` runs the whole row that many times (the
     implementations interleaved within each run) and keeps the median of the per-run
     medians. `extra_modes`: backward modes of ours to time besides OURS_OPTIONS' bwd_mode,
-    as implementations named `_ours(mode)`. `old_block`: another copy of
-    ops/triton_block.py (see load_block_module), timed as implementation "old" in the same
+    as implementations named `_ours(mode)`. `old_block`: another copy of the block
+    backend (see load_block_module), timed as implementation "old" in the same
     runs, for A/B of a kernel change."""
     dev = torch.device(device) if device is not None else torch.device(
         "cuda", torch.cuda.current_device())
@@ -260,8 +283,8 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
     desc = fs_mask.compile(B, H, H, L, L, device=dev)
     visible = desc.num_visible(batch=B)
     flops_fwd = 4.0 * D * visible
-    from flexsparse.ops import triton_block
-    facts0 = triton_block.FACT_COMPUTES
+    from flexsparse.ops import triton_block_mask
+    facts0 = triton_block_mask.FACT_COMPUTES
     row = dict(kind=kind, L=L, D=D, B=B, visible=visible, flops_fwd=flops_fwd)
     where = f"{kind} L={L} D={D}"
 
@@ -352,8 +375,9 @@ def _time_row(kind, L, D, dev, *, flex, sdpa, repeat, bwd, extra_modes, log, old
         row[f"{name}_fwd"] = flops_fwd / fwd_ms * 1e-9
         row[f"{name}_bwd"] = 2.5 * flops_fwd / bwd_ms * 1e-9 if bwd_ms > 0 else None
 
-    # host syncs for descriptor facts (ops/triton_block.py _cached_fact): one per new descriptor
-    row["fact_syncs"] = triton_block.FACT_COMPUTES - facts0
+    # host syncs for descriptor facts (ops/triton_block_mask.py _cached_fact): one per new
+    # descriptor
+    row["fact_syncs"] = triton_block_mask.FACT_COMPUTES - facts0
     if row.get("ours_fwd") and row.get("old_fwd") and row.get("ours_bwd") and row.get("old_bwd"):
         row["ab_fwd"] = row["ours_fwd"] / row["old_fwd"]
         row["ab_bwd"] = row["ours_bwd"] / row["old_bwd"]
@@ -627,7 +651,9 @@ def main(argv=None):
                     help="structure of our backward (kernel option bwd_mode); 'all' times "
                          "each mode in the same run (extra columns)")
     ap.add_argument("--ab-old", metavar="PATH",
-                    help="A/B: also time this copy of ops/triton_block.py in the same runs "
+                    help="A/B: also time this copy of the block backend in the same runs: a "
+                         "directory of ops/triton_block*.py copies, or an old single-file "
+                         "ops/triton_block.py "
                          "(implementation 'old'); prints new/old per row")
     ap.add_argument("--no-dq-from-ds", action="store_true",
                     help="full-shape dbias: recompute P in the dQ pass (or atomic dQ) instead "
@@ -648,7 +674,7 @@ def main(argv=None):
     OURS_OPTIONS.update(bwd_mode=bwd_mode, dq_from_ds=not args.no_dq_from_ds)
     old_block = None
     if args.ab_old:
-        # a copy of triton_block.py gets the same kernel options through the backend
+        # the copy gets the same kernel options through the backend
         old_block = load_block_module(args.ab_old)
     if args.profile:
         for mode in modes:

@@ -78,7 +78,11 @@ LAYERS = [
     "flexsparse.ops.triton_launch",
     "flexsparse.ops.triton_ranges",     # mask-building kernels (used by blocklists)
     "flexsparse.ops.triton_intervals",  # mask-building kernels (used by intervals)
-    "flexsparse.ops.triton_block",
+    "flexsparse.ops.triton_block_mask",    # the descriptor as kernel arguments, and its reads
+    "flexsparse.ops.triton_block_common",  # shared by the passes: device helpers, tiles, args
+    "flexsparse.ops.triton_block_fwd",     # forward kernel + its plan
+    "flexsparse.ops.triton_block_bwd",     # backward kernels + their plan
+    "flexsparse.ops.triton_block",         # block backend entry: forward, backward, _Call
     "flexsparse.ops.triton_indices",
     "flexsparse.ops.triton_backend",
     "flexsparse.ops.cuda_backend",

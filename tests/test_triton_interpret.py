@@ -18,6 +18,9 @@ triton = pytest.importorskip("triton")
 import flexsparse  # noqa: E402
 from flexsparse import masks as M  # noqa: E402
 from flexsparse.ops import triton_block  # noqa: E402
+from flexsparse.ops import triton_block_bwd, triton_block_fwd  # noqa: E402
+from flexsparse.ops.triton_block_common import call_args  # noqa: E402
+from flexsparse.ops.triton_block_mask import EMPTY_LIST, ListRanges, _all_lists  # noqa: E402
 from flexsparse.ops.schema import MaskTensors  # noqa: E402
 
 DEV = "cpu"
@@ -281,17 +284,17 @@ def test_list_trimming_and_argument_cache():
     B, H, L, D = 1, 2, 64, 32
     q, k, v = qkv(B, H, H, L, L, D, seed=5)
     mt = M.full().compile(B, H, H, L, L, device=DEV, block_size=(32, 32)).mask_tensors()
-    c = triton_block._common(q, k, v, None, mt, 32, 32, 0.2, 0.0)
-    assert c["kv_ranges"] == dict(KV_RANGES=triton_block.EMPTY_LIST, KF_RANGES=1)
-    assert c["q_ranges"] == dict(QC_RANGES=triton_block.EMPTY_LIST, QF_RANGES=1)
+    c = call_args(q, k, v, None, mt, 32, 32, 0.2, 0.0)
+    assert c.mask.ranges == ListRanges(kv_partial=EMPTY_LIST, kv_full=1, q_partial=EMPTY_LIST,
+                                       q_full=1)
     ref = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "reference", False)
     got = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "triton", False)
     torch.testing.assert_close(got[0], ref[0], atol=3e-5, rtol=1e-4)
     # Edit in place: key blocks [1, 2) only (range form (lo, hi)); every query sees 32 keys.
     mt.kv_full_index[..., 0, :] = torch.tensor([1, 2])
     mt.kv_full_count.fill_(1)
-    c = triton_block._common(q, k, v, None, mt, 32, 32, 0.2, 0.0)
-    assert c["kv_ranges"]["KF_RANGES"] == 1 and c["kv_ranges"]["KV_RANGES"] == -1
+    c = call_args(q, k, v, None, mt, 32, 32, 0.2, 0.0)
+    assert c.mask.ranges.kv_full == 1 and c.mask.ranges.kv_partial == EMPTY_LIST
     out, lse = torch.ops.flexsparse.attention(q, k, v, None, *mt, 32, 32, 0.2, 0.0, "triton",
                                               False)
     s = (q @ k[:, :, 32:].transpose(-1, -2)) * 0.2
@@ -331,7 +334,7 @@ def test_many_column_ranges(n_ranges):
     cr = torch.randint(0, L + 1, (B, H, L, 2 * n_ranges), generator=g)
     cr = cr.view(B, H, L, n_ranges, 2).sort(-1).values.flatten(-2).to(torch.int32)
     mt = MaskTensors(col_ranges=cr)
-    lists = triton_block._all_lists(mt, L, L, 32, 32, DEV)
+    lists = _all_lists(mt, L, L, 32, 32, DEV)
     mt = MaskTensors(*lists, col_ranges=cr)
     q, k, v = qkv(B, H, H, L, L, D, seed=n_ranges)
     args = (32, 32, 0.3, 0.0)
@@ -360,7 +363,7 @@ def _spy_backward_launches(monkeypatch):
     launch = triton_block._launch
 
     def spy(kernel, grid, args, kwargs, warps, stages):
-        if kernel not in (triton_block._attn_fwd, triton_block._bwd_preprocess):
+        if kernel not in (triton_block_fwd._attn_fwd, triton_block_bwd._bwd_preprocess):
             seen.append((kernel, kwargs))
         return launch(kernel, grid, args, kwargs, warps, stages)
     monkeypatch.setattr(triton_block, "_launch", spy)
@@ -401,9 +404,9 @@ def test_bwd_modes(mode, case, monkeypatch):
     check(*qkv(B, Hq, Hkv, Lq, Lk, D, seed=Lq + Lk), mask(), bias, softcap=softcap,
           kernel_options={"bwd_mode": mode})
     if mode == "one_launch":
-        assert [k for k, _ in seen] == [triton_block._attn_bwd_one_launch]
+        assert [k for k, _ in seen] == [triton_block_bwd._attn_bwd_one_launch]
     else:
-        assert [(k, kw["DQ_ATOMIC"]) for k, kw in seen] == [(triton_block._attn_bwd_dkdv, True)]
+        assert [(k, kw["DQ_ATOMIC"]) for k, kw in seen] == [(triton_block_bwd._attn_bwd_dkdv, True)]
 
 
 @pytest.mark.parametrize("mode", ["one_launch", "atomic_dq"])
@@ -452,7 +455,7 @@ def test_bwd_mode_fallbacks(mode, bshape, softcap, deterministic, monkeypatch):
     check(*qkv(1, 2, 1, 50, 50, 32), M.causal(), bias, softcap=softcap,
           deterministic=deterministic, kernel_options={"bwd_mode": mode})
     assert [(k, kw.get("DQ_ATOMIC")) for k, kw in seen] == [
-        (triton_block._attn_bwd_dkdv, False), (triton_block._attn_bwd_dq, None)]
+        (triton_block_bwd._attn_bwd_dkdv, False), (triton_block_bwd._attn_bwd_dq, None)]
 
 
 @pytest.mark.parametrize("name, mask, reversed_", [
@@ -468,5 +471,5 @@ def test_query_tile_order(name, mask, reversed_):
     L = 128
     mt = mask.compile(1, 2, 2, L, L, device=torch.device(DEV)).mask_tensors()
     q = rand(1, 2, L, 16)
-    c = triton_block._common(q, q, q, None, mt, 128, 128, 0.25, 0.0)
-    assert c["rev_q"] == reversed_, (name, c["flags"])
+    c = call_args(q, q, q, None, mt, 128, 128, 0.25, 0.0)
+    assert c.mask.reverse_query_tiles == reversed_, (name, c.mask.flags)

@@ -3,7 +3,7 @@ ahead of time, without a GPU: the interpreter accepts things the GPU compiler re
 
     python tests/gpu/aot_compile_check.py
 
-Needs TRITON_INTERPRET unset. bf16, D=128, the H100 tile configs of ops/triton_block.py.
+Needs TRITON_INTERPRET unset. bf16, D=128, the H100 tile configs of ops/triton_block_common.py.
 Prints shared memory per kernel and, where ptxas is found (Triton's bundled one or
 TRITON_PTXAS_PATH), its register and spill counts. These lack the run-time argument
 specializations (unit strides, divisibility), so they overstate spills: the forward that
@@ -24,7 +24,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flexsparse.ops import triton_block as tb  # noqa: E402
+from flexsparse.ops import triton_block_bwd  # noqa: E402
+from flexsparse.ops.triton_block_bwd import DB_ATOMIC, DB_NONE  # noqa: E402
+from flexsparse.ops import triton_block_common as common  # noqa: E402
+from flexsparse.ops import triton_block_fwd  # noqa: E402
+from flexsparse.ops.triton_block_mask import EMPTY_LIST, KIND_LOWER, KIND_UPPER  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPE = "bf16"
@@ -88,53 +92,57 @@ def compile_one(label, fn, constexprs, num_warps, num_stages):
 
 def main():
     D_PAD = 128
-    BM1, BN1, W1, S1 = tb._GPU_CONFIGS["dkdv"][D_PAD]
-    BM2, BN2, _, _ = tb._GPU_CONFIGS["dq"][D_PAD]
+    BM1, BN1, W1, S1 = common._GPU_CONFIGS["dkdv"][D_PAD]
+    BM2, BN2, _, _ = common._GPU_CONFIGS["dq"][D_PAD]
     # (label, flags): a plain causal-like case and one with every element predicate,
     # bias + dbias, softcap and ragged lengths / head dim.
     variants = [
-        ("lists only, even", dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=0,
-                                  HAS_BITS=False, DB_MODE=tb.DB_NONE, ZERO_SKIPPED=False,
-                                  EVEN_D=True, BLOCK_D=D_PAD, QC_RANGES=0, QF_RANGES=0,
-                                  KV_RANGES=0, KF_RANGES=0, CR_KINDS=0), True),
+        ("lists only, even", dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_COL_RANGES=0,
+                                  HAS_BITS=False, DB_MODE=DB_NONE, ZERO_SKIPPED=False,
+                                  EVEN_D=True, BLOCK_D=D_PAD, Q_PARTIAL_RANGES=0,
+                                  Q_FULL_RANGES=0, KV_PARTIAL_RANGES=0, KV_FULL_RANGES=0,
+                                  CR_KINDS=0), True),
         ("causal-like col range, slot kind upper (starts all 0)",
-         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=1, HAS_BITS=False,
-              DB_MODE=tb.DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
-              QC_RANGES=4, QF_RANGES=4, KV_RANGES=4, KF_RANGES=4,
-              CR_KINDS=tb.KIND_UPPER), True),
+         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_COL_RANGES=1, HAS_BITS=False,
+              DB_MODE=DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
+              Q_PARTIAL_RANGES=4, Q_FULL_RANGES=4, KV_PARTIAL_RANGES=4, KV_FULL_RANGES=4,
+              CR_KINDS=KIND_UPPER), True),
         ("col ranges (range-form lists), bias + atomic dbias, softcap, ragged",
-         dict(HAS_BIAS=True, SOFTCAP=True, HAS_DM=True, N_RANGES=2, HAS_BITS=True,
-              DB_MODE=tb.DB_ATOMIC, ZERO_SKIPPED=False, EVEN_D=False, BLOCK_D=D_PAD,
-              QC_RANGES=4, QF_RANGES=4, KV_RANGES=4, KF_RANGES=4,
-              CR_KINDS=tb.KIND_UPPER | (tb.KIND_LOWER << 2)), False),
+         dict(HAS_BIAS=True, SOFTCAP=True, HAS_DM=True, N_COL_RANGES=2, HAS_BITS=True,
+              DB_MODE=DB_ATOMIC, ZERO_SKIPPED=False, EVEN_D=False, BLOCK_D=D_PAD,
+              Q_PARTIAL_RANGES=4, Q_FULL_RANGES=4, KV_PARTIAL_RANGES=4, KV_FULL_RANGES=4,
+              CR_KINDS=KIND_UPPER | (KIND_LOWER << 2)), False),
         ("full mask (partial lists EMPTY_LIST, one range), GQA",
-         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_RANGES=0, HAS_BITS=False,
-              DB_MODE=tb.DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
-              QC_RANGES=tb.EMPTY_LIST, QF_RANGES=1, KV_RANGES=tb.EMPTY_LIST, KF_RANGES=1,
+         dict(HAS_BIAS=False, SOFTCAP=False, HAS_DM=False, N_COL_RANGES=0, HAS_BITS=False,
+              DB_MODE=DB_NONE, ZERO_SKIPPED=False, EVEN_D=True, BLOCK_D=D_PAD,
+              Q_PARTIAL_RANGES=EMPTY_LIST, Q_FULL_RANGES=1, KV_PARTIAL_RANGES=EMPTY_LIST,
+              KV_FULL_RANGES=1,
               CR_KINDS=0, G=4), True),
     ]
-    BM0, BN0, W0, S0 = tb._GPU_CONFIGS["fwd"][D_PAD]
+    BM0, BN0, W0, S0 = common._GPU_CONFIGS["fwd"][D_PAD]
     BQ = BK = 128       # descriptor block size (constexpr, like the sub-tile counts)
     ok = True
     for label, flags, even in variants:
         flags = dict(dict(G=1), **flags)
-        fwd = {k: flags[k] for k in ("HAS_BIAS", "SOFTCAP", "HAS_DM", "N_RANGES", "CR_KINDS",
-                                     "HAS_BITS", "EVEN_D", "BLOCK_D", "KV_RANGES", "KF_RANGES", "G")}
+        fwd = {k: flags[k] for k in ("HAS_BIAS", "SOFTCAP", "HAS_DM", "N_COL_RANGES", "CR_KINDS",
+                                     "HAS_BITS", "EVEN_D", "BLOCK_D", "KV_PARTIAL_RANGES",
+                                     "KV_FULL_RANGES", "G")}
         fwd.update(EVEN_M=even, EVEN_N=even, BLOCK_M=BM0, BLOCK_N=BN0, block_q=BQ, block_k=BK,
                    SUB=BK // BN0)
         ok &= compile_one(f"_attn_fwd [{label}] ({BM0}x{BN0}, {W0} warps, {S0} stages)",
-                          tb._attn_fwd, fwd, W0, S0)
+                          triton_block_fwd._attn_fwd, fwd, W0, S0)
         dkdv = dict(flags, DQ_ATOMIC=True, EVEN_M=even, EVEN_N=even,
                     BLOCK_M=BM1, BLOCK_N=BN1, block_q=BQ, block_k=BK, SUB=BQ // BM1)
-        dkdv.pop("KV_RANGES")
-        dkdv.pop("KF_RANGES")
+        dkdv.pop("KV_PARTIAL_RANGES")
+        dkdv.pop("KV_FULL_RANGES")
         ok &= compile_one(f"_attn_bwd_dkdv DQ_ATOMIC [{label}] ({BM1}x{BN1}, {W1} warps, "
-                          f"{S1} stages)", tb._attn_bwd_dkdv, dkdv, W1, S1)
+                          f"{S1} stages)", triton_block_bwd._attn_bwd_dkdv, dkdv, W1, S1)
         fused = dict(flags, DB_COLSUM=False, EVEN_M1=even, EVEN_N1=even, EVEN_M2=even,
                      EVEN_N2=even, BLOCK_M1=BM1, BLOCK_N1=BN1, BLOCK_M2=BM2, BLOCK_N2=BN2,
                      block_q=BQ, block_k=BK, SUB1=BQ // BM1, SUB2=BK // BN2)
         ok &= compile_one(f"_attn_bwd_one_launch [{label}] (dkdv {BM1}x{BN1}, dq {BM2}x{BN2}, "
-                          f"{W1} warps, {S1} stages)", tb._attn_bwd_one_launch, fused, W1, S1)
+                          f"{W1} warps, {S1} stages)", triton_block_bwd._attn_bwd_one_launch,
+                          fused, W1, S1)
     return 0 if ok else 1
 
 

@@ -16,10 +16,11 @@ import torch
 import flexsparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 from benchmarks import bench
-from flexsparse.ops import triton_block as tb
+from flexsparse.ops import triton_block_bwd, triton_block_fwd
 
-KERNELS = ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_bwd_one_launch",
-           "_bwd_preprocess")
+KERNELS = {"_attn_fwd": triton_block_fwd, "_attn_bwd_dkdv": triton_block_bwd,
+           "_attn_bwd_dq": triton_block_bwd, "_attn_bwd_one_launch": triton_block_bwd,
+           "_bwd_preprocess": triton_block_bwd}
 
 
 def compiled_variants(fn):
@@ -49,10 +50,8 @@ def main(argv=None):
                                  kernel_options={"bwd_mode": mode}).sum().backward()
     torch.cuda.synchronize()
     print(f"{'kernel':24} {'regs':>5} {'spills':>7} {'shared':>7} {'warps':>5}  constexprs")
-    for name in KERNELS:
-        fn = getattr(tb, name, None)
-        if fn is None:
-            continue
+    for name, module in KERNELS.items():
+        fn = getattr(module, name)
         for key, kern in compiled_variants(fn):
             md = kern.metadata
             cx = {k: v for k, v in (getattr(kern.src, "constants", {}) or {}).items()
