@@ -66,13 +66,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size,
                                   deterministic)
     else:
-        reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
-        if backend == "cuda" and not reasons:
-            cuda = backends.get("cuda")
-            reasons = cuda.check_block_size(*desc.block_size, D)
-            if needs_grad:
-                reasons += cuda.backward_not_supported_reasons(query, *desc.block_size,
-                                                               deterministic)
+        reasons = backends.call_not_supported_reasons(backend, query, key, value, bias, mt,
+                                                      *desc.block_size, needs_grad,
+                                                      deterministic)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
     tail = (desc.block_size[0], desc.block_size[1], float(scale), float(softcap))
