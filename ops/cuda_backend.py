@@ -134,7 +134,9 @@ def call_not_supported_reasons(query, key, value, bias, mask, block_q: int, bloc
     if reasons:
         return reasons
     if mask.attn_indices is not None:
-        return triton_indices.not_supported_reasons(query, key, value, bias, mask) \
+        # the Triton backward gets the bias in the query's dtype (backward below), and the
+        # op's checks have seen its shape and device
+        return triton_indices.not_supported_reasons(query, key, value, None, mask) \
             if needs_grad else []
     reasons = check_block_size(block_q, block_k, query.shape[-1])
     if needs_grad:
