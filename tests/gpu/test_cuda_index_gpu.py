@@ -32,19 +32,17 @@ import test_triton_indices_gpu as TI  # noqa: E402
 DEV = TI.DEV
 
 
-def poison_allocator(*like):
-    """Hand freed blocks of NaN to the caching allocator, one the size of each tensor in
-    `like`, so that the next allocations of those sizes (the op's out and lse) start as
-    NaN."""
-    junk = [torch.full_like(t, math.nan) for t in like]
+def poison_allocator(*specs):
+    """Hand freed blocks of NaN to the caching allocator, one per (shape, dtype), so that
+    the next allocations of those sizes (the op's out and lse) likely start as NaN."""
+    junk = [torch.full(shape, math.nan, dtype=dtype, device=DEV) for shape, dtype in specs]
     del junk
 
 
 def cuda_forward(q, k, v, idx, bias=None, scale=None, softcap=0.0):
     """out, lse of the CUDA op itself (no Python checks in between), over poisoned memory."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    B, Hq, Lq, _ = q.shape
-    poison_allocator(torch.empty_like(q), torch.empty(B, Hq, Lq, device=DEV))
+    poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
     return torch.ops.flexsparse.cuda_attention(q, k, v, bias, *MaskTensors(attn_indices=idx),
                                                128, 128, scale, softcap, False)
 
