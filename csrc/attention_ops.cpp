@@ -1,7 +1,8 @@
-// The CUDA backend's op kernels: flexsparse::cuda_attention and
-// flexsparse::cuda_attention_backward, registered for the CUDA dispatch key. Their schemas,
-// fake kernels and autograd are defined once in Python (the op layer); this file checks
-// the tensors, fills the kernel arguments (params.h) and launches (kernels.h).
+// The CUDA backend's op kernels: flexsparse::cuda_attention (block descriptors and index
+// masks) and flexsparse::cuda_attention_backward (block descriptors), registered for the
+// CUDA dispatch key. Their schemas, fake kernels and autograd are defined once in Python
+// (the op layer); this file checks the tensors, fills the kernel arguments (params.h) and
+// launches (kernels.h).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <Python.h>
@@ -9,6 +10,9 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <functional>
+#include <initializer_list>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -37,7 +41,8 @@ int head_div(int64_t size, int64_t Hq, int64_t Hkv, const char* what) {
 
 int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
 
-// TMA needs the last dim contiguous, 16-byte aligned strides and base.
+// TMA (block kernels) and 16-byte cp.async (index kernel) need the last dim contiguous,
+// 16-byte aligned strides and base.
 Tensor tma_ready(const Tensor& t) {
   bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int d = 0; d < t.dim() - 1; ++d) ok = ok && (t.stride(d) * t.element_size()) % 16 == 0;
@@ -49,6 +54,63 @@ struct Inputs {
   OptTensor bias;
   std::vector<Tensor> keep;   // contiguous copies the kernels read
 };
+
+// What every kernel needs of query, key and value: CUDA, fp16/bf16 of one dtype, 4-D,
+// GQA heads, D = Dv in {64, 128, 256}.
+void check_qkv(const Inputs& in) {
+  const Tensor& q = in.q;
+  TORCH_CHECK(q.is_cuda() && in.k.is_cuda() && in.v.is_cuda(), "flexsparse cuda: CUDA tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "flexsparse cuda: dtype ", q.scalar_type(), " (float16 or bfloat16)");
+  TORCH_CHECK(in.k.scalar_type() == q.scalar_type() && in.v.scalar_type() == q.scalar_type(),
+              "flexsparse cuda: query, key and value must share a dtype");
+  TORCH_CHECK(q.dim() == 4 && in.k.dim() == 4 && in.v.dim() == 4, "flexsparse cuda: 4-D q, k, v");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
+  const int64_t Hkv = in.k.size(1), Lk = in.k.size(2);
+  TORCH_CHECK(in.k.size(0) == B && in.v.size(0) == B && in.v.size(1) == Hkv && in.v.size(2) == Lk &&
+                  in.k.size(3) == D && in.v.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
+              "flexsparse cuda: shapes q ", q.sizes(), " k ", in.k.sizes(), " v ", in.v.sizes());
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
+}
+
+// Query, key and value (copied where the kernels' alignment needs it), their pointers,
+// strides and sizes; the same fields in AttentionParams and IndexParams.
+template <class Params>
+void set_qkv(Params& p, Inputs& in, double scale, double softcap) {
+  in.q = tma_ready(in.q);
+  in.k = tma_ready(in.k);
+  in.v = tma_ready(in.v);
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.q_sb = in.q.stride(0); p.q_sh = in.q.stride(1); p.q_sm = in.q.stride(2);
+  p.k_sb = in.k.stride(0); p.k_sh = in.k.stride(1); p.k_sn = in.k.stride(2);
+  p.v_sb = in.v.stride(0); p.v_sh = in.v.stride(1); p.v_sn = in.v.stride(2);
+  p.B = in.q.size(0); p.Hq = in.q.size(1); p.Lq = in.q.size(2); p.D = in.q.size(3);
+  p.Hkv = in.k.size(1); p.Lk = in.k.size(2);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+}
+
+// The bias (in the query's dtype), broadcast by strides 0 and a head divisor.
+template <class Params>
+void set_bias(Params& p, Inputs& in) {
+  if (!in.bias.has_value()) return;
+  Tensor bias = *in.bias;
+  TORCH_CHECK(bias.dim() == 4, "flexsparse cuda: bias must be 4-D, got ", bias.sizes());
+  TORCH_CHECK(bias.device() == in.q.device(), "flexsparse cuda: bias is on ", bias.device(),
+              ", query on ", in.q.device());
+  if (bias.scalar_type() != in.q.scalar_type()) bias = bias.to(in.q.scalar_type());
+  in.keep.push_back(bias);
+  TORCH_CHECK((bias.size(0) == 1 || bias.size(0) == p.B) && (bias.size(2) == 1 || bias.size(2) == p.Lq) &&
+                  (bias.size(3) == 1 || bias.size(3) == p.Lk),
+              "flexsparse cuda: bias shape ", bias.sizes(), " does not broadcast to (", p.B, ", ",
+              p.Hq, ", ", p.Lq, ", ", p.Lk, ")");
+  p.bias = bias.data_ptr();
+  p.bias_sb = bstride(bias, 0); p.bias_sh = bstride(bias, 1);
+  p.bias_sq = bstride(bias, 2); p.bias_sk = bstride(bias, 3);
+  p.bias_head_div = head_div(bias.size(1), p.Hq, p.Hkv, "bias");
+}
 
 BlockListParams list_params(const OptTensor& count, const OptTensor& index, int64_t B,
                             int64_t Hq, int64_t Hkv, int64_t n_rows, int64_t n_blocks,
@@ -85,23 +147,11 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
                             const OptTensor& q_full_count, const OptTensor& q_full_index,
                             const OptTensor& dense_mask, const OptTensor& col_ranges,
                             const OptTensor& partial_bits_index, const OptTensor& partial_bits,
-                            const OptTensor& attn_indices, int64_t block_q, int64_t block_k,
-                            double scale, double softcap, bool need_q_lists) {
-  const Tensor& q = in.q;
-  TORCH_CHECK(q.is_cuda() && in.k.is_cuda() && in.v.is_cuda(), "flexsparse cuda: CUDA tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "flexsparse cuda: dtype ", q.scalar_type(), " (float16 or bfloat16)");
-  TORCH_CHECK(in.k.scalar_type() == q.scalar_type() && in.v.scalar_type() == q.scalar_type(),
-              "flexsparse cuda: query, key and value must share a dtype");
-  TORCH_CHECK(q.dim() == 4 && in.k.dim() == 4 && in.v.dim() == 4, "flexsparse cuda: 4-D q, k, v");
-  TORCH_CHECK(!attn_indices.has_value(), "flexsparse cuda: index masks (attn_indices) are not "
-              "supported by the cuda backend yet");
-  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), D = q.size(3);
+                            int64_t block_q, int64_t block_k, double scale, double softcap,
+                            bool need_q_lists) {
+  check_qkv(in);
+  const int64_t B = in.q.size(0), Hq = in.q.size(1), Lq = in.q.size(2), D = in.q.size(3);
   const int64_t Hkv = in.k.size(1), Lk = in.k.size(2);
-  TORCH_CHECK(in.k.size(0) == B && in.v.size(0) == B && in.v.size(1) == Hkv && in.v.size(2) == Lk &&
-                  in.k.size(3) == D && in.v.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
-              "flexsparse cuda: shapes q ", q.sizes(), " k ", in.k.sizes(), " v ", in.v.sizes());
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
   // (Also checked in Python before the call: ops/cuda_backend.py.)
   const int64_t tile_m = fwd_tile_m(), tile_n = fwd_tile_n(static_cast<int>(D));
   if (!(block_q > 0 && block_q % tile_m == 0 && block_k > 0 && block_k % tile_n == 0)) {
@@ -112,34 +162,9 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
   }
 
   AttentionParams p;
-  in.q = tma_ready(q);
-  in.k = tma_ready(in.k);
-  in.v = tma_ready(in.v);
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.q_sb = in.q.stride(0); p.q_sh = in.q.stride(1); p.q_sm = in.q.stride(2);
-  p.k_sb = in.k.stride(0); p.k_sh = in.k.stride(1); p.k_sn = in.k.stride(2);
-  p.v_sb = in.v.stride(0); p.v_sh = in.v.stride(1); p.v_sn = in.v.stride(2);
-  p.B = B; p.Hq = Hq; p.Hkv = Hkv; p.Lq = Lq; p.Lk = Lk; p.D = D;
+  set_qkv(p, in, scale, softcap);
   p.block_q = block_q; p.block_k = block_k;
-  p.scale = static_cast<float>(scale);
-  p.softcap = static_cast<float>(softcap);
-
-  if (in.bias.has_value()) {
-    Tensor bias = *in.bias;
-    TORCH_CHECK(bias.dim() == 4, "flexsparse cuda: bias must be 4-D, got ", bias.sizes());
-    if (bias.scalar_type() != q.scalar_type()) bias = bias.to(q.scalar_type());
-    in.keep.push_back(bias);
-    TORCH_CHECK((bias.size(0) == 1 || bias.size(0) == B) && (bias.size(2) == 1 || bias.size(2) == Lq) &&
-                    (bias.size(3) == 1 || bias.size(3) == Lk),
-                "flexsparse cuda: bias shape ", bias.sizes(), " does not broadcast to (", B, ", ", Hq,
-                ", ", Lq, ", ", Lk, ")");
-    p.bias = bias.data_ptr();
-    p.bias_sb = bstride(bias, 0); p.bias_sh = bstride(bias, 1);
-    p.bias_sq = bstride(bias, 2); p.bias_sk = bstride(bias, 3);
-    p.bias_head_div = head_div(bias.size(1), Hq, Hkv, "bias");
-  }
+  set_bias(p, in);
 
   const int64_t nQB = (Lq + block_q - 1) / block_q, nKB = (Lk + block_k - 1) / block_k;
   p.kv_partial = list_params(kv_count, kv_index, B, Hq, Hkv, nQB, nKB, "kv", in.keep);
@@ -190,6 +215,7 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
     pr.bi_head_div = head_div(bi.size(1), Hq, Hkv, "partial_bits_index");
     pr.bits = bits.data_ptr<int32_t>();
     pr.bits_sp = bits.stride(0); pr.bits_sr = bits.stride(1);
+    pr.bits_count = static_cast<int>(bits.size(0));
   }
   return p;
 }
@@ -204,6 +230,47 @@ void check_sm90(const Tensor& q) {
               prop->major, prop->minor);
 }
 
+bool any_present(std::initializer_list<std::reference_wrapper<const OptTensor>> tensors) {
+  for (const OptTensor& t : tensors)
+    if (t.has_value()) return true;
+  return false;
+}
+
+// Index mode (docs/design.md, "Index mode"): the gather kernel of index_fwd.cu.
+std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double scale,
+                                           double softcap) {
+  check_qkv(in);
+  const Tensor& q = in.q;
+  const int64_t B = q.size(0), Lq = q.size(2), Hkv = in.k.size(1), Lk = in.k.size(2);
+  TORCH_CHECK(idx.device() == q.device(), "flexsparse cuda: attn_indices is on ", idx.device(),
+              ", query on ", q.device());
+  TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong,
+              "flexsparse cuda: attn_indices dtype ", idx.scalar_type(), " (int32 or int64)");
+  TORCH_CHECK(idx.dim() == 4 && (idx.size(0) == 1 || idx.size(0) == B) &&
+                  (idx.size(1) == 1 || idx.size(1) == Hkv) && idx.size(2) == Lq,
+              "flexsparse cuda: attn_indices shape ", idx.sizes(), " (expected (B|1, Hkv|1, ", Lq,
+              ", W) with B=", B, ", Hkv=", Hkv, ")");
+  // The kernel holds key positions as int.
+  TORCH_CHECK(Lk <= std::numeric_limits<int32_t>::max(),
+              "flexsparse cuda: index masks need Lk < 2^31, got ", Lk);
+
+  IndexParams p;
+  set_qkv(p, in, scale, softcap);
+  set_bias(p, in);
+  p.G = static_cast<int>(p.Hq / p.Hkv);
+  p.W = idx.size(3);
+  p.idx = idx.data_ptr();
+  p.idx_int64 = idx.scalar_type() == at::kLong;
+  p.idx_sb = bstride(idx, 0); p.idx_sh = bstride(idx, 1);
+  p.idx_sq = idx.stride(2); p.idx_sw = idx.stride(3);
+  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor lse = at::empty({p.B, p.Hq, p.Lq}, q.options().dtype(at::kFloat));
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  index_fwd_sm90(p, dtype_of(q), at::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
 std::tuple<Tensor, Tensor> cuda_attention(
     const Tensor& query, const Tensor& key, const Tensor& value, const OptTensor& bias,
     const OptTensor& kv_count, const OptTensor& kv_index, const OptTensor& kv_full_count,
@@ -216,10 +283,17 @@ std::tuple<Tensor, Tensor> cuda_attention(
   c10::cuda::CUDAGuard guard(query.device());
   check_sm90(query);
   Inputs in{query, key, value, bias, {}};
+  if (attn_indices.has_value()) {
+    TORCH_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
+                              q_full_count, q_full_index, dense_mask, col_ranges,
+                              partial_bits_index, partial_bits}),
+                "flexsparse cuda: an index mask (attn_indices) takes no other mask tensors");
+    return index_attention(in, *attn_indices, scale, softcap);
+  }
   AttentionParams p = fill_params(in, kv_count, kv_index, kv_full_count, kv_full_index, q_count,
                                   q_index, q_full_count, q_full_index, dense_mask, col_ranges,
-                                  partial_bits_index, partial_bits, attn_indices, block_q, block_k,
-                                  scale, softcap, /*need_q_lists=*/false);
+                                  partial_bits_index, partial_bits, block_q, block_k, scale,
+                                  softcap, /*need_q_lists=*/false);
   Tensor out = at::empty(query.sizes(), query.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, query.options().dtype(at::kFloat));
   p.out = out.data_ptr();
@@ -268,12 +342,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     int64_t block_k, double scale, double softcap, bool deterministic, bool bias_requires_grad) {
   c10::cuda::CUDAGuard guard(query.device());
   check_sm90(query);
+  TORCH_CHECK(!attn_indices.has_value(), "flexsparse cuda: index masks (attn_indices) have no "
+              "CUDA backward; their gradients come from the triton backend (ops/schema.py "
+              "routes the cuda op's backward there)");
   Inputs in{query, key, value, bias, {}};
   BackwardParams bp;
   bp.fwd = fill_params(in, kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
                        q_full_count, q_full_index, dense_mask, col_ranges, partial_bits_index,
-                       partial_bits, attn_indices, block_q, block_k, scale, softcap,
-                       /*need_q_lists=*/true);
+                       partial_bits, block_q, block_k, scale, softcap, /*need_q_lists=*/true);
   AttentionParams& p = bp.fwd;
   if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
   Tensor o = out.contiguous();

@@ -108,7 +108,7 @@ __device__ __forceinline__ bool visible(const PredicateParams& p, int b, int h, 
   if (vis && p.bits_index != nullptr) {
     int qb = i / block_q, kb = j / block_k;
     int idx = __ldg(p.bits_index + b * p.bi_sb + (h / p.bi_head_div) * p.bi_sh + qb * p.bi_sq + kb);
-    if (idx >= 0) {
+    if (idx >= 0 && idx < p.bits_count) {
       int r = i - qb * block_q, c = j - kb * block_k;
       uint32_t w = static_cast<uint32_t>(__ldg(p.bits + idx * p.bits_sp + r * p.bits_sr + (c >> 5)));
       vis = (w >> (c & 31)) & 1u;

@@ -398,7 +398,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if (bits_head != nullptr) {
             const int qblock = i0 / p.block_q;
             const int idx = __ldg(bits_head + (int64_t)qblock * pr.bi_sq + kb);
-            if (idx >= 0) {
+            if (idx >= 0 && idx < pr.bits_count) {
               // Both of this thread's keys sit in one 32-bit word of a bitmap row; the
               // step's 64 queries sit in one query block.
               const int word = (jr[0] - kb * p.block_k) >> 5;

@@ -444,7 +444,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         if (preds && bits_row != nullptr) {
           const int idx = __ldg(bits_row + j0 / p.block_k);
-          if (idx >= 0) {
+          if (idx >= 0 && idx < p.pred.bits_count) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               const int32_t* w = p.pred.bits + idx * p.pred.bits_sp +

@@ -41,4 +41,8 @@ void bwd_sm90_hd(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // broadcasts over some dimension.
 std::string bwd_sm90_unsupported(BackwardParams const& p);
 
+// Index attention forward (index_fwd.cu): out and lse for every query row (rows with no
+// active entry: 0 and -inf). Head dims 64, 128, 256 (D = Dv); any G, W, Lq, Lk < 2^31.
+void index_fwd_sm90(IndexParams const& p, DType dtype, cudaStream_t stream);
+
 }  // namespace flexsparse

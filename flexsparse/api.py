@@ -69,12 +69,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size,
                                   deterministic)
     else:
-        reasons = backends.not_supported_reasons(backend, query, key, value, bias, mt)
-        if not reasons:
-            reasons = backends.block_size_reasons(backend, query, mt, *desc.block_size)
-        if backend == "cuda" and not reasons and needs_grad:
-            reasons = backends.get("cuda").backward_not_supported_reasons(
-                query, *desc.block_size, deterministic)
+        reasons = backends.call_not_supported_reasons(backend, query, key, value, bias, mt,
+                                                      *desc.block_size, needs_grad,
+                                                      deterministic)
         if reasons:
             raise ValueError(f"backend: {backend!r} cannot run these inputs: {'; '.join(reasons)}")
     tail = (desc.block_size[0], desc.block_size[1], float(scale), float(softcap))

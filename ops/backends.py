@@ -51,11 +51,10 @@ def not_supported_reasons(name, query, key, value, bias, mask: MaskTensors) -> l
 
 
 def block_size_reasons(name, query, mask: MaskTensors, block_q, block_k) -> list:
-    """Why backend `name` cannot run a descriptor of this block size (empty: it can).
+    """Why a Python backend cannot run a descriptor of this block size (empty: it can; the
+    CUDA backend's own check is part of cuda_backend.call_not_supported_reasons).
     The Triton block kernels tile a block with powers of two >= 16 (triton_block.py,
     _pow2_divisor raised NotImplementedError at launch); index masks have no blocks."""
-    if name == "cuda":
-        return get("cuda").check_block_size(block_q, block_k, query.shape[-1])
     if name == "triton" and mask.attn_indices is None and (block_q % 16 or block_k % 16):
         return [f"triton: descriptor block size ({block_q}, {block_k}): the block kernels "
                 f"need multiples of 16"]
@@ -73,10 +72,10 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
     if query.device.type == "cpu":
         return "reference"
     cuda = _REGISTRY.get("cuda")
-    if (cuda is not None and not cuda.not_supported_reasons(query, key, value, bias, mask)
-            and not cuda.check_block_size(*block_size, query.shape[-1])
-            and cuda.preferred_for(query, key, value, bias, mask, needs_grad, block_size,
-                                   deterministic)):
+    if (cuda is not None
+            and not cuda.call_not_supported_reasons(query, key, value, bias, mask, *block_size,
+                                                    needs_grad, deterministic)
+            and cuda.preferred_for(query, key, value, bias, mask, needs_grad, deterministic)):
         return "cuda"
     for name in _AUTO_ORDER:
         if (name in _REGISTRY
@@ -86,19 +85,26 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
 
+def call_not_supported_reasons(name, query, key, value, bias, mask: MaskTensors, block_q,
+                               block_k, needs_grad, deterministic) -> list:
+    """Why backend `name` cannot run this call (empty: it can): its not_supported_reasons;
+    for "cuda" also its block sizes, and its backward when gradients are wanted
+    (cuda_backend.call_not_supported_reasons)."""
+    module = get(name)
+    if name == "cuda":
+        return module.call_not_supported_reasons(query, key, value, bias, mask, block_q, block_k,
+                                                 needs_grad, deterministic)
+    return (module.not_supported_reasons(query, key, value, bias, mask)
+            or block_size_reasons(name, query, mask, block_q, block_k))
+
+
 def _check_backend(name, query, key, value, bias, mask: MaskTensors, block_q, block_k,
                    deterministic, backward=False):
-    """A concrete backend name: registered, and able to run these inputs (its
-    not_supported_reasons, its block sizes, and for "cuda" its backward when this is the
-    backward op). The Python API reports the same reasons before calling the op."""
-    module = get(name)
-    reasons = module.not_supported_reasons(query, key, value, bias, mask)
-    if not reasons:
-        reasons = block_size_reasons(name, query, mask, block_q, block_k)
-    if name == "cuda" and not reasons:
-        if backward:
-            reasons += module.backward_not_supported_reasons(query, block_q, block_k,
-                                                             deterministic)
+    """A concrete backend name: registered, and able to run these inputs (the backward
+    too when this is the backward op). The Python API reports the same reasons before
+    calling the op."""
+    reasons = call_not_supported_reasons(name, query, key, value, bias, mask, block_q, block_k,
+                                         backward, deterministic)
     if reasons:
         raise ValueError(f"backend: {name!r} cannot run these inputs: {'; '.join(reasons)}")
 

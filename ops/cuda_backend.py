@@ -4,8 +4,13 @@ Its ops, `flexsparse::cuda_attention` and `flexsparse::cuda_attention_backward`,
 schemas and fake kernels in Python (schema.py) and their CUDA kernels in C++
 (csrc/attention_ops.cpp, TORCH_LIBRARY_IMPL for the CUDA key): a compiled graph calls
 the C++ kernel through the dispatcher with no Python in between.
+
+Index masks (attn_indices): the forward runs csrc/index_fwd.cu; their gradients come from
+the Triton index kernels (ops/triton_indices.py) until a CUDA index backward exists.
 """
 import torch
+
+from . import triton_indices
 
 NAME = "cuda"
 _HEAD_DIMS = (64, 128, 256)
@@ -28,6 +33,7 @@ def has_backward() -> bool:
 
 
 def not_supported_reasons(query, key, value, bias, mask) -> list:
+    """Why the forward kernels cannot run these inputs (empty: they can)."""
     reasons = []
     if not query.is_cuda:
         return ["cuda: CUDA tensors only"]
@@ -40,14 +46,14 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     D = query.shape[-1]
     if D not in _HEAD_DIMS or value.shape[-1] != D:
         reasons.append(f"cuda: head dims (D={D}, Dv={value.shape[-1]}): D = Dv in {_HEAD_DIMS}")
+    if bias is not None and bias.dim() != 4:
+        reasons.append("cuda: bias must be 4-D")
     if mask.attn_indices is not None:
-        reasons.append("cuda: index masks (attn_indices) run on the triton backend")
+        return reasons          # csrc/index_fwd.cu takes any lists the op's checks pass
     if any(t is None for t in (mask.kv_count, mask.kv_index, mask.kv_full_count,
                                mask.kv_full_index, mask.q_count, mask.q_index,
                                mask.q_full_count, mask.q_full_index)):
         reasons.append("cuda: needs all eight block lists of a descriptor")
-    if bias is not None and bias.dim() != 4:
-        reasons.append("cuda: bias must be 4-D")
     if mask.dense_mask is not None and mask.dense_mask.dim() != 4:
         reasons.append("cuda: dense_mask must be 4-D")
     return reasons
@@ -78,13 +84,13 @@ def _partial_share(mask) -> float:
     return 1.0 if value is None else value
 
 
-def preferred_for(query, key, value, bias, mask, needs_grad: bool, block_size=(128, 128),
+def preferred_for(query, key, value, bias, mask, needs_grad: bool,
                   deterministic: bool = False) -> bool:
-    """Whether "auto" should run these inputs here (they are supported). Not inside
-    torch.compile, where the partial-block share would need a host sync in the graph."""
-    if torch.compiler.is_compiling():
-        return False
-    if needs_grad and backward_not_supported_reasons(query, *block_size, deterministic):
+    """Whether "auto" should run these inputs here (call_not_supported_reasons found
+    none). Not inside torch.compile, where the partial-block share would need a host sync
+    in the graph. Not for index masks until bench_indices has measured where the CUDA
+    index forward beats Triton's."""
+    if torch.compiler.is_compiling() or mask.attn_indices is not None:
         return False
     if needs_grad and deterministic and not AUTO_DETERMINISTIC:
         return False
@@ -118,6 +124,26 @@ def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
     return []
 
 
+def call_not_supported_reasons(query, key, value, bias, mask, block_q: int, block_k: int,
+                               needs_grad: bool, deterministic: bool = False) -> list:
+    """Why this backend cannot run a call (empty: it can): its forward kernels; for block
+    masks the descriptor's block sizes and, with gradients wanted, the CUDA backward; for
+    index masks, with gradients wanted, the Triton index backward that gives them (there
+    is no CUDA index backward yet)."""
+    reasons = not_supported_reasons(query, key, value, bias, mask)
+    if reasons:
+        return reasons
+    if mask.attn_indices is not None:
+        # the Triton backward gets the bias in the query's dtype (backward below), and the
+        # op's checks have seen its shape and device
+        return triton_indices.not_supported_reasons(query, key, value, None, mask) \
+            if needs_grad else []
+    reasons = check_block_size(block_q, block_k, query.shape[-1])
+    if needs_grad:
+        reasons += backward_not_supported_reasons(query, block_q, block_k, deterministic)
+    return reasons
+
+
 def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic,
             options=None):
     # kernel options tune the Triton kernels; the C++ kernels take none
@@ -127,6 +153,16 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
 
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
              scale, softcap, deterministic, bias_requires_grad, options=None):
+    if mask.attn_indices is not None:
+        # No CUDA index backward yet: the Triton one, which reads out and lse as the CUDA
+        # index forward writes them (out in the query's dtype, lse float32 in natural log,
+        # -inf for empty rows). It recomputes the scores with the bias the forward read,
+        # rounded to the query's dtype (csrc/attention_ops.cpp).
+        bias_read = bias if bias is None else bias.to(query.dtype)
+        dq, dk, dv, dbias = triton_indices.backward(
+            grad_out, grad_lse, query, key, value, out, lse, bias_read, mask, scale, softcap,
+            deterministic, bias_requires_grad)
+        return dq, dk, dv, (dbias.to(bias.dtype) if bias_requires_grad else dbias)
     return torch.ops.flexsparse.cuda_attention_backward(
         grad_out, grad_lse, query, key, value, out, lse, bias, *mask, block_q, block_k, scale,
         softcap, deterministic, bias_requires_grad)

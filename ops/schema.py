@@ -140,6 +140,7 @@ def _setup_context(ctx, inputs, output):
     mask = inputs[4:4 + len(MASK_TENSOR_NAMES)]
     ctx.tail = inputs[4 + len(MASK_TENSOR_NAMES):]
     ctx.eager = False           # _EagerAttention sets True
+    ctx.index_mode = mask[MASK_TENSOR_NAMES.index("attn_indices")] is not None
     out, lse = output
     ctx.n_mask = len(mask)
     ctx.save_for_backward(query, key, value, out, lse, bias, *mask)
@@ -165,9 +166,22 @@ def _backward(ctx, grad_out, grad_lse, backward_op=None):
 
 
 torch.library.register_autograd("flexsparse::attention", _backward, setup_context=_setup_context)
+
+
+def _cuda_index_backward(*args):
+    """The backward of the CUDA op for index masks, which has no C++ kernel yet: the
+    generic backward op with backend "cuda" (cuda_backend.backward runs it on the Triton
+    index kernels). args: the CUDA backward op's, whose tail has no backend name."""
+    *head, deterministic, bias_requires_grad = args
+    return torch.ops.flexsparse.attention_backward(*head, "cuda", deterministic,
+                                                   bias_requires_grad)
+
+
 # The CUDA backend's op: the same saved tensors, its own backward op (C++ kernels too,
-# registered only once they exist).
+# registered only once they exist; index masks: see _cuda_index_backward).
 def _cuda_backward(ctx, grad_out, grad_lse):
+    if ctx.index_mode:
+        return _backward(ctx, grad_out, grad_lse, _cuda_index_backward)
     if not torch._C._dispatch_has_kernel_for_dispatch_key(
             "flexsparse::cuda_attention_backward", "CUDA"):
         raise NotImplementedError(

@@ -176,7 +176,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
                    Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W,
                    DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                    CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
                    Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr,
                    block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale, cap_log2,
                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
@@ -192,7 +192,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
     q_partial = (Q_COUNT, Q_INDEX, qp_sb, qp_sh, qp_hdiv, qp_W)
     q_full = (Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W)
     preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr)
+             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
     _bwd_dkdv_program(
         tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
@@ -376,7 +376,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W,
                  DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                  CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                 PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                 PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
                  Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
                  SUB: tl.constexpr, scale, qk_scale, cap_log2, rev_q,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
@@ -391,7 +391,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
     kv_partial = (KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W)
     kv_full = (KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W)
     preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr)
+             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
     _bwd_dq_program(
         _tile_order(tl.program_id(0), tl.num_programs(0), rev_q), tl.program_id(1), Q, K, V,
         DO, LSE2, DEL, Bias, DBQ, DQ, DS,
@@ -538,7 +538,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
                          KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W,
                          DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
                          CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+                         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
                          Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr,
                          block_k: tl.constexpr, SUB1: tl.constexpr, SUB2: tl.constexpr, nQB,
                          n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2, rev_q,
@@ -563,7 +563,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
     kv_partial = (KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W)
     kv_full = (KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W)
     preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr)
+             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if pid < n_kv_tiles:

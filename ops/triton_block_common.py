@@ -50,17 +50,19 @@ def _score(qk, qk_scale, cap_log2, pen, Bh, sbq, sbk, i, j, i_ok, j_ok, HAS_BIAS
     """The score in the exp2 domain, qk * scale (through the softcap) + bias * log2(e), and
     tanh's value for the softcap's derivative (the scaled score when there is none).
     i, j (and their bounds checks): query and key indices in the tile's orientation.
-    pen: 0, or -inf for a tile a corrupted descriptor listed out of range (_block_at);
-    added in the same multiply-add."""
+    pen: 0, or -inf for a tile a corrupted descriptor listed out of range (_block_at):
+    such a tile's scores are all -inf, whatever q, k or the bias hold (a select, since
+    adding -inf would let a NaN through)."""
     if SOFTCAP:
         t = _tanh(qk * qk_scale)
-        s = t * cap_log2 + pen
+        s = t * cap_log2
     else:
         t = qk * qk_scale
-        s = qk * qk_scale + pen
+        s = qk * qk_scale
     if HAS_BIAS:
         bias = tl.load(Bh + i * sbq + j * sbk, mask=i_ok & j_ok, other=0.0)
         s += bias.to(tl.float32) * 1.4426950408889634
+    s = tl.where(pen == 0.0, s, float("-inf"))
     return s, t
 
 

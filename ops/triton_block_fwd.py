@@ -73,7 +73,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W,
               DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
               CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr,
+              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
               Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
               SUB: tl.constexpr, qk_scale, cap_log2, rev_q,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
@@ -83,7 +83,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               KV_PARTIAL_RANGES: tl.constexpr, KV_FULL_RANGES: tl.constexpr):
     # the element predicates as one tuple (triton_block_mask.PredicateArgs)
     preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr)
+             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
     pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), rev_q)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq

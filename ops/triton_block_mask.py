@@ -129,7 +129,7 @@ def _cr_prefetch(preds, b, h, j, Lk,
     of vectors shaped like j: hoisted out of the dK/dV loop (j is fixed there); loaded per
     tile in the forward and dQ loops (docs/perf-notes.md, "Numbers moved out of the code")."""
     (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-     PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr) = preds
+     PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n) = preds
     z = j * 0
     s0 = z
     e0 = z
@@ -203,7 +203,7 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
     whenever a predicate is loaded); where padded rows or columns cannot change a stored
     result the compares are left out."""
     (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-     PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr) = preds
+     PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n) = preds
     s0, e0, s1, e1, s2, e2, s3, e3 = slots
     if N_COL_RANGES > 0 and N_COL_RANGES <= 4:
         vis = _slot_visible(i, s0, e0, CR_KINDS & 3)
@@ -233,8 +233,10 @@ def _visible(i, j, Lq, Lk, qb, kb, block_q: tl.constexpr, block_k: tl.constexpr,
     if HAS_BITS:
         p = tl.load(PBI + b * pbi_sb + (h // pbi_hdiv) * pbi_sh + qb * pbi_sq + kb)
         c = j - kb * block_k
+        # an entry outside [0, P) reads no bitmap, as -1 (docs/semantics.md, "Corrupted
+        # descriptors"); `!= 0` makes the mask bool for Triton 3.9
         w = tl.load(PB + p.to(tl.int64) * pb_sp + (i - qb * block_q) * pb_sr + (c // 32),
-                    mask=(vis & (p >= 0)) != 0, other=-1)   # a bool mask for Triton 3.9
+                    mask=(vis & (p >= 0) & (p < pb_n)) != 0, other=-1)
         vis = vis & (((w >> (c % 32)) & 1) != 0)
     return vis
 
@@ -287,6 +289,7 @@ class PredicateArgs(NamedTuple):
     bits: torch.Tensor          # partial_bits, int32 (P, block_q, ceil(block_k / 32))
     bits_sp: int
     bits_sr: int
+    bits_count: int             # P: an index entry outside [0, P) reads no bitmap
 
 
 class PredicateFlags(NamedTuple):
@@ -397,9 +400,9 @@ def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8):
         if pb.numel() == 0:
             pb = dummy_i32
         pb_args = (pbi, 0 if Bd == 1 else Hd * nQB * nKB, nQB * nKB, nKB,
-                   _head_div(Hd, Hq, Hkv, "partial_bits_index"), pb, bq * nw, nw)
+                   _head_div(Hd, Hq, Hkv, "partial_bits_index"), pb, bq * nw, nw, P)
     else:
-        pb_args = (dummy_i32, 0, 0, 0, 1, dummy_i32, 0, 0)
+        pb_args = (dummy_i32, 0, 0, 0, 1, dummy_i32, 0, 0, 0)
     kinds = _slot_kinds(cr, Lq) if 0 < n_ranges <= 4 else 0
     flags = PredicateFlags(HAS_DM=dm is not None, N_COL_RANGES=n_ranges, CR_KINDS=kinds,
                            HAS_BITS=has_bits)

@@ -200,7 +200,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-        has = l_i > 0.0
+        # != 0, not > 0: a row whose sum is NaN keeps its NaN lse, as the reference does
+        has = l_i != 0.0
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         tl.store(OUT + b * sob + h * soh + i * som + offs_g[:, None] * sog + offs_dv[None, :] * sod,

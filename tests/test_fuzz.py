@@ -73,21 +73,10 @@ CORRUPTIONS = {
         "indices", lambda mt: (mt.attn_indices[..., 0].fill_(1000),
                                mt.attn_indices[..., 1].fill_(-7))),
 }
-# Not run on a backend whose kernels would read out of bounds (an open kernel bug): the
-# Triton block kernels read the bitmap at partial_bits_index without a bound (p < P) in
-# triton_block._visible (and the CUDA kernels in csrc/block_lists.cuh, fwd/bwd_sm90.cuh).
-KERNEL_UNSAFE = {("bitmap_index_past_pool", "triton")}
-# An open kernel bug, checked on its own (test_index_kernel_lse_of_nan_rows, xfail): the
-# Triton index kernel (ops/triton_indices.py, forward) stores lse -inf for a row whose
-# scores hold NaN or +inf (`has = l_i > 0.0` is False for a NaN l_i); out is NaN there as
-# it should be. The fuzz accepts that -inf where the reference's lse is NaN, nothing else.
-INDEX_KERNEL_LSE_BUG = True
-# Another, checked by test_corrupted_entry_hides_non_finite_scores (xfail): the Triton
-# block kernels hide the tile of a list entry outside the grid by adding -inf to its
-# scores (triton_block._score: `s = qk * qk_scale + pen`), and NaN + -inf is NaN: with a
-# corrupted descriptor, a NaN or inf in q, k or the bias may reach rows of such a tile.
-# The fuzz allows those extra non-finite rows there (as for a non-finite V), nothing else.
-TRITON_PENALTY_BUG = True
+# Kernel bugs this file found, now fixed and checked below: the Triton block kernels read
+# a bitmap index past the pool (`p < P` in triton_block_mask._visible); the Triton index
+# kernel stored lse -inf for a row with NaN scores (`l_i != 0`); the block kernels hid an
+# out-of-grid entry's tile by adding -inf (a select in triton_block_common._score).
 
 
 def _base_descriptor(kind, B, Hq, Hkv, Lq, Lk, seed=0):
@@ -134,14 +123,12 @@ def _tolerance(dtype):
     return {torch.float16: 5e-3, torch.bfloat16: 3e-2}.get(dtype, 2e-4)
 
 
-def assert_matches(got, want, tol, tiled_v=False, what="out", nan_as_minus_inf=False):
+def assert_matches(got, want, tol, tiled_v=False, what="out"):
     """got equals the float64 `want`: NaN exactly where want has NaN, the same
     infinities, finite values close. tiled_v: a non-finite V in a tiled kernel may also
     reach rows that share a partially masked tile with its key (docs/semantics.md): there
     non-finite entries of want stay non-finite, and finite ones may become NaN."""
     a, r = got.double(), want.double()
-    if nan_as_minus_inf:            # INDEX_KERNEL_LSE_BUG
-        a = torch.where(torch.isnan(r) & (a == -math.inf), r, a)
     if tiled_v:
         assert bool((~torch.isfinite(a))[~torch.isfinite(r)].all()), \
             f"{what}: a non-finite row vanished"
@@ -216,7 +203,7 @@ def _mask(data, g, B, Hq, Hkv, Lq, Lk, backend, bad):
         nq += _pick(data, [0], [1], bad, "layout rows extra")
         return M.block_sparse(torch.rand(1, Hq, nq, nk, generator=g) < 0.6, BLOCK), None, False
     if kind == "corrupt":
-        names = [n for n in CORRUPTIONS if (n, backend) not in KERNEL_UNSAFE]
+        names = list(CORRUPTIONS)
         how = data.draw(st.sampled_from(names), label="corruption")
         desc = corrupted(how, B, Hq, Hkv, Lq, Lk, seed=data.draw(st.integers(0, 9), label="cseed"))
         if desc is None:                        # no bitmaps at these sizes: another one
@@ -383,13 +370,10 @@ def test_fuzz_attention(data):
     want = _reference(args, kw)
     tol = _tolerance(info["dtype"])
     tiled_v = info["poison"] == "v" and info["backend"] != "reference"
-    tiled_v |= (TRITON_PENALTY_BUG and info["backend"] == "triton" and bool(info["corrupted"])
-                and info["poison"] in ("q", "k", "bias"))
-    lse_bug = INDEX_KERNEL_LSE_BUG and info["backend"] == "triton" and info["index"]
     for name, a, r in zip(("out", "lse"), _as_tuple(got), _as_tuple(want)):
         assert a.dtype == (info["dtype"] if name == "out" else
                            (torch.float64 if info["dtype"] == torch.float64 else torch.float32))
-        assert_matches(a, r, tol, tiled_v, name, nan_as_minus_inf=lse_bug and name == "lse")
+        assert_matches(a, r, tol, tiled_v, name)
     if (info["poison"] == "none" and info["corrupted"] is None
             and info["dtype"] in (torch.float32, torch.float64)
             and data.draw(st.integers(0, 2), label="grads") == 0):
@@ -491,7 +475,7 @@ def test_fuzz_attention_compiled(data):
 
 # ---------------------------------------------------------------- corrupted descriptors
 
-SAFE = [(how, b) for how in CORRUPTIONS for b in BACKENDS if (how, b) not in KERNEL_UNSAFE]
+SAFE = [(how, b) for how in CORRUPTIONS for b in BACKENDS]
 
 
 @pytest.mark.parametrize("how,backend", SAFE, ids=[f"{h}-{b}" for h, b in SAFE])
@@ -621,9 +605,6 @@ def test_non_finite_rules(backend, rule):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs Triton (TRITON_INTERPRET=1 on CPU)")
-@pytest.mark.xfail(INDEX_KERNEL_LSE_BUG, strict=True,
-                   reason="ops/triton_indices.py forward: lse -inf for a row with NaN scores "
-                          "(has = l_i > 0.0); fix: has = l_i != 0.0, i.e. NaN propagates")
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_index_kernel_lse_of_nan_rows(value):
     """A row of an index mask that sees a NaN or +inf score: out and lse NaN, as in the
@@ -638,10 +619,6 @@ def test_index_kernel_lse_of_nan_rows(value):
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs Triton (TRITON_INTERPRET=1 on CPU)")
-@pytest.mark.xfail(TRITON_PENALTY_BUG, strict=True,
-                   reason="ops/triton_block.py _score: the tile of an out-of-grid list entry "
-                          "is hidden by adding -inf (NaN + -inf = NaN); fix: "
-                          "tl.where(pen == 0.0, s, -inf)")
 def test_corrupted_entry_hides_non_finite_scores():
     """A NaN query row whose only listed block is outside the grid (a corrupted list):
     the row sees nothing, out 0 and lse -inf, as in the reference."""

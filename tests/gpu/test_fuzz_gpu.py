@@ -108,12 +108,8 @@ def test_index_entries_out_of_range_read_nothing():
         torch.testing.assert_close(a[fin], r[fin], atol=6e-2, rtol=6e-2, msg=name)
 
 
-# The kernels read the bitmap at a partial_bits_index entry without checking it against
-# the pool size (docs/semantics.md, "Corrupted descriptors"; triton_block._visible,
-# csrc/block_lists.cuh, fwd/bwd_sm90.cuh): run with FUZZ_BITS=1 under compute-sanitizer
-# to see the out-of-bounds reads, and by default once the kernels check `idx < P`.
-@pytest.mark.skipif(not os.environ.get("FUZZ_BITS"),
-                    reason="kernels read past the bitmap pool (open); FUZZ_BITS=1 runs it")
+# A partial_bits_index entry past the pool reads no bitmap (docs/semantics.md, "Corrupted
+# descriptors"): the kernels check `idx < P`; run under compute-sanitizer by tests/gpu.sh fuzz.
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bitmap_index_past_pool(backend):
     torch.manual_seed(12)

@@ -1,0 +1,451 @@
+// Index attention forward: per (query row, kv head) a list of W key positions
+// (attn_indices), gathered from K and V (docs/design.md, "Index mode").
+//
+// The work is bound by the gather: every query row reads W rows of K and of V, and the G
+// query heads of a kv head share them. So one warp takes one (batch, kv head, query row)
+// and up to 16 of its query heads: they are the M dimension of m16n8k16 mma.sync tiles
+// (rows past G are zero queries, computed and never stored), 16 gathered keys are the N
+// (scores) and K (P V) dimensions. Each gathered row is loaded once for all the heads.
+//
+// Gather: each warp runs its own ring of kStages shared-memory stages of 16 K rows and
+// 16 V rows, filled with 16-byte cp.async copies (src-size 0 for inactive entries: the
+// stage gets zeros and global memory is not touched), so kStages - 1 chunks of 16 keys
+// are in flight while the warp computes on one. The index of the chunk after the next
+// one to be issued is loaded a full iteration early, so its latency overlaps the math.
+// Warps of a CTA share nothing (no block barriers); the CTA only packs several warps
+// onto an SM.
+//
+// Math per chunk: S = Q K^T (fp32 accumulators), scaled, optional softcap and bias, in
+// the log2 domain; inactive keys to -inf; online softmax per head row (row max across
+// the quad of lanes that holds the row); P (as the A operand, straight from the S
+// accumulators) times V with ldmatrix.trans. At the end out = O / l, lse = m + log l
+// (natural log); a row with no active entry gets out 0, lse -inf.
+//
+// Safety: an index is used only if 0 <= idx < Lk, whatever its value (int64 indices are
+// compared before narrowing); inactive entries read nothing, so a NaN stored in a row
+// that is not listed (V[0] for the padding) reaches no output.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace flexsparse {
+namespace index_fwd {
+
+constexpr int kKeys = 16;    // gathered keys per stage (one k-step of P V)
+constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: more warps
+
+// Stages per warp and warps per CTA, per head dim. Shared memory per warp: the query
+// tile (16 x D) and kStages x 16 rows of K and of V. D=64: 18 KB/warp, three CTAs per
+// SM; D=128: 28 KB/warp, two CTAs per SM; D=256: 40 KB/warp, one CTA per SM.
+template <int kD>
+struct Config;
+template <>
+struct Config<64> {
+  static constexpr int kStages = 4, kWarps = 4;
+};
+template <>
+struct Config<128> {
+  static constexpr int kStages = 3, kWarps = 4;
+};
+template <>
+struct Config<256> {
+  static constexpr int kStages = 2, kWarps = 4;
+};
+
+template <int kD>
+constexpr int warp_smem_bytes() {
+  // query tile + K and V stages (2-byte elements) + the keys of each stage (int32)
+  return (kHeads * kD + 2 * Config<kD>::kStages * kKeys * kD) * 2 +
+         Config<kD>::kStages * kKeys * 4;
+}
+
+template <int kD>
+constexpr int cta_smem_bytes() {
+  return Config<kD>::kWarps * warp_smem_bytes<kD>();
+}
+
+// ------------------------------------------------------------------ device helpers
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  // c += a (16x16, row) * b (16x8, col), fp32 accumulators
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // two floats as one register of two elements, the first in the low half
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a shared tile of kD-element
+// rows: the chunk index is XORed with the row's low three bits, so the eight rows that
+// one ldmatrix phase reads (same chunk, consecutive rows) fall on different banks.
+template <int kD>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+// ------------------------------------------------------------------ the kernel
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(Config<kD>::kWarps * 32)
+    index_fwd_kernel(const IndexParams p) {
+  constexpr int kStages = Config<kD>::kStages;
+  constexpr int kWarps = Config<kD>::kWarps;
+  constexpr int kChunks = kD / 8;           // 16-byte chunks per row
+  constexpr int kTile = kKeys * kD;         // elements of one K (or V) stage
+  constexpr int kSteps = kD / 16;           // k-steps of Q K^T, n-tile pairs of P V
+  // The query tile's A fragments stay in registers up to D = 128; at D = 256 they are
+  // read from shared memory per k-step (64 more registers beside the 128 of O).
+  constexpr bool kQInRegisters = kD <= 128;
+  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks within a row");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD>());
+  T* s_k = s_q + kHeads * kD;               // [kStages][kKeys][kD], swizzled rows
+  T* s_v = s_k + kStages * kTile;
+  int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);   // [kStages][kKeys]
+
+  // This warp's work item: (batch, kv head, head group, query row), query row fastest.
+  const int n_groups = (p.G + kHeads - 1) / kHeads;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.B * p.Hkv * n_groups * p.Lq) return;   // the whole warp leaves
+  const int64_t i = item % p.Lq;
+  int64_t rest = item / p.Lq;
+  const int group = static_cast<int>(rest % n_groups);
+  rest /= n_groups;
+  const int64_t h = rest % p.Hkv;
+  const int64_t b = rest / p.Hkv;
+  const int heads = min(kHeads, p.G - group * kHeads);     // query heads this warp stores
+  const int64_t hq0 = h * p.G + group * kHeads;            // its first query head
+
+  const T* q_row = static_cast<const T*>(p.q) + b * p.q_sb + hq0 * p.q_sh + i * p.q_sm;
+  const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const int64_t idx_off = b * p.idx_sb + h * p.idx_sh + i * p.idx_sq;
+  const int32_t* idx32 = static_cast<const int32_t*>(p.idx) + idx_off;
+  const int64_t* idx64 = static_cast<const int64_t*>(p.idx) + idx_off;
+
+  // The key of list slot w, or -1 when the slot is past W or its entry is inactive.
+  auto load_key = [&](int64_t w) -> int {
+    if (w >= p.W) return -1;
+    const int64_t x = p.idx_int64 ? idx64[w * p.idx_sw] : static_cast<int64_t>(idx32[w * p.idx_sw]);
+    return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
+  };
+
+  // Query tile: rows of the `heads` query heads, zeros below (src-size 0).
+#pragma unroll
+  for (int t = 0; t < kHeads * kChunks / 32; ++t) {
+    const int e = t * 32 + lane;
+    const int r = e / kChunks, c = e % kChunks;
+    const bool ok = r < heads;
+    cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
+                ok ? 16 : 0);
+  }
+
+  // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
+  // 16-31 the same keys again); inactive slots get zero rows.
+  auto issue = [&](int key_of_lane, int stage) {
+    if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
+    T* dk = s_k + stage * kTile;
+    T* dv = s_v + stage * kTile;
+#pragma unroll
+    for (int t = 0; t < kKeys * kChunks / 32; ++t) {
+      const int e = t * 32 + lane;
+      const int r = e / kChunks, c = e % kChunks;
+      const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+      const bool ok = key >= 0;
+      const int off = swizzle<kD>(r, c);
+      // An inactive slot copies nothing; its source operand is any valid address.
+      cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
+      cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
+    }
+  };
+
+  const int n_chunks = static_cast<int>((p.W + kKeys - 1) / kKeys);
+  const int slot = lane & (kKeys - 1);
+  // Prologue: chunks 0 .. kStages-2, one commit group each (the query tile rides with
+  // chunk 0), then the key of the next chunk to issue.
+  int next_key = load_key(slot);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_chunks) issue(next_key, s);
+    cp_async_commit();
+    next_key = load_key(static_cast<int64_t>(s + 1) * kKeys + slot);
+  }
+
+  const float LOG2E = 1.4426950408889634f;
+  const bool has_softcap = p.softcap > 0.f;
+  const bool has_bias = p.bias != nullptr;
+  // score in the log2 domain = score_mul * f(acc): f = tanh(acc * tanh_mul) with softcap
+  const float score_mul = has_softcap ? p.softcap * LOG2E : p.scale * LOG2E;
+  const float tanh_mul = has_softcap ? p.scale / p.softcap : 0.f;
+  // The accumulator layout: this lane holds head rows r and r + 8, key columns
+  // 2 * quad + {0, 1} of each 8-key half (m16n8 C fragment).
+  const int r = lane >> 2, quad = lane & 3;
+  const T* bias_rows[2] = {nullptr, nullptr};
+  if (has_bias) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = r + 8 * rr;
+      if (row < heads)
+        bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
+                        ((hq0 + row) / p.bias_head_div) * p.bias_sh + i * p.bias_sq;
+    }
+  }
+
+  uint32_t q_frag[kQInRegisters ? kSteps : 1][4];
+  float o_acc[kD / 8][4];
+#pragma unroll
+  for (int t = 0; t < kD / 8; ++t) o_acc[t][0] = o_acc[t][1] = o_acc[t][2] = o_acc[t][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};   // running row max (log2 domain)
+  float l_run[2] = {0.f, 0.f};               // this lane's part of the row sum
+
+  // ldmatrix addresses: lane -> (row, chunk) of the 8x8 matrix it points at.
+  //   Q (A operand):  heads (lane/8 % 2)*8 + lane%8, chunk 2*step + lane/16
+  //   K (B, scores):  keys (lane/16)*8 + lane%8,     chunk 2*step + lane/8 % 2
+  //   V (B, trans):   keys (lane/8 % 2)*8 + lane%8,  chunk 2*step + lane/16
+  const int q_ld_row = ((lane >> 3) & 1) * 8 + (lane & 7), q_ld_chunk = lane >> 4;
+  const int k_ld_row = (lane >> 4) * 8 + (lane & 7), k_ld_chunk = (lane >> 3) & 1;
+  const int v_ld_row = q_ld_row, v_ld_chunk = q_ld_chunk;
+
+  for (int chunk = 0; chunk < n_chunks; ++chunk) {
+    // Refill the stage that the previous iteration finished with.
+    const int ahead = chunk + kStages - 1;
+    if (ahead < n_chunks) issue(next_key, ahead % kStages);
+    cp_async_commit();
+    next_key = load_key(static_cast<int64_t>(ahead + 1) * kKeys + slot);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const int stage = chunk % kStages;
+    const T* k_s = s_k + stage * kTile;
+    const T* v_s = s_v + stage * kTile;
+    if constexpr (kQInRegisters) {
+      if (chunk == 0) {
+#pragma unroll
+        for (int st = 0; st < kSteps; ++st)
+          ldmatrix_x4(q_frag[st], smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
+      }
+    }
+    // The keys of this lane's four score columns (-1: inactive).
+    const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 2 * quad);
+    const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 8 + 2 * quad);
+    const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
+    // Bias loads first, so that their latency overlaps the score MMAs.
+    float bias_val[2][4];
+    if (has_bias) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = col_key[j][e & 1];
+          const T* row = bias_rows[e >> 1];
+          bias_val[j][e] = (row != nullptr && key >= 0) ? to_float(row[key * p.bias_sk]) : 0.f;
+        }
+    }
+
+    // S = Q K^T over 16 keys: two m16n8 tiles (keys 0-7, 8-15).
+    float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t a[4];
+      if constexpr (kQInRegisters) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) a[x] = q_frag[st][x];
+      } else {
+        ldmatrix_x4(a, smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
+      }
+      uint32_t kb[4];
+      ldmatrix_x4(kb, smem_addr(k_s + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
+      Mma<T>::run(s_acc[0], a, kb[0], kb[1]);
+      Mma<T>::run(s_acc[1], a, kb[2], kb[3]);
+    }
+
+    // Scores (log2 domain), inactive keys to -inf, row max over the quad.
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float s = s_acc[j][e];
+        s = has_softcap ? score_mul * tanhf(s * tanh_mul) : score_mul * s;
+        if (has_bias) s += LOG2E * bias_val[j][e];
+        if (col_key[j][e & 1] < 0) s = -INFINITY;
+        s_acc[j][e] = s;
+        row_max[e >> 1] = fmaxf(row_max[e >> 1], s);
+      }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      row_max[rr] = fmaxf(row_max[rr], __shfl_xor_sync(0xffffffffu, row_max[rr], 1));
+      row_max[rr] = fmaxf(row_max[rr], __shfl_xor_sync(0xffffffffu, row_max[rr], 2));
+      const float m_new = fmaxf(m_run[rr], row_max[rr]);
+      // A row with no active key so far keeps max -inf; exponents then use 0 (all -inf
+      // scores give p = 0, and alpha = 0 rescales an O that is still 0).
+      m_use[rr] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[rr] = exp2f(m_run[rr] - m_use[rr]);
+      m_run[rr] = m_new;
+      l_run[rr] *= alpha[rr];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(s_acc[j][e] - m_use[e >> 1]);
+        s_acc[j][e] = pe;
+        l_run[e >> 1] += pe;
+      }
+#pragma unroll
+    for (int t = 0; t < kD / 8; ++t) {
+      o_acc[t][0] *= alpha[0];
+      o_acc[t][1] *= alpha[0];
+      o_acc[t][2] *= alpha[1];
+      o_acc[t][3] *= alpha[1];
+    }
+
+    // O += P V: P's A fragment is the two score tiles (keys 0-7 then 8-15).
+    uint32_t pa[4];
+    pa[0] = Mma<T>::pack(s_acc[0][0], s_acc[0][1]);
+    pa[1] = Mma<T>::pack(s_acc[0][2], s_acc[0][3]);
+    pa[2] = Mma<T>::pack(s_acc[1][0], s_acc[1][1]);
+    pa[3] = Mma<T>::pack(s_acc[1][2], s_acc[1][3]);
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
+      Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
+      Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
+    }
+    // Every lane is done reading this stage before any lane refills it.
+    __syncwarp();
+  }
+  cp_async_wait<0>();   // nothing left in flight when the warp ends (e.g. W = 0)
+
+  // Epilogue: row sums over the quad, out = O / l, lse = (m + log2 l) * ln 2.
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float l = l_run[rr];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = r + 8 * rr;
+    if (row >= heads) continue;
+    const bool has = l > 0.f;
+    const float inv = has ? 1.f / l : 0.f;
+    const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + i);
+    T* o = out + out_row * kD + 2 * quad;
+#pragma unroll
+    for (int t = 0; t < kD / 8; ++t)
+      *reinterpret_cast<uint32_t*>(o + 8 * t) =
+          Mma<T>::pack(o_acc[t][2 * rr] * inv, o_acc[t][2 * rr + 1] * inv);
+    if (quad == 0)
+      p.lse[out_row] = has ? (m_run[rr] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+template <typename T, int kD>
+void launch(IndexParams const& p, cudaStream_t stream) {
+  constexpr int kWarps = Config<kD>::kWarps;
+  constexpr int smem = cta_smem_bytes<kD>();
+  const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
+  const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
+  if (items == 0) return;
+  const int64_t blocks = (items + kWarps - 1) / kWarps;
+  if (blocks > 0x7fffffff)
+    throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
+  auto kernel = index_fwd_kernel<T, kD>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
+  CUDA_CHECK(cudaGetLastError());
+}
+
+template <int kD>
+void launch_dtype(IndexParams const& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::kBFloat16)
+    launch<__nv_bfloat16, kD>(p, stream);
+  else
+    launch<__half, kD>(p, stream);
+}
+
+}  // namespace index_fwd
+
+void index_fwd_sm90(IndexParams const& p, DType dtype, cudaStream_t stream) {
+  switch (p.D) {
+    case 64: index_fwd::launch_dtype<64>(p, dtype, stream); break;
+    case 128: index_fwd::launch_dtype<128>(p, dtype, stream); break;
+    case 256: index_fwd::launch_dtype<256>(p, dtype, stream); break;
+    default:
+      throw std::invalid_argument("flexsparse CUDA index forward: head dim must be 64, 128 or 256");
+  }
+}
+
+}  // namespace flexsparse

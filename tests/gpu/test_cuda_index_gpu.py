@@ -1,0 +1,270 @@
+"""The CUDA index forward (csrc/index_fwd.cu) on a Hopper GPU, and the CUDA backend's
+index path (that forward, gradients from the Triton index backward).
+
+Accuracy: the FlashAttention rule of test_triton_indices_gpu (error vs float64 within 2x
+the same naive computation in the input dtype, plus a floor of 2 ulps at the tensors'
+scale). K and V are views inside NaN-filled tensors and outputs land in allocator memory
+filled with NaN first, so a read out of bounds or an element never written shows up.
+Skipped without CUDA or without the built extension.
+
+    FLEXSPARSE_GPU_TESTS=1 python -m pytest -q tests/gpu/test_cuda_index_gpu.py
+"""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs a CUDA device (and no TRITON_INTERPRET)", allow_module_level=True)
+
+import flexsparse  # noqa: E402
+from flexsparse import masks as M  # noqa: E402
+from flexsparse.ops import MaskTensors, backends  # noqa: E402
+
+if "cuda" not in backends.available():
+    pytest.skip("flexsparse._C (csrc/) is not built", allow_module_level=True)
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_triton_indices_gpu as TI  # noqa: E402
+
+DEV = TI.DEV
+
+
+def poison_allocator(*specs):
+    """Hand freed blocks of NaN to the caching allocator, one per (shape, dtype), so that
+    the next allocations of those sizes (the op's out and lse) likely start as NaN."""
+    junk = [torch.full(shape, math.nan, dtype=dtype, device=DEV) for shape, dtype in specs]
+    del junk
+
+
+def cuda_forward(q, k, v, idx, bias=None, scale=None, softcap=0.0):
+    """out, lse of the CUDA op itself (no Python checks in between), over poisoned memory."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
+    return torch.ops.flexsparse.cuda_attention(q, k, v, bias, *MaskTensors(attn_indices=idx),
+                                               128, 128, scale, softcap, False)
+
+
+def check_forward(q, k, v, idx, bias=None, scale=None, softcap=0.0):
+    """The CUDA forward against float64 (the FlashAttention rule); returns out, lse."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = cuda_forward(q, k, v, idx, bias, scale, softcap)
+    o64, l64 = TI.naive(q, k, v, idx, bias, scale, softcap, torch.float64)
+    olp, llp = TI.naive(q, k, v, idx, bias, scale, softcap, q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    TI._rule([("out", out, o64, olp)], q.dtype)
+    TI._rule([("lse", lse, l64, llp)], q.dtype)
+    return out, lse
+
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("W", [1, 7, 64, 1000])
+def test_forward(W, D, dtype):
+    """Random lists with -1 padding, a repeated key per row, entries Lk, Lk+3 and -3 (read
+    nothing); odd lengths; G = 4."""
+    q, k, v, idx = TI._make(2, 8, 2, 37, 517, D, D, W, dtype, seed=D + W)
+    check_forward(q, k, v, idx)
+
+
+@pytest.mark.parametrize("G", [1, 4, 8, 16, 17, 20, 33])
+def test_gqa(G):
+    """Query heads per kv head on both sides of the kernel's 16-head groups."""
+    q, k, v, idx = TI._make(1, 2 * G, 2, 45, 301, 128, 128, 100, torch.bfloat16, seed=G)
+    check_forward(q, k, v, idx)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_fully_padded_rows(D):
+    """Rows whose entries are all -1 or out of range: out exactly 0, lse -inf; W = 0 too."""
+    q, k, v, idx = TI._make(1, 4, 2, 50, 300, D, D, 40, torch.float16, seed=1)
+    idx[:, :, 10:20] = -1
+    idx[:, 0, 30] = 300                                 # only positions past Lk
+    idx[:, 1, 31] = torch.arange(-40, 0, device=DEV, dtype=idx.dtype)
+    out, lse = check_forward(q, k, v, idx)
+    # (query heads, rows): kv head 0 serves query heads 0-1, kv head 1 heads 2-3
+    for heads, rows in ((slice(None), slice(10, 20)), (slice(0, 2), 30), (slice(2, 4), 31)):
+        assert torch.all(out[:, heads, rows] == 0)
+        assert torch.all(lse[:, heads, rows] == -math.inf)
+    out, lse = cuda_forward(q, k, v, idx[..., :0])
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_duplicates_count_per_occurrence():
+    """Lists drawn from 5 keys (most entries repeat), and one row listing key 3 twice and
+    key 4 once: weights 2:1."""
+    q, k, v, _ = TI._make(1, 4, 1, 33, 64, 128, 128, 1, torch.bfloat16, seed=2)
+    idx = torch.randint(0, 5, (1, 1, 33, 96), device=DEV, dtype=torch.int32)
+    idx[0, 0, 0, :3] = torch.tensor([3, 4, 3], device=DEV)
+    idx[0, 0, 0, 3:] = -1
+    check_forward(q, k, v, idx)
+    # row 0 on its own: weights e^{s3}·2 : e^{s4}
+    out, _ = cuda_forward(q, k, v, idx)
+    s = (q[0, :, 0].double() @ k[0, 0, [3, 4]].double().T) * 128 ** -0.5
+    w = torch.softmax(s + torch.tensor([math.log(2), 0.0], device=DEV, dtype=torch.float64), -1)
+    want = w @ v[0, 0, [3, 4]].double()
+    torch.testing.assert_close(out[0, :, 0].double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_out_of_range_entries_read_nothing(idx_dtype):
+    """Entries < 0 or >= Lk of any size (int64 past 2^31 too) give bitwise the result of -1
+    there; the rows around K and V are NaN, so a read past them would show."""
+    q, k, v, idx = TI._make(2, 4, 2, 40, 200, 64, 64, 50, torch.float16, seed=3, oob=False)
+    idx = idx.to(idx_dtype)
+    big = [200, 201, 2**31 - 1, -2, -2**31] + ([2**31, 2**40, -2**40] if idx_dtype == torch.int64
+                                               else [])
+    picks = torch.rand(idx.shape, device=DEV) < 0.3
+    fill = torch.tensor(big, device=DEV, dtype=idx_dtype)[
+        torch.randint(0, len(big), idx.shape, device=DEV)]
+    bad = torch.where(picks, fill, idx)
+    clean = torch.where(picks, torch.full_like(idx, -1), idx)
+    a, la = cuda_forward(q, k, v, bad)
+    b, lb = cuda_forward(q, k, v, clean)
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    check_forward(q, k, v, bad)
+
+
+def test_index_layouts_int64_strided_broadcast():
+    """int64 lists, a strided view (every other slot), and lists broadcast over batch and
+    kv heads (stride 0) give bitwise what the same lists give as contiguous int32."""
+    q, k, v, _ = TI._make(2, 8, 4, 70, 129, 128, 128, 1, torch.bfloat16, seed=4)
+    wide = torch.randint(-1, 129, (1, 1, 70, 2 * 48), device=DEV)
+    strided = wide[..., ::2]                               # int64, stride 2 along W
+    base = strided.to(torch.int32).contiguous()
+    a, la = cuda_forward(q, k, v, strided)
+    b, lb = cuda_forward(q, k, v, base.expand(2, 4, 70, 48).contiguous())
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    check_forward(q, k, v, strided)
+
+
+def test_strided_and_misaligned_inputs():
+    """q/k/v in (B, L, H, D) layout (strided, read as they are) and misaligned views (not
+    16-byte aligned: copied by the op) give bitwise the contiguous result."""
+    torch.manual_seed(5)
+    B, L, Hq, Hkv, D = 2, 97, 8, 2, 128
+    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+               for H in (Hq, Hkv, Hkv))
+    idx = torch.randint(-1, L, (B, Hkv, L, 33), device=DEV, dtype=torch.int32)
+    want = cuda_forward(q.contiguous(), k.contiguous(), v.contiguous(), idx)
+    for got in (cuda_forward(q, k, v, idx),
+                cuda_forward(*(torch.cat([t.flatten(), t.new_zeros(1)])[1:].view_as(t)
+                               .copy_(t) for t in (q, k, v)), idx)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+BIAS_SHAPES = {"full": (2, 8, 33, 257), "hkv_batch1": (1, 2, 33, 257), "keys": (2, 1, 1, 257),
+               "rows_per_head": (1, 8, 33, 1)}
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("shape", list(BIAS_SHAPES))
+def test_bias_softcap(shape, softcap):
+    q, k, v, idx = TI._make(2, 8, 2, 33, 257, 64, 64, 100, torch.float16, seed=6)
+    q = (q.float() * 3).half()
+    bias = torch.randn(BIAS_SHAPES[shape], device=DEV).half()
+    check_forward(q, k, v, idx, bias=bias, softcap=softcap)
+
+
+def test_nan_in_unlisted_rows_reaches_no_output():
+    """-1 padding reads nothing (issue 17): NaN in K, V and the bias at key 0, which no list
+    names; the CUDA, Triton and reference backends agree."""
+    torch.manual_seed(7)
+    B, H, L, D, W = 1, 4, 65, 64, 9
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(B, H, L, L, device=DEV, dtype=torch.bfloat16)
+    k[:, :, 0] = math.nan
+    v[:, :, 0] = math.nan
+    bias[..., 0] = math.nan
+    idx = torch.randint(1, L, (B, H, L, W), device=DEV, dtype=torch.int32)
+    idx[..., -2:] = -1
+    idx[:, :, 5] = -1
+    outs = {name: flexsparse.attention(q, k, v, M.indices(idx), bias=bias, backend=name)
+            for name in ("cuda", "triton", "reference")}
+    assert torch.isfinite(outs["cuda"]).all()
+    assert torch.all(outs["cuda"][:, :, 5] == 0)
+    for name in ("triton", "reference"):
+        torch.testing.assert_close(outs["cuda"], outs[name], atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_public_api_forward_backward(D):
+    """flexsparse.attention(backend="cuda") with gradients: the CUDA forward, the Triton
+    index backward; out, lse, dq, dk, dv and dbias against float64."""
+    q, k, v, idx = TI._make(1, 8, 2, 65, 200, D, D, 48, torch.bfloat16, seed=8 + D, oob=False)
+    bias = torch.randn((1, 8, 65, 200), device=DEV, dtype=torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+    out, lse = flexsparse.attention(*leaves[:3], M.indices(idx), bias=leaves[3], backend="cuda",
+                                    return_lse=True)
+    torch.manual_seed(9)
+    do = torch.randn_like(out)
+    dlse = torch.randn_like(lse)
+    finite = torch.isfinite(lse)
+    loss = (out.double() * do.double()).sum() + (torch.where(finite, lse, 0).double() * dlse).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    bias_ref = bias.detach().clone().requires_grad_()
+    scale = D ** -0.5
+    o64, l64, g64 = TI._grads(q, k, v, idx, bias_ref, scale, 0.0, torch.float64, do, dlse)
+    olp, llp, glp = TI._grads(q, k, v, idx, bias_ref, scale, 0.0, torch.bfloat16, do, dlse)
+    TI._rule([("out", out, o64, olp)], torch.bfloat16)
+    TI._rule([("lse", lse, l64, llp)], torch.bfloat16)
+    TI._rule(list(zip(("dq", "dk", "dv", "dbias"), grads, g64, glp)), torch.bfloat16)
+
+
+def test_compiled_forward_backward_one_frame():
+    """torch.compile(fullgraph=True) over backend="cuda" with an index mask, forward and
+    backward: one frame, the gradients of the eager call."""
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+    counter = CompileCounterWithBackend("inductor")
+
+    def loss(q, k, v, desc):
+        return flexsparse.attention(q, k, v, desc, backend="cuda").float().square().sum()
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+
+    q, k, v, idx = TI._make(1, 8, 2, 64, 256, 128, 128, 32, torch.bfloat16, seed=10, oob=False)
+    desc = M.indices(idx).compile(1, 8, 2, 64, 256, device=DEV)
+    grads = []
+    for fn in (compiled, loss):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves, desc).backward()
+        grads.append([t.grad for t in leaves])
+    assert counter.frame_count == 1
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+
+
+def test_opcheck_forward():
+    q, k, v, idx = TI._make(1, 4, 2, 40, 100, 64, 64, 20, torch.bfloat16, seed=11)
+    k, v = k.contiguous(), v.contiguous()
+    args = (q, k, v, None, *MaskTensors(attn_indices=idx), 128, 128, 0.125, 0.0, False)
+    torch.library.opcheck(torch.ops.flexsparse.cuda_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("what", ["float32", "head_dim_96", "dv_differs"])
+def test_unsupported_inputs_are_refused(what):
+    """What the kernel does not run is a ValueError naming the backend (before any
+    kernel); Triton runs the same inputs."""
+    dtype = torch.float32 if what == "float32" else torch.bfloat16
+    D = 96 if what == "head_dim_96" else 64
+    q = torch.randn(1, 2, 16, D, device=DEV, dtype=dtype)
+    v = torch.randn(1, 2, 16, 128 if what == "dv_differs" else D, device=DEV, dtype=dtype)
+    idx = torch.randint(0, 16, (1, 2, 16, 4), device=DEV, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend: 'cuda' cannot run"):
+        flexsparse.attention(q, q, v, M.indices(idx), backend="cuda")
+    flexsparse.attention(q, q, v, M.indices(idx), backend="triton")
+
+
+def test_auto_keeps_index_masks_on_triton():
+    """"auto" picks Triton for index masks until the benchmark says where CUDA wins."""
+    q = torch.randn(1, 4, 128, 128, device=DEV, dtype=torch.bfloat16)
+    idx = torch.randint(0, 128, (1, 4, 128, 16), device=DEV, dtype=torch.int32)
+    mt = MaskTensors(attn_indices=idx)
+    for needs_grad in (False, True):
+        assert backends.choose(q, q, q, None, mt, needs_grad) == "triton"
