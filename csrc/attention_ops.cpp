@@ -46,7 +46,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 Tensor tma_ready(const Tensor& t) {
   bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int d = 0; d < t.dim() - 1; ++d) ok = ok && (t.stride(d) * t.element_size()) % 16 == 0;
-  return ok ? t : t.contiguous();
+  // a contiguous but misaligned view stays itself under contiguous(): clone it
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 struct Inputs {

@@ -243,8 +243,11 @@ def _traced_visibility(bm, mask_mod, Be, He, Lq, Lk, bq, bk):
                     "lists, or twice in one list) (checked inside torch.compile)")
     # FlexAttention reads list (b % B_, h % H_)
     state = state[..., :nKB].repeat(Be // B_, He // H_, 1, 1)
-    elem = lambda t: t[:, :, :, None, :, None].expand(Be, He, nQB, bq, nKB, bk).reshape(  # noqa: E731
-        Be, He, nQB * bq, nKB * bk)[:, :, :Lq, :Lk]
+    # block state per element by index (an expand + reshape to nQB * bq rows guarded
+    # the graph on Lq being a multiple of bq)
+    rows = (torch.arange(Lq, device=device) // bq)[:, None]
+    cols = (torch.arange(Lk, device=device) // bk)[None, :]
+    elem = lambda t: t[:, :, rows, cols]  # noqa: E731
     grid = _eval_grid(mask_mod, Be, He, 0, Lq, 0, Lk, device)
     return elem(state == FULL) | (elem(state == PARTIAL) & grid)
 
