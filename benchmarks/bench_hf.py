@@ -100,7 +100,7 @@ def main():
             print(line, flush=True)
         # how transformers' masks reached flexsparse (recognized or transformers' dense mask)
         note = f"flexsparse masks at {L}: {dict(fs_hf.STATS)}"
-        fs_hf.STATS.clear()
+        fs_hf.STATS.update(dict.fromkeys(fs_hf.STATS, 0))
         lines.append(note)
         print(note, flush=True)
     if args.out:

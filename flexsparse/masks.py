@@ -726,7 +726,8 @@ class _Indices(Mask):
         # layout "blocks" / "auto": the lists as block lists + bitmaps (flexsparse/index_blocks.py).
         # Only for the mask used alone: in and_/or_ the combination compiles _parts().
         parts = self._parts(sz)
-        if self.layout == "gather" or (self.layout == "auto" and static_shapes()):
+        # "auto" and "blocks" read the lists (host syncs): eager only, even for GPU tensors
+        if self.layout == "gather" or (self.layout == "auto" and _is_compiling()):
             return parts.to_descriptor(sz)
         if _is_compiling():
             raise ValueError("indices: layout='blocks' has data-dependent sizes and cannot be "
@@ -767,8 +768,8 @@ def indices(attn_indices: torch.Tensor, causal: bool = False, *, validate: bool 
     queries share keys: local/dilated windows, clustered top-k; ValueError when a query
     lists a key twice); "auto" takes "blocks" when `index_blocks.prefer_blocks` estimates
     it pays off and the lists have no repeated keys, else "gather". Both non-default
-    layouts cost a conversion per compile (eager only; "auto" under torch.compile is
-    "gather"): compile the mask once and reuse the descriptor. Used alone only; inside
+    layouts cost a conversion per compile, with host syncs (eager only; "auto" under
+    torch.compile is "gather"): compile the mask once and reuse the descriptor. Used alone only; inside
     and_/or_ the index lists are combined as with "gather".
     """
     return _Indices(attn_indices, causal, validate, layout)

@@ -174,7 +174,6 @@ def test_layout_argument(monkeypatch):
     assert "layout='blocks'" in repr(M.indices(idx, layout="blocks"))
     # inside torch.compile: "auto" is the gather path, "blocks" says how to do it instead
     monkeypatch.setattr(M, "_is_compiling", lambda: True)
-    monkeypatch.setattr(M, "static_shapes", lambda: True)
     assert M.indices(idx, layout="auto").compile(1, 1, 1, 8, 8).is_index_mask
     with pytest.raises(ValueError, match="torch.compile"):
         M.indices(idx, layout="blocks").compile(1, 1, 1, 8, 8)
