@@ -1,0 +1,93 @@
+"""Index attention forward, CUDA (csrc/index_fwd.cu) against our Triton kernel, in one
+process, with a random-row gather probe as the memory ceiling (issue 17).
+
+    python -m benchmarks.cuda_index_bench [--lengths 8192,32768] [--widths 16,64,256]
+
+Random sorted lists (B=1, Hq=16, Hkv=4, hd 128, bf16). "gathered TB/s" counts the K and V
+rows each kv head's lists name (B*Hkv*L*W*(D+Dv)*2 bytes) over the forward's time: the G
+query heads of a kv head share those rows, so it is the traffic an ideal gather kernel
+moves. The probe gathers the same rows (K and V of the same lists, index_select into a
+buffer) and counts the bytes read: its rate is what random-row reads of this size reach on
+this GPU with PyTorch's gather, an estimate of the ceiling (it also writes what it reads).
+"""
+import argparse
+import math
+
+import torch
+import triton.testing
+
+import flexsparse  # noqa: F401  (registers torch.ops.flexsparse)
+from flexsparse.ops import MaskTensors
+
+B, HQ, HKV, D = 1, 16, 4, 128
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def inputs(L, W, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((B, HQ, L, D), device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn((B, HKV, L, D), device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    idx = torch.randint(0, L, (B, HKV, L, W), device="cuda", dtype=torch.int32, generator=g)
+    return q, k, v, idx.sort(-1).values.contiguous()
+
+
+def forward(backend, q, k, v, idx):
+    mt = MaskTensors(attn_indices=idx)
+    scale = 1 / math.sqrt(D)
+    return lambda: torch.ops.flexsparse.attention(q, k, v, None, *mt, 128, 128, scale, 0.0,
+                                                  backend, False)[0]
+
+
+def probe(k, v, idx):
+    """ms of gathering every listed K and V row once (index_select), bytes read."""
+    L = k.shape[2]
+    flat = (idx.to(torch.int64) + (torch.arange(B * HKV, device="cuda") * L).view(B, HKV, 1, 1))
+    flat = flat.reshape(-1)
+    kf, vf = k.reshape(-1, D), v.reshape(-1, D)
+    out_k = torch.empty((flat.numel(), D), device="cuda", dtype=k.dtype)
+    out_v = torch.empty_like(out_k)
+
+    def fn():
+        torch.index_select(kf, 0, flat, out=out_k)
+        torch.index_select(vf, 0, flat, out=out_v)
+    return bench(fn), 2 * flat.numel() * D * k.element_size()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--widths", default="16,64,256")
+    a = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
+          f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")
+    print("| L | W | triton fwd ms | cuda fwd ms | cuda / triton speed | triton TB/s | cuda TB/s "
+          "| probe TB/s | cuda / probe | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for L in map(int, a.lengths.split(",")):
+        for W in map(int, a.widths.split(",")):
+            q, k, v, idx = inputs(L, W)
+            gathered = B * HKV * L * W * 2 * D * q.element_size()
+            try:
+                t_tri = bench(forward("triton", q, k, v, idx))
+                t_cuda = bench(forward("cuda", q, k, v, idx))
+                diff = (forward("triton", q, k, v, idx)().float()
+                        - forward("cuda", q, k, v, idx)().float()).abs().max().item()
+                t_probe, probe_bytes = probe(k, v, idx)
+            except Exception as err:   # reported in the row, the others still run
+                print(f"| {L} | {W} | failed: {type(err).__name__}: {str(err)[:150]} |")
+                continue
+            tbs = lambda t: gathered / t / 1e9  # noqa: E731  (ms -> TB/s)
+            probe_tbs = probe_bytes / t_probe / 1e9
+            print(f"| {L} | {W} | {t_tri:.3f} | {t_cuda:.3f} | {t_tri / t_cuda:.2f} | "
+                  f"{tbs(t_tri):.2f} | {tbs(t_cuda):.2f} | {probe_tbs:.2f} | "
+                  f"{tbs(t_cuda) / probe_tbs:.2f} | {diff:.1e} |", flush=True)
+            del q, k, v, idx
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
