@@ -28,7 +28,7 @@ def doc_lengths(L, n=8, device="cuda"):
 
 
 def cases(L):
-    """name -> (build: () -> flexsparse descriptor, flex mask_mod maker or None)."""
+    """name -> (make: () -> a fresh flexsparse mask, FlexAttention mask_mod or None)."""
     lens = doc_lengths(L)
     doc_id = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), lens)
     prefix = torch.tensor([L // 4], device="cuda")
@@ -46,14 +46,11 @@ def cases(L):
     def prefix_mod(b, h, q, kv):
         return (kv < prefix[0]) | (q >= kv)
 
-    def compile_(m):
-        return m.compile(1, H, H, L, L, device="cuda", block_size=BLOCK)
     return {
-        "document(lengths tensor)": (lambda: compile_(M.document(lens)), document_mod),
-        "prefix_lm(tensor)": (lambda: compile_(M.prefix_lm(prefix)), prefix_mod),
-        "column_ranges(tensor)": (lambda: compile_(M.column_ranges(cr, causal=True)),
-                                  document_mod),
-        "block_sparse(layout)": (lambda: compile_(M.block_sparse(layout, BLOCK)), None),
+        "document(lengths tensor)": (lambda: M.document(lens), document_mod),
+        "prefix_lm(tensor)": (lambda: M.prefix_lm(prefix), prefix_mod),
+        "column_ranges(tensor)": (lambda: M.column_ranges(cr, causal=True), document_mod),
+        "block_sparse(layout)": (lambda: M.block_sparse(layout, BLOCK), None),
     }
 
 
@@ -90,17 +87,32 @@ def main():
     from torch.nn.attention.flex_attention import create_block_mask
     cbm = torch.compile(create_block_mask)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; per build, µs (median)")
-    print("| mask | L | flexsparse µs | host syncs | Flex compiled create_block_mask µs | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| mask | L | flexsparse µs | host syncs | compiled_build µs | host syncs "
+          "| Flex compiled create_block_mask µs | Flex / compiled_build |")
+    print("|---|---|---|---|---|---|---|---|")
     for L in map(int, a.lengths.split(",")):
-        for name, (build, mod) in cases(L).items():
+        for name, (make, mod) in cases(L).items():
             reps = 50 if L <= 131072 else 10
+            kw = dict(device="cuda", block_size=BLOCK)
             try:
+                build = lambda: make().compile(1, H, H, L, L, **kw)  # noqa: E731
                 ours = time_us(build, reps)
                 syncs = host_syncs(build)
             except Exception as err:
                 print(f"| {name} | {L} | failed: {type(err).__name__}: {str(err)[:150]} |")
                 continue
+            try:
+                cbuild = lambda: make().compile(1, H, H, L, L, compiled_build=True, **kw)  # noqa: E731
+                t0 = time.perf_counter()
+                cbuild()
+                first = time.perf_counter() - t0
+                comp = time_us(cbuild, reps)
+                csyncs = host_syncs(cbuild)
+                print(f"# {name} {L}: first compiled build {first:.1f} s")
+            except Exception as err:
+                print(f"# compiled_build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+                comp, csyncs = float("nan"), "n/a"
+                torch.cuda.empty_cache()
             flex = float("nan")
             if mod is not None and not a.no_flex:
                 try:
@@ -108,8 +120,9 @@ def main():
                                                BLOCK_SIZE=BLOCK), reps)
                 except Exception as err:
                     print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
-            ratio = f"{flex / ours:.1f}x" if flex == flex else "n/a"
-            print(f"| {name} | {L} | {ours:.0f} | {syncs} | {flex:.0f} | {ratio} |", flush=True)
+            ratio = f"{flex / comp:.1f}x" if flex == flex and comp == comp else "n/a"
+            print(f"| {name} | {L} | {ours:.0f} | {syncs} | {comp:.0f} | {csyncs} | {flex:.0f} "
+                  f"| {ratio} |", flush=True)
         torch.cuda.empty_cache()
 
 

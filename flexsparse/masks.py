@@ -107,18 +107,42 @@ def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
     return pair[0], pair[1]
 
 
+_COMPILED_BUILDER = []
+
+
+def _build_descriptor(mask, sz):
+    return mask._descriptor(sz)
+
+
+def _compiled_builder():
+    """Mask._descriptor under torch.compile (dynamic shapes, one graph): made on first use."""
+    if not _COMPILED_BUILDER:
+        _COMPILED_BUILDER.append(torch.compile(_build_descriptor, dynamic=True, fullgraph=True))
+    return _COMPILED_BUILDER[0]
+
+
 class Mask:
     """Base class. Subclasses implement `_parts(sizes) -> DescriptorParts` and `__repr__`."""
 
     def compile(self, B: int, Hq: int, Hkv: int, Lq: int, Lk: int, *, device=None,
-                block_size: Tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockDescriptor:
-        """The BlockDescriptor of this mask for these sizes (H = query heads)."""
+                block_size: Tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                compiled_build: bool = False) -> BlockDescriptor:
+        """The BlockDescriptor of this mask for these sizes (H = query heads).
+
+        `compiled_build`: build at static shapes through torch.compile (one compile per
+        mask kind and device, seconds, then a few fused kernels per build instead of one
+        launch per tensor op; docs/dynamic-masks.md). For masks rebuilt every step from
+        tensors; masks without tensors are cached and built once anyway."""
         if Hkv <= 0 or Hq % Hkv != 0:
             raise ValueError(f"num_kv_heads: Hq={Hq} must be a multiple of Hkv={Hkv}")
+        _check_bool("compiled_build", compiled_build)
         bq, bk = block_pair(block_size)
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         if _is_compiling():
             return self._descriptor(sz)
+        if compiled_build:
+            with building_static(True):
+                return _compiled_builder()(self, sz)
         key = self._cache_key()
         if key is None:       # holds user tensors: built per call, without host syncs
             with building_static(sz.device.type == "cuda"

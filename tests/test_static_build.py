@@ -70,3 +70,26 @@ def test_the_compact_build_does_read_the_data(monkeypatch):
     mask = _cases()["dense"]
     with pytest.raises(AssertionError, match="host read"), _no_host_reads(monkeypatch):
         mask._descriptor(_sizes(mask))
+
+
+def test_compiled_build_equals_the_static_build():
+    """mask.compile(compiled_build=True) (the static build through torch.compile) gives the
+    static build's tensors, for a fresh mask at each of two lengths, with no recompile for
+    the second length."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    frames = []
+    for n in (L, L + 56):
+        lens = torch.tensor([[n // 4, n // 2, n - n // 4 - n // 2], [n // 2, 0, n - n // 2]])
+        mask = M.document(lens)
+        got = mask.compile(B, H, H, n, n, block_size=BLOCK, compiled_build=True)
+        with building_static():
+            want = M.document(lens).compile(B, H, H, n, n, block_size=BLOCK)
+        for name, a, b in zip(want.mask_tensors()._fields, got.mask_tensors(),
+                              want.mask_tensors()):
+            assert (a is None) == (b is None), name
+            assert a is None or torch.equal(a, b), name
+        frames.append(counters["stats"]["unique_graphs"])
+    assert frames[1] == frames[0] >= 1
+    with pytest.raises(TypeError, match="compiled_build"):
+        mask.compile(B, H, H, L, L, compiled_build="yes")
