@@ -132,7 +132,8 @@ class Mask:
         `compiled_build`: build at static shapes through torch.compile (one compile per
         mask kind and device, seconds, then a few fused kernels per build instead of one
         launch per tensor op; docs/dynamic-masks.md). For masks rebuilt every step from
-        tensors; masks without tensors are cached and built once anyway."""
+        tensors; masks without tensors are cached and built once anyway. Grids of more
+        than STATIC_MAX_BLOCKS blocks build as without it."""
         if Hkv <= 0 or Hq % Hkv != 0:
             raise ValueError(f"num_kv_heads: Hq={Hq} must be a multiple of Hkv={Hkv}")
         _check_bool("compiled_build", compiled_build)
@@ -140,7 +141,9 @@ class Mask:
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         if _is_compiling():
             return self._descriptor(sz)
-        if compiled_build:
+        if compiled_build and sz.nQB * sz.nKB <= STATIC_MAX_BLOCKS:
+            # past that the static build's full-width lists cost more than the compact
+            # build's host syncs (1M tokens: 23-26 ms against 0.6-1.5 ms on the H100)
             with building_static(True):
                 return _compiled_builder()(self, sz)
         key = self._cache_key()
