@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-from .ops import reference
+from .ops import visibility
 from .ops.schema import MASK_TENSOR_NAMES, MAX_RANGES, MaskTensors
 
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -103,7 +103,7 @@ class BlockDescriptor:
             index = getattr(self, name)
             if index.dim() == 5:
                 count = getattr(self, name.replace("_index", "_count"))
-                hit = reference.ranges_to_grid(index, n, count)
+                hit = visibility.ranges_to_grid(index, n, count)
                 width = int(hit.sum(-1).max()) if hit.numel() else 0
                 index = _block_lists(hit, width)[1]
             out[name] = index
@@ -116,7 +116,7 @@ class BlockDescriptor:
         if self.is_index_mask:
             raise ValueError("mask: an index mask has no block state")
         nKB = -(-self.seq_lengths[1] // self.block_size[1])
-        return reference.block_state(self.mask_tensors(), 0, self.kv_count.shape[-1], nKB,
+        return visibility.block_state(self.mask_tensors(), 0, self.kv_count.shape[-1], nKB,
                                       self.device)
 
     def visible_rows(self, r0: int, r1: int) -> torch.Tensor:
@@ -132,9 +132,9 @@ class BlockDescriptor:
             valid = (idx >= 0) & (idx < Lk)
             hits = torch.zeros(idx.shape[:-1] + (Lk,), dtype=torch.int32, device=idx.device)
             hits.scatter_add_(-1, torch.where(valid, idx, 0), valid.to(torch.int32))
-            return reference.to_groups(hits > 0, Hkv, G)
+            return visibility.to_groups(hits > 0, Hkv, G)
         bq, bk = self.block_size
-        return reference.visible_rows(self.mask_tensors(), r0, r1, Lk, bq, bk, Hkv, G)
+        return visibility.visible_rows(self.mask_tensors(), r0, r1, Lk, bq, bk, Hkv, G)
 
     def to_dense(self) -> torch.Tensor:
         """bool (B|1, H|1, Lq, Lk), H the query heads (or 1 / Hkv when the mask is shared)."""
@@ -145,7 +145,7 @@ class BlockDescriptor:
         """Visible (query, key) pairs summed over batch and query heads, computed in row chunks."""
         Lq, Lk = self.seq_lengths
         Hq, Hkv = self.num_heads
-        step = reference.chunk_rows(Lq, Hq * Lk, self.block_size[0])
+        step = visibility.chunk_rows(Lq, Hq * Lk, self.block_size[0])
         total = 0
         for r0 in range(0, Lq, step):
             vis = self.visible_rows(r0, min(Lq, r0 + step))
@@ -391,7 +391,7 @@ def parts_from_visible(visible: Callable[[int, int], torch.Tensor], sz: Sizes) -
             "outside (desc = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=...)) and pass the "
             "descriptor, or for block_sparse pass the block_size of its layout")
     bq, bk = sz.block_q, sz.block_k
-    step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, bq)
+    step = visibility.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, bq)
     states, bit_chunks, index_chunks = [], [], []
     n_bits = 0
     for r0 in range(0, sz.Lq, step):

@@ -24,7 +24,7 @@ from .descriptor import (FULL, PARTIAL, SKIP, STATIC_MAX_BLOCKS, BlockDescriptor
                          groups_to_heads, parts_from_visible, static_shapes)
 from .index_blocks import indices_to_blocks, prefer_blocks
 from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
-from .ops import reference
+from .ops import visibility
 from .topk import topk_indices
 
 DEFAULT_BLOCK_SIZE = (128, 128)
@@ -306,7 +306,7 @@ class _BlockSparse(Mask):
 
         def visible(r0, r1):
             i = torch.arange(r0, r1, device=lay.device) // bq
-            return reference.to_groups(lay[:, :, i][..., j], Hkv, G)
+            return visibility.to_groups(lay[:, :, i][..., j], Hkv, G)
         return parts_from_visible(visible, sz)
 
     def _default_device(self):
@@ -903,7 +903,7 @@ def _filter_indices(idx_parts: DescriptorParts, others: List[Mask], sz: Sizes) -
         return idx_parts
     descs = [m._parts(sz).to_descriptor(sz) for m in others]
     out = []
-    step = reference.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, 1)
+    step = visibility.chunk_rows(sz.Lq, sz.B * sz.Hq * sz.Lk, 1)
     for r0 in range(0, sz.Lq, step):
         r1 = min(sz.Lq, r0 + step)
         vis = descs[0].visible_rows(r0, r1)

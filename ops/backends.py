@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import kernel_options, mask_checks
-from .reference import complete_mask
+from .visibility import complete_mask
 from .schema import EAGER_KERNELS, FAKE_CHECKS, MASK_TENSOR_NAMES, MaskTensors
 
 _N_MASK = len(MASK_TENSOR_NAMES)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import from_groups_sum
+from .visibility import from_groups_sum
 from .triton_block_common import (
     _DB, _DBQ, _DELTA, _DK, _DO, _DQ, _DQA, _DV, _GLSE, _K, _LSE, _LSE2, _OUT, _Q, _V,
     CallPlan, _cdiv, _config, _even, _load_tile, _score, _strides, _tile_order, call_args)

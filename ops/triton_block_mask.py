@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import LIST_NAMES, complete_mask
+from .visibility import LIST_NAMES, complete_mask
 from .schema import MAX_RANGES          # range-form lists: ranges per row _ranges_load reads
 
 # RANGES of a block list that is empty in every row: its loop is compiled out.
@@ -345,7 +345,7 @@ def _bstride(t, dim):
 
 
 def _all_lists(mask, Lq, Lk, block_q, block_k, device):
-    """The eight block lists (the op layer fills in missing ones: reference.complete_mask)."""
+    """The eight block lists (the op layer fills in missing ones: visibility.complete_mask)."""
     full = complete_mask(mask, Lq, Lk, block_q, block_k, device)
     return [getattr(full, n) for n in LIST_NAMES]
 

@@ -73,7 +73,8 @@ LAYERS = [
     "flexsparse.ops.schema",            # op schemas, MaskTensors, fakes, autograd
     "flexsparse.ops.kernel_options",    # per-call kernel options, carried in the backend string
     "flexsparse.ops.mask_checks",       # the raw op's input checks (eager and fake kernels)
-    "flexsparse.ops.reference",         # the semantics: reference backend + its tensor helpers
+    "flexsparse.ops.visibility",        # what mask tensors make visible (shared semantics)
+    "flexsparse.ops.reference",         # the reference backend: attention by those semantics
     "flexsparse.ops.triton_compat",
     "flexsparse.ops.triton_launch",
     "flexsparse.ops.triton_ranges",     # mask-building kernels (used by blocklists)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 import flexsparse
 from flexsparse import masks as M
-from flexsparse.ops import reference
+from flexsparse.ops import visibility
 
 import naive
 
@@ -123,7 +123,7 @@ def test_chunking_matches_unchunked(monkeypatch):
     mask = M.document([30, 40])
     out1, lse1 = flexsparse.attention(q, k, v, mask, **args)
     g1 = torch.autograd.grad(out1.sum() + lse1.sum(), (q, k, v, bias))
-    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(visibility, "CHUNK_ELEMENTS", 1)
     out2, lse2 = flexsparse.attention(q, k, v, mask, **args)
     g2 = torch.autograd.grad(out2.sum() + lse2.sum(), (q, k, v, bias))
     torch.testing.assert_close(out1, out2, atol=1e-12, rtol=0)
