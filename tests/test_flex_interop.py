@@ -22,7 +22,7 @@ from flexsparse import masks as M
 from flexsparse import flex
 from flexsparse.blocklists import column_range_descriptor, column_range_range_descriptor
 from flexsparse.masks import Sizes, _stack_slots, col_ranges_block_state
-from flexsparse.ops.reference import ranges_to_grid
+from flexsparse.ops.visibility import ranges_to_grid
 
 fa = pytest.importorskip("torch.nn.attention.flex_attention")
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")

@@ -84,7 +84,7 @@ def _check_conversion(idx, Lq, Lk, block, Hq=None, Hkv=None):
                     else:
                         assert bool(tile.any()) and not bool(tile.all())
     if desc.partial_bits is not None:     # no bits past Lq / Lk
-        from flexsparse.ops.reference import _bits_visible
+        from flexsparse.ops.visibility import _bits_visible
         vis = _bits_visible(desc.mask_tensors(), 0, state.shape[2], state.shape[2] * bq,
                             state.shape[3] * bk, bq, bk)
         st_el = state.repeat_interleave(bq, 2).repeat_interleave(bk, 3)

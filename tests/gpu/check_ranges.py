@@ -13,7 +13,7 @@ import triton
 from flexsparse import attention, masks as M
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 from benchmarks.bench import make_case
-from flexsparse.ops.reference import ranges_to_grid
+from flexsparse.ops.visibility import ranges_to_grid
 
 
 def block_sets(d):
