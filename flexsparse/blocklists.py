@@ -249,9 +249,9 @@ def _monotone_fill(lo, hi, n):
 
 
 def _triton_ranges():
-    """ops/triton_ranges.py (the GPU builder: 3 launches instead of ~300 ops), or None."""
+    """flexsparse/triton_ranges.py (the GPU builder: 3 launches instead of ~300 ops), or None."""
     try:
-        from .ops import triton_ranges
+        from . import triton_ranges
     except ImportError:
         return None
     return triton_ranges
@@ -262,7 +262,7 @@ def column_range_range_descriptor(cr: torch.Tensor, *, seq_lengths, block_size, 
     """Range-form BlockDescriptor of a normalized column-range tensor (Bc, Hc, Lk, 2m), or
     None when some row would need more than MAX_RANGES ranges or a bound decreases with kb
     (use column_range_descriptor then). O(Lk + blocks); one host sync. On CUDA tensors
-    the Triton kernels of ops/triton_ranges.py compute the same block sets."""
+    the Triton kernels of flexsparse/triton_ranges.py compute the same block sets."""
     Lq, Lk = seq_lengths
     bq, bk = block_size
     Bc, Hc, _, two_m = cr.shape

@@ -14,7 +14,7 @@ threshold column (`alt if j < below`). Examples, i' = i + (Lk - Lq):
 
 and_ of specs concatenates terms; or_ of two single-interval specs keeps both intervals.
 `column_ranges(spec, sz)` packs the terms into one small int32 table and runs
-ops/triton_intervals.py (one launch, no int64 temporaries). The torch builders in
+flexsparse/triton_intervals.py (one launch, no int64 temporaries). The torch builders in
 flexsparse/masks.py define the same column ranges; tests check they agree bit for bit.
 """
 from dataclasses import dataclass
@@ -127,7 +127,7 @@ def pack(spec: IntervalSpec, B: int):
 def column_ranges(spec: IntervalSpec, B: int, Lq: int, Lk: int, device) -> torch.Tensor:
     """Normalized column ranges (Bp, 1, Lk, 2m) int32 of `spec` on a CUDA device, in one
     launch (the same tensor as masks._stack_slots of the mask's torch slots)."""
-    from .ops.triton_intervals import interval_column_ranges
+    from .triton_intervals import interval_column_ranges
     table, present, n_docs, doc_at = pack(spec, B)
     return interval_column_ranges(table.to(device), present, n_docs, doc_at, Lq, Lk)
 

@@ -575,9 +575,9 @@ def test_column_range_ranges_match_dense_state(case):
 @settings(max_examples=60, **SETTINGS)
 @given(col_range_mask())
 def test_triton_range_builder_matches_torch(case):
-    """ops/triton_ranges.py (the GPU builder; here under TRITON_INTERPRET) gives the same
+    """flexsparse/triton_ranges.py (the GPU builder; here under TRITON_INTERPRET) gives the same
     block sets and counts as the torch builder, and falls back in the same cases."""
-    triton_ranges = pytest.importorskip("flexsparse.ops.triton_ranges")
+    triton_ranges = pytest.importorskip("flexsparse.triton_ranges")
     prepared = _range_case(case)
     if prepared is None:
         return

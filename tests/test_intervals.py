@@ -1,4 +1,4 @@
-"""Interval specs (flexsparse/intervals.py) and their one-launch kernel (ops/triton_intervals.py).
+"""Interval specs (flexsparse/intervals.py) and their one-launch kernel (flexsparse/triton_intervals.py).
 
 The oracle is the torch builder of each mask (`masks._stack_slots(mask.slots(sz), sz)`):
 the kernel, run under TRITON_INTERPRET=1 here, must give the same int32 column ranges bit

@@ -77,8 +77,6 @@ LAYERS = [
     "flexsparse.ops.reference",         # the reference backend: attention by those semantics
     "flexsparse.ops.triton_compat",
     "flexsparse.ops.triton_launch",
-    "flexsparse.ops.triton_ranges",     # mask-building kernels (used by blocklists)
-    "flexsparse.ops.triton_intervals",  # mask-building kernels (used by intervals)
     "flexsparse.ops.triton_block_mask",    # the descriptor as kernel arguments, and its reads
     "flexsparse.ops.triton_block_common",  # shared by the passes: device helpers, tiles, args
     "flexsparse.ops.triton_block_fwd",     # forward kernel + its plan
@@ -89,6 +87,9 @@ LAYERS = [
     "flexsparse.ops.cuda_backend",
     "flexsparse.ops.backends",          # registry, op implementations, "auto"
     "flexsparse.ops",
+    # mask-building kernels (Triton; descriptors built on the GPU)
+    "flexsparse.triton_ranges",         # column ranges -> block lists (used by blocklists)
+    "flexsparse.triton_intervals",      # interval specs -> column ranges (used by intervals)
     # mask helpers without a mask type
     "flexsparse.intervals",
     "flexsparse.topk",

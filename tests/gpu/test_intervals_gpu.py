@@ -1,4 +1,4 @@
-"""On a GPU: interval masks build their column ranges in one launch (ops/triton_intervals.py),
+"""On a GPU: interval masks build their column ranges in one launch (flexsparse/triton_intervals.py),
 bit for bit the torch builder's, and the descriptors they give attend like the CPU ones."""
 import pytest
 import torch

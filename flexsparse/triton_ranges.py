@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .schema import MAX_RANGES
+from .ops.schema import MAX_RANGES
 
 MAX_SLOTS = 4        # masked intervals per column
 MAX_BLOCKS = 1 << 15  # key blocks per row that one _fill_kernel program scans
