@@ -145,9 +145,12 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
 
 # ========================================================================================= host
 
-def _mean_blocks_per_row(c: CallArgs):
+def _mean_blocks_per_row(c: CallArgs, host_facts: bool):
     """Key blocks a query block visits on average (partial + full lists): one host sync
-    per descriptor, cached; infinite (so: not short) while a CUDA graph is captured."""
+    per descriptor, cached; infinite (so: not short) while a CUDA graph is captured or
+    without host facts (kernel option trim_lists=False)."""
+    if not host_facts:
+        return math.inf
     counts = (c.mask.kv_partial.count, c.mask.kv_full.count)
 
     def mean_blocks_per_row():
@@ -165,7 +168,7 @@ def forward_plan(query, key, value, bias, mask, block_q, block_k, scale, softcap
     c = call_args(query, key, value, bias, mask, block_q, block_k, scale, softcap, options)
     m = c.mask
     short_work = (m.flags.N_COL_RANGES > 0 and not m.reverse_query_tiles
-                  and _mean_blocks_per_row(c) <= FWD_SHORT_BLOCKS)
+                  and _mean_blocks_per_row(c, options.trim_lists) <= FWD_SHORT_BLOCKS)
     BM, BN, warps, stages = _config("fwd", c.BLOCK_D, block_q, block_k, options,
                                     c.constexprs["HAS_BIAS"], short_work)
     o_strides = (Hq * Lq * value.shape[-1], Lq * value.shape[-1], value.shape[-1], 1)

@@ -372,8 +372,9 @@ def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
                          _head_div(Hd, Hq, Hkv, what), row), ranges
 
 
-def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8):
-    """PredicateArgs (shared by all kernels) and their PredicateFlags."""
+def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8, read_kinds=True):
+    """PredicateArgs (shared by all kernels) and their PredicateFlags; the column-range slot
+    kinds are read on the host only when `read_kinds` (else all KIND_GENERAL)."""
     dm = mask.dense_mask
     if dm is not None:
         dmu = dm.view(torch.uint8) if dm.dtype == torch.bool else (dm != 0).to(torch.uint8)
@@ -403,7 +404,7 @@ def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8):
                    _head_div(Hd, Hq, Hkv, "partial_bits_index"), pb, bq * nw, nw, P)
     else:
         pb_args = (dummy_i32, 0, 0, 0, 1, dummy_i32, 0, 0, 0)
-    kinds = _slot_kinds(cr, Lq) if 0 < n_ranges <= 4 else 0
+    kinds = _slot_kinds(cr, Lq) if read_kinds and 0 < n_ranges <= 4 else KIND_GENERAL
     flags = PredicateFlags(HAS_DM=dm is not None, N_COL_RANGES=n_ranges, CR_KINDS=kinds,
                            HAS_BITS=has_bits)
     return PredicateArgs(*dm_args, *cr_args, *pb_args), flags
@@ -553,7 +554,8 @@ def mask_args(mask, Hq, Hkv, Lq, Lk, block_q, block_k, device, trim_lists=True) 
                                   "q_full_count/q_full_index", dummy_i32)
     ranges = ListRanges(*_trim_lists(lists, (kv_partial_r, kv_full_r, q_partial_r, q_full_r),
                                      trim_lists))
-    preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8)
+    # trim_lists=False: no host reads of the descriptor at all (also no slot kinds)
+    preds, flags = _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8, read_kinds=trim_lists)
     # Query tiles last-first when the column ranges only hide rows above the keys (some slot
     # starts at 0 for every key, none ends at Lq for every key: causal, prefix-LM, so work
     # grows with the query index; windows and documents also cut rows below), see _tile_order.

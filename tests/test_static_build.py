@@ -93,3 +93,45 @@ def test_compiled_build_equals_the_static_build():
     assert frames[1] == frames[0] >= 1
     with pytest.raises(TypeError, match="compiled_build"):
         mask.compile(B, H, H, L, L, compiled_build="yes")
+
+
+BLOCK_KINDS = ["document(tensor)", "prefix_lm(tensor)", "column_ranges", "block_sparse",
+               "dense", "and(dense, document)"]
+
+
+@pytest.mark.skipif("triton" not in flexsparse.ops.backends.available(),
+                    reason="needs Triton (TRITON_INTERPRET=1 on CPU)")
+@pytest.mark.parametrize("name", BLOCK_KINDS)
+def test_triton_without_host_facts_reads_no_mask_data(name, monkeypatch):
+    """kernel_options={"trim_lists": False}: the Triton block kernels run a static-built
+    descriptor forward and backward without reading mask data on the host (no list
+    trimming, general column-range slot kinds, no short-row plan), and give the
+    reference's output and gradients."""
+    mask = _cases()[name]
+    with building_static():
+        desc = mask._descriptor(_sizes(mask))
+    q, k, v = (torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(i),
+                           requires_grad=True) for i in range(3))
+    do = torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(9))
+    want = flexsparse.attention(q, k, v, desc, backend="reference")
+    want_grads = torch.autograd.grad(want, (q, k, v), do)
+    with _no_host_reads(monkeypatch):
+        got = flexsparse.attention(q, k, v, desc, backend="triton",
+                                   kernel_options={"trim_lists": False})
+        got_grads = torch.autograd.grad(got, (q, k, v), do)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif("triton" not in flexsparse.ops.backends.available(),
+                    reason="needs Triton (TRITON_INTERPRET=1 on CPU)")
+def test_triton_with_host_facts_does_read(monkeypatch):
+    """The check above is real: by default the Triton backend reads its facts of a new
+    descriptor on the host (one sync on a GPU)."""
+    mask = _cases()["column_ranges"]
+    with building_static():
+        desc = mask._descriptor(_sizes(mask))
+    q = torch.randn(B, H, L, 16)
+    with pytest.raises(AssertionError, match="host read"), _no_host_reads(monkeypatch):
+        flexsparse.attention(q, q, q, desc, backend="triton")
