@@ -4,7 +4,7 @@ where the first synchronizing call came from (the innermost flexsparse frame). T
 CUDA-graph capture of build + forward + backward with the mask built from tensors inside
 the captured region, replayed after the tensors change in place, compared with eager.
 
-    python3 tests/gpu/sync_probe.py [--backends triton,cuda]
+    python3 tests/gpu/sync_probe.py [--backends triton,triton-nofacts,cuda]
 """
 import sys
 import traceback
@@ -48,31 +48,41 @@ def where(exc):
     return f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}: {str(exc).splitlines()[0][:90]}"
 
 
+def backend_and_options(name):
+    """"triton-nofacts": the Triton backend with kernel_options trim_lists=False (no host
+    reads of mask data)."""
+    if name.endswith("-nofacts"):
+        return name[:-len("-nofacts")], {"trim_lists": False}
+    return name, None
+
+
 def step(make, backend):
     q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    out = flexsparse.attention(q, k, v, make(), backend=backend)
+    name, options = backend_and_options(backend)
+    out = flexsparse.attention(q, k, v, make(), backend=name, kernel_options=options)
     out.float().square().sum().backward()
     return out
 
 
 def main():
     names = sys.argv[sys.argv.index("--backends") + 1].split(",") if "--backends" in sys.argv \
-        else [b for b in ("triton", "cuda") if b in B_.available()]
+        else [b for b in ("triton", "triton-nofacts", "cuda")
+              if backend_and_options(b)[0] in B_.available()]
     for backend in names:
         for name, make in cases().items():
             try:
                 step(make, backend)                       # warm-up: kernels compiled
                 torch.cuda.synchronize()
             except Exception as e:                        # noqa: BLE001 - a probe reports all
-                print(f"sync {backend:6s} {name:20s} does not run: {where(e)}")
+                print(f"sync {backend:14s} {name:20s} does not run: {where(e)}")
                 continue
             torch.cuda.set_sync_debug_mode("error")
             try:
                 step(make, backend)
-                print(f"sync {backend:6s} {name:20s} no sync")
+                print(f"sync {backend:14s} {name:20s} no sync")
             except RuntimeError as e:
-                print(f"sync {backend:6s} {name:20s} SYNC at {where(e)}")
+                print(f"sync {backend:14s} {name:20s} SYNC at {where(e)}")
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     # CUDA graph: the mask built inside the captured region from tensors changed in place.
@@ -82,7 +92,9 @@ def main():
                for _ in range(3)]
 
         def run():
-            out = flexsparse.attention(*qkv, M.document(lens), backend=backend)
+            name, options = backend_and_options(backend)
+            out = flexsparse.attention(*qkv, M.document(lens), backend=name,
+                                       kernel_options=options)
             return out, torch.autograd.grad(out.float().square().sum(), qkv)
         try:
             s = torch.cuda.Stream()
@@ -98,10 +110,10 @@ def main():
             want = run()
             ok = all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
                      for a, b in zip((got[0], *got[1]), (want[0], *want[1])))
-            print(f"graph  {backend:6s} document(tensor) replay after in-place lengths change: "
+            print(f"graph  {backend:14s} document(tensor) replay after in-place lengths change: "
                   f"{'matches eager' if ok else 'DIFFERS from eager (stale mask)'}")
         except Exception as e:                             # noqa: BLE001
-            print(f"graph  {backend:6s} document(tensor): capture failed at {where(e)}")
+            print(f"graph  {backend:14s} document(tensor): capture failed at {where(e)}")
 
 
 if __name__ == "__main__":
