@@ -71,25 +71,25 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
     """
     if query.device.type == "cpu":
         return "reference"
-    cuda = _REGISTRY.get("cuda")
-    if (cuda is not None
-            and not cuda.call_not_supported_reasons(query, key, value, bias, mask, *block_size,
-                                                    needs_grad, deterministic)
-            and cuda.preferred_for(query, key, value, bias, mask, needs_grad, deterministic)):
+
+    def runs(name):
+        return name in _REGISTRY and not call_not_supported_reasons(
+            name, query, key, value, bias, mask, *block_size, needs_grad, deterministic)
+
+    if runs("cuda") and _REGISTRY["cuda"].preferred_for(query, key, value, bias, mask,
+                                                         needs_grad, deterministic):
         return "cuda"
     for name in _AUTO_ORDER:
-        if (name in _REGISTRY
-                and not _REGISTRY[name].not_supported_reasons(query, key, value, bias, mask)
-                and not block_size_reasons(name, query, mask, *block_size)):
+        if runs(name):
             return name
     raise ValueError("backend: no backend supports these inputs")  # unreachable: reference takes all
 
 
 def call_not_supported_reasons(name, query, key, value, bias, mask: MaskTensors, block_q,
                                block_k, needs_grad, deterministic) -> list:
-    """Why backend `name` cannot run this call (empty: it can): its not_supported_reasons;
-    for "cuda" also its block sizes, and its backward when gradients are wanted
-    (cuda_backend.call_not_supported_reasons)."""
+    """Why backend `name` cannot run this call (empty: it can): its not_supported_reasons
+    and block sizes (block_size_reasons); for "cuda" its own check of both and of its
+    backward when gradients are wanted (cuda_backend.call_not_supported_reasons)."""
     module = get(name)
     if name == "cuda":
         return module.call_not_supported_reasons(query, key, value, bias, mask, block_q, block_k,
