@@ -213,13 +213,20 @@ def _entries_to_build(dims, bh, qb, kb, full, bits_by_entry, nQB, nKB, order=Non
 
 # ------------------------------------------------------------------ BlockMask -> flexsparse
 
-def _listed_state(count, index, nQB, nKB, state, times, value):
-    """Mark the blocks of one BlockMask list pair in state (B_, H_, nQB, nKB + 1) with
-    `value`, and count them in `times`; static shapes (column nKB takes invalid entries)."""
+def _list_entries(count, index, nQB, nKB):
+    """(index, valid) of one BlockMask list pair, int64 (B_, H_, nQB, W): an entry is valid
+    within its row's count and inside the block grid."""
     c = count[..., :nQB].to(torch.int64)
     idx = index[..., :nQB, :].to(torch.int64)
     W = idx.shape[-1]
     valid = (torch.arange(W, device=idx.device) < c[..., None]) & (idx >= 0) & (idx < nKB)
+    return idx, valid
+
+
+def _listed_state(count, index, nQB, nKB, state, times, value):
+    """Mark the blocks of one BlockMask list pair in state (B_, H_, nQB, nKB + 1) with
+    `value`, and count them in `times`; static shapes (column nKB takes invalid entries)."""
+    idx, valid = _list_entries(count, index, nQB, nKB)
     slot = torch.where(valid, idx, nKB)
     state.scatter_(-1, slot, torch.full_like(slot, value, dtype=state.dtype))
     times.scatter_add_(-1, slot, valid.to(times.dtype))
@@ -254,10 +261,7 @@ def _traced_visibility(bm, mask_mod, Be, He, Lq, Lk, bq, bk):
 
 def _bm_entries(count, index, nQB, nKB, full_flag):
     """Valid (b, h, qb, kb) of one BlockMask list pair."""
-    c = count[..., :nQB].to(torch.int64)
-    idx = index[..., :nQB, :].to(torch.int64)
-    W = idx.shape[-1]
-    valid = (torch.arange(W, device=idx.device) < c[..., None]) & (idx >= 0) & (idx < nKB)
+    idx, valid = _list_entries(count, index, nQB, nKB)
     b, h, q, w = valid.nonzero(as_tuple=True)
     kb = idx[b, h, q, w]
     return b, h, q, kb, torch.full_like(q, full_flag, dtype=torch.bool)
