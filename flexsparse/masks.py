@@ -10,6 +10,7 @@ Three families, by how the element predicate is stored (docs/design.md):
 Conventions: query i sees key j; with Lq != Lk causal masks align bottom-right,
 i' = i + (Lk - Lq).
 """
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -107,18 +108,14 @@ def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
     return pair[0], pair[1]
 
 
-_COMPILED_BUILDER = []
-
-
 def _build_descriptor(mask, sz):
     return mask._descriptor(sz)
 
 
+@functools.lru_cache(maxsize=None)
 def _compiled_builder():
     """Mask._descriptor under torch.compile (dynamic shapes, one graph): made on first use."""
-    if not _COMPILED_BUILDER:
-        _COMPILED_BUILDER.append(torch.compile(_build_descriptor, dynamic=True, fullgraph=True))
-    return _COMPILED_BUILDER[0]
+    return torch.compile(_build_descriptor, dynamic=True, fullgraph=True)
 
 
 class Mask:
@@ -141,15 +138,15 @@ class Mask:
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         if _is_compiling():
             return self._descriptor(sz)
-        if compiled_build and sz.nQB * sz.nKB <= STATIC_MAX_BLOCKS:
-            # past that the static build's full-width lists cost more than the compact
-            # build's host syncs (1M tokens: 23-26 ms against 0.6-1.5 ms on the H100)
+        # past STATIC_MAX_BLOCKS the static build's full-width lists cost more than the
+        # compact build's host syncs (1M tokens: 23-26 ms against 0.6-1.5 ms on the H100)
+        static_ok = sz.nQB * sz.nKB <= STATIC_MAX_BLOCKS
+        if compiled_build and static_ok:
             with building_static(True):
                 return _compiled_builder()(self, sz)
         key = self._cache_key()
         if key is None:       # holds user tensors: built per call, without host syncs
-            with building_static(sz.device.type == "cuda"
-                                 and sz.nQB * sz.nKB <= STATIC_MAX_BLOCKS):
+            with building_static(sz.device.type == "cuda" and static_ok):
                 return self._descriptor(sz)
         key = (key, sz)
         desc = _CACHE.pop(key, None)

@@ -11,11 +11,12 @@ no use for an option ignore it.
 Options (all optional; the defaults are what the kernels do without options):
   bwd_mode     "auto" | "two_pass" | "one_launch" | "atomic_dq": the structure of the
                backward (ops/triton_block.py describes each; "auto" picks by head dim)
-  trim_lists   bool, default True: read two facts of each new descriptor on the host (one
-               sync, cached): the range slots each block list uses (the kernels skip
-               the others) and the column-range slot kinds (one bound compared where
-               all starts are 0 or all ends Lq). False: no host read of mask data, the
-               general forms (masks rebuilt every step; A/B timing)
+  trim_lists   bool, default True: read facts of each new descriptor on the host (one
+               sync each, cached): the range slots each block list uses (the kernels
+               skip the others), the column-range slot kinds (one bound compared where
+               all starts are 0 or all ends Lq) and the forward's mean blocks per row
+               (short-row tiles). False: no host read of mask data, the general forms
+               (masks rebuilt every step; A/B timing)
   dq_from_ds   bool, default True: with a full-shape dbias, the dQ pass reads the stored dS
                instead of recomputing it
   fwd_config, dkdv_config, dq_config
