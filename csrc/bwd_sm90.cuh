@@ -31,9 +31,17 @@
 
 namespace flexsparse::sm90 {
 
-template <class Element_, int kHeadDim_, int kStages_>
+// kEarlyP: P^T = exp2(S^T - lse) is computed while the dP^T product still runs, so that
+// the exponentials overlap the tensor cores (calls with bias, softcap or dbias keep the
+// combined P/dS loop below).
+// kDqWarp: a warp of the producer warpgroup adds each step's dQ to the accumulator (and
+// takes the deterministic turns), so the consumers only stage dQ in shared memory and go
+// on (FlashAttention-3/4's dQ writer); without it a consumer thread per warpgroup does.
+template <class Element_, int kHeadDim_, int kStages_, bool kEarlyP_ = true, bool kDqWarp_ = true>
 struct BwdTraits {
   using Element = Element_;
+  static constexpr bool kEarlyP = kEarlyP_;
+  static constexpr bool kDqWarp = kDqWarp_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;     // query rows per step
   static constexpr int kBlockN = 128;    // keys per CTA
@@ -186,6 +194,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
   const bool lane_leader = cute::elect_one_sync();
+  // Named barriers (0 is __syncthreads): 1 both consumer warpgroups (dS); 2, 3 one
+  // consumer warpgroup (dQ staging, without kDqWarp); 4, 5 and 6, 7 a consumer warpgroup
+  // with the dQ warp (its half of sdQ free / filled).
+  constexpr int kBarrierdQEmpty = 4, kBarrierdQFull = 6;
 
   typename T::Pipeline::Params pipe_params;
   // Each stage: a query (dO) tile and its 64 lse2 (delta) values.
@@ -257,6 +269,49 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           ++write;
         }
       }
+    } else if (T::kDqWarp && warp_in_group == 1) {
+      // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
+      // the last reduction has read it, wait until it is filled, add it to dq_accum.
+      const int lane = threadIdx.x % 32;
+      for (int g = 0; g < group; ++g) {
+        const int h = hk * group + g;
+        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+        const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
+        const int n_tiles = walk.n_tiles();
+        for (int t = 0; t < n_tiles; ++t) {
+          bool partial;
+          const int m = walk.tile_at(t, partial);
+          if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
+          const int i0 = m * kBlockM;
+          const int turn = bp.deterministic
+              ? dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN) : 0;
+          if (lane == 0) tma_store_wait<1>();
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
+          if (lane == 0) tma_store_wait<0>();
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+          for (int w = 0; w < 2; ++w) {
+            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + w);
+            if (lane == 0) {
+              int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + w : nullptr;
+              if (flag != nullptr) wait_turn(flag, turn);
+              bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + w * (kBlockM * kHeadDim / 2),
+                              ss.dq + w * (kBlockM * kHeadDim / 2), kBlockM * kHeadDim / 2 * sizeof(float));
+              tma_store_arrive();
+              if (flag != nullptr) {
+                // The addition is complete (not only its shared-memory read) before the
+                // next CTA's turn.
+                asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+                __threadfence();
+                atomicAdd(flag, 1);
+              }
+            }
+            __syncwarp();
+          }
+        }
+      }
+      if (lane == 0) tma_store_wait<0>();       // shared memory outlives the reductions
     }
   } else {
     // ------------------------------------------------------------------ consumers
@@ -348,7 +403,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
         const int i0 = m * kBlockM;
         int turn = 0;
-        if (bp.deterministic && tid % 128 < 32)
+        if (!T::kDqWarp && bp.deterministic && tid % 128 < 32)
           turn = dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN);
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -426,60 +481,84 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
         }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdPrdP);
         Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
         // P^T into S, dS^T (the gradient of the raw product Q K^T, unscaled) into dP.
         // Columns c, c + 1 are adjacent queries: their lse2 and delta are read in pairs.
-        if (!log2_scores && dbias == nullptr) {
-          const float scale_log2 = p.scale * LOG2E;
+        // Issue order after FlashAttention-3: dV, then (dS^T in shared memory from both
+        // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
+        const bool plain = !log2_scores && dbias == nullptr;
+        const float scale_log2 = p.scale * LOG2E;
+        if (T::kEarlyP && plain) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; c += 2) {
-            const int ic = 8 * (c / 2);
-            const float2 l = *reinterpret_cast<const float2*>(lse2 + ic);
-            const float2 d = *reinterpret_cast<const float2*>(delta + ic);
+            const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
-              const float p0 = exp2f(S(r, c) * scale_log2 - l.x);
-              const float p1 = exp2f(S(r, c + 1) * scale_log2 - l.y);
-              S(r, c) = p0;
-              S(r, c + 1) = p1;
-              dP(r, c) = p0 * (dP(r, c) - d.x);
-              dP(r, c + 1) = p1 * (dP(r, c + 1) - d.y);
+              S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
+              S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
+            }
+          }
+          warpgroup_wait<0>();                  // dP^T done
+          warpgroup_fence_operand(tdPrdP);
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kCols; c += 2) {
+            const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              dP(r, c) = S(r, c) * (dP(r, c) - d.x);
+              dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
             }
           }
         } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; ++c) {
-            const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-            const int ic = 8 * (c / 2) + (c & 1);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tdPrdP);
+          if (plain) {
             CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const float raw = S(r, c);
-              float s, dtanh = 1.f;
-              if (has_softcap) {
-                const float th = tanhf(raw * p.scale / p.softcap);
-                s = p.softcap * th;
-                dtanh = 1.f - th * th;
-              } else {
-                s = raw * p.scale;
+            for (int c = 0; c < kCols; c += 2) {
+              const int ic = 8 * (c / 2);
+              const float2 l = *reinterpret_cast<const float2*>(lse2 + ic);
+              const float2 d = *reinterpret_cast<const float2*>(delta + ic);
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const float p0 = exp2f(S(r, c) * scale_log2 - l.x);
+                const float p1 = exp2f(S(r, c + 1) * scale_log2 - l.y);
+                S(r, c) = p0;
+                S(r, c + 1) = p1;
+                dP(r, c) = p0 * (dP(r, c) - d.x);
+                dP(r, c + 1) = p1 * (dP(r, c + 1) - d.y);
               }
-              s *= LOG2E;
-              if (has_bias)
-                s += LOG2E * static_cast<float>(
-                    bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
-              s = raw == -INFINITY ? -INFINITY : s;
-              const float pv = exp2f(s - lse2[ic]);
-              const float ds = pv * (dP(r, c) - delta[ic]);
-              if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
-                dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
-              S(r, c) = pv;
-              dP(r, c) = ds * dtanh;
+            }
+          } else {
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+              const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+              const int ic = 8 * (c / 2) + (c & 1);
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const float raw = S(r, c);
+                float s, dtanh = 1.f;
+                if (has_softcap) {
+                  const float th = tanhf(raw * p.scale / p.softcap);
+                  s = p.softcap * th;
+                  dtanh = 1.f - th * th;
+                } else {
+                  s = raw * p.scale;
+                }
+                s *= LOG2E;
+                if (has_bias)
+                  s += LOG2E * static_cast<float>(
+                      bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
+                s = raw == -INFINITY ? -INFINITY : s;
+                const float pv = exp2f(s - lse2[ic]);
+                const float ds = pv * (dP(r, c) - delta[ic]);
+                if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
+                  dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
+                S(r, c) = pv;
+                dP(r, c) = ds * dtanh;
+              }
             }
           }
         }
-        // Issue order after FlashAttention-3: dV, then (dS^T in shared memory from both
-        // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
         Tensor tdVrP_ = convert_type<Element>(tSrS);
         Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
         gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
@@ -495,25 +574,34 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
         warpgroup_fence_operand(tdQrdQ);
         buf ^= 1;
-        if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
-        cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
-        CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < size(tdQrdQ); x += 2)
-          *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
-        if (dq_leader) {
-          int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + wg : nullptr;
-          if (flag != nullptr) wait_turn(flag, turn);
-          bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
-                          kBlockM * kHeadDim / 2 * sizeof(float));
-          tma_store_arrive();
-          if (flag != nullptr) {
-            // The addition is complete (not only its shared-memory read) before the next
-            // CTA's turn.
-            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-            __threadfence();
-            atomicAdd(flag, 1);
+        if constexpr (T::kDqWarp) {
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
+          CUTLASS_PRAGMA_UNROLL
+          for (int x = 0; x < size(tdQrdQ); x += 2)
+            *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
+        } else {
+          if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
+          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
+          CUTLASS_PRAGMA_UNROLL
+          for (int x = 0; x < size(tdQrdQ); x += 2)
+            *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
+          if (dq_leader) {
+            int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + wg : nullptr;
+            if (flag != nullptr) wait_turn(flag, turn);
+            bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
+                            kBlockM * kHeadDim / 2 * sizeof(float));
+            tma_store_arrive();
+            if (flag != nullptr) {
+              // The addition is complete (not only its shared-memory read) before the next
+              // CTA's turn.
+              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+              __threadfence();
+              atomicAdd(flag, 1);
+            }
           }
         }
         warpgroup_wait<0>();                    // dK done
@@ -523,7 +611,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         ++read;
       }
     }
-    if (dq_leader) tma_store_wait<0>();         // shared memory outlives the reductions
+    if (!T::kDqWarp && dq_leader) tma_store_wait<0>();   // shared memory outlives the reductions
 
     // ------------------------------------------------------------------ epilogue
     // dK gets the softmax scale here (dQ gets it in the postprocess kernel).

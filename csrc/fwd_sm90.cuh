@@ -39,11 +39,18 @@ namespace flexsparse::sm90 {
 // per thread (65536 / 384 threads, rounded down to a multiple of 8), so the warpgroups
 // share 3 * 168 = 504: the producer keeps 504 - 2 * kConsumerRegs (40 or 24). Asking for
 // more than the pool holds makes a consumer's setmaxnreg wait forever.
+// kLateRescale (overlapped schedule): O is scaled by a tile's alpha as soon as the previous
+// tile's O += P V completes, outside the warpgroup's turn at the tensor cores (as
+// FlashAttention-4's Hopper forward does), not just before the next O += P V is issued.
+// kTmaStore: the epilogue writes O through shared memory (stmatrix) and one TMA store per
+// warpgroup instead of 4-byte global stores from registers.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
-          int kConsumerRegs_ = 232>
+          int kConsumerRegs_ = 232, bool kLateRescale_ = true, bool kTmaStore_ = true>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kLateRescale = kLateRescale_;
+  static constexpr bool kTmaStore = kTmaStore_;
   static constexpr int kConsumerRegs = kConsumerRegs_;
   static constexpr int kProducerRegs = 504 - 2 * kConsumerRegs_;
   static_assert(kProducerRegs >= 24 && kConsumerRegs_ % 8 == 0, "setmaxnreg: 24..256, multiples of 8");
@@ -90,6 +97,21 @@ struct FwdTraits {
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
+  // The output: each consumer warpgroup stages its 64 rows in shared memory and stores them
+  // with one TMA store (rows past Lq are clipped by the tensor map).
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kHeadDim>>{}));
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                             GmemShape{}, GmemStride{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutO{},
+                                      Shape<_64, Int<kHeadDim>>{}, _1{}));
+  // One warpgroup's share of the O += P V product, for the register-to-shared copy.
+  using TiledMmaPVWarpgroup = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>()));
+  using SmemCopyO = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                               TiledMmaPVWarpgroup{}));
+  static constexpr int kSmemO = kTmaStore ? kConsumerWarpgroups * cosize_v<SmemLayoutO> : 8;
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
@@ -97,6 +119,7 @@ struct FwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    array_aligned<Element, kSmemO, 1024> o;
     // Column ranges of a partial tile, per consumer warpgroup (each stages its own, so the
     // warpgroups never wait for each other), double-buffered: [key][slot].
     alignas(16) int32_t col_ranges[kConsumerWarpgroups][2][kBlockN * 2 * kMaxStagedRanges];
@@ -117,6 +140,7 @@ struct FwdTraits {
     TmaQ tma_q;
     TmaKV tma_k;
     TmaKV tma_v;
+    TmaO tma_o;   // kTmaStore only
   };
 };
 
@@ -300,6 +324,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     constexpr int kStagedPerWarpgroup = kBlockN * 4 / 128;   // (key, slot) pairs per thread
     constexpr int kBarrierColRanges = 1;           // + wg: 1, 2
     constexpr int kBarrierSchedule = 3;            // + wg: 3, 4
+    constexpr int kBarrierEpilogue = 5;            // + wg: 5, 6
     int buf = 0;
 
     float row_max[kRows], row_sum[kRows];
@@ -596,7 +621,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           TileExtras x{n, partial};
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           issue_qk(x, tSrS);
-          rescale_o(alpha);
+          if constexpr (!T::kLateRescale) rescale_o(alpha);
           pipe_v.consumer_wait(read_v);
           gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           issue_end();
@@ -607,10 +632,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
+          if constexpr (T::kLateRescale) rescale_o(alpha);   // O now holds P(t-1) V(t-1)
           keep_p(tSrS);
         }
         release_q();
-        rescale_o(alpha);
+        if constexpr (!T::kLateRescale) rescale_o(alpha);
         pipe_v.consumer_wait(read_v);
         issue_begin();
         gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -627,31 +653,67 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
 
     // ------------------------------------------------------------------ epilogue
-    Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
-    Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    Tensor tOcO = thr_pv.partition_C(cO);
-    Tensor ocoord = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
-    Element* out = static_cast<Element*>(p.out) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
     float* lse = p.lse + ((int64_t)b * p.Hq + h) * p.Lq;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      const float l = quad_sum(row_sum[r]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int i = i0 + get<0>(ocoord(r, 0));
-      if (i < p.Lq) {
+    if constexpr (T::kTmaStore) {
+      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float l = quad_sum(row_sum[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(O); c += 2) {
-          const int d = get<1>(ocoord(r, c));
-          // Columns c, c + 1 of the accumulator are adjacent head-dim entries.
-          auto pair = cutlass::NumericArrayConverter<Element, float, 2>()(
-              cutlass::Array<float, 2>{{O(r, c) * inv, O(r, c + 1) * inv}});
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + (int64_t)i * kHeadDim + d) = pair;
-        }
-        if (tid % 4 == 0)
+        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
+        const int i = i0 + row_base + 8 * r;
+        if (tid % 4 == 0 && i < p.Lq)
           lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+      }
+      Tensor rO = convert_type<Element>(tOrO);
+      Tensor sO = make_tensor(make_smem_ptr(ss.o.data() + wg * cosize_v<typename T::SmemLayoutO>),
+                              typename T::SmemLayoutO{});
+      typename T::SmemCopyO smem_copy_o;
+      auto thr_copy_o = smem_copy_o.get_thread_slice(wg_tid);
+      const bool store_leader = wg_tid == 0;
+      if (store_leader) tma_store_wait<0>();   // the last work tile's store has read sO
+      cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
+      copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
+      if (store_leader) {
+        Tensor mO = kp.tma_o.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
+        Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kHeadDim>>{},
+                               make_coord(m_block * 2 + wg, 0));
+        auto cta_o = kp.tma_o.get_slice(0);
+        copy(kp.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
+        tma_store_arrive();
+      }
+    } else {
+      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+      Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      Tensor tOcO = thr_pv.partition_C(cO);
+      Tensor ocoord = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
+      Element* out = static_cast<Element*>(p.out) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const float l = quad_sum(row_sum[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int i = i0 + get<0>(ocoord(r, 0));
+        if (i < p.Lq) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < size<1>(O); c += 2) {
+            const int d = get<1>(ocoord(r, c));
+            // Columns c, c + 1 of the accumulator are adjacent head-dim entries.
+            auto pair = cutlass::NumericArrayConverter<Element, float, 2>()(
+                cutlass::Array<float, 2>{{O(r, c) * inv, O(r, c + 1) * inv}});
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(out + (int64_t)i * kHeadDim + d) = pair;
+          }
+          if (tid % 4 == 0)
+            lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+        }
       }
     }
     }   // work tiles
+    if constexpr (T::kTmaStore) {
+      if (wg_tid == 0) tma_store_wait<0>();   // shared memory outlives the last store
+    }
   }
 #endif
 }
@@ -672,7 +734,15 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
                     take<0, 2>(typename T::SmemLayoutKV{}),
-                    Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{})};
+                    Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
+      {}};
+  if constexpr (T::kTmaStore) {
+    kp.tma_o = make_tma_copy(
+        SM90_TMA_STORE{},
+        make_tensor(make_gmem_ptr(static_cast<Element*>(p.out)), make_shape(p.Lq, p.D, p.Hq, p.B),
+                    make_stride((int64_t)p.D, _1{}, (int64_t)p.Lq * p.D, (int64_t)p.Hq * p.Lq * p.D)),
+        typename T::SmemLayoutO{}, Shape<_64, Int<T::kHeadDim>>{}, _1{});
+  }
   auto kernel = fwd_kernel<T>;
   const int smem = sizeof(typename T::SharedStorage);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -687,12 +757,28 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
 }
 
 // The overlapped schedule where asked for and applicable (no bias), else the serial one.
+// The TMA-store epilogue's staging buffer fits beside the pipeline up to head dim 128.
+// FLEXSPARSE_CUDA_DEBUG bits 512 / 1024 (bf16, overlapped): the rescale before O += P V
+// and the epilogue of direct global stores, for same-run A/Bs.
 template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
-  if (overlap && p.bias == nullptr)
-    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs>>(p, stream);
-  else
-    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false>>(p, stream);
+  constexpr bool kTma = kHeadDim <= 128;
+  constexpr bool kAB = std::is_same_v<Element, cutlass::bfloat16_t> && kTma;
+  if (overlap && p.bias == nullptr) {
+    if constexpr (kAB) {
+      if (p.debug & 512) {
+        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true>>(p, stream);
+        return;
+      }
+      if (p.debug & 1024) {
+        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, false>>(p, stream);
+        return;
+      }
+    }
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, kTma>>(p, stream);
+  } else {
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, true, kTma>>(p, stream);
+  }
 }
 
 }  // namespace flexsparse::sm90

@@ -25,6 +25,8 @@ def main():
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--backend", default="triton", help="ours: triton or cuda")
     ap.add_argument("--no-flex", action="store_true", help="ours only")
+    ap.add_argument("--flash", action="store_true",
+                    help="FlexAttention with its FLASH backend (FA4 wheels installed) in place of Triton")
     args = ap.parse_args()
     kind, L = args.row.split("@")
     L, D = int(L), args.d
@@ -41,10 +43,12 @@ def main():
     from torch.nn.attention.flex_attention import flex_attention
     fa = torch.compile(flex_attention, dynamic=False)
     bm = bench.flex_block_mask(desc, mask_mod, per_head, L, dev)
+    flash = {"BACKEND": "FLASH"} if args.flash else None
     score_mod = (lambda score, b, h, qi, kv: score + bias[b, h, qi, kv]) if has_bias else None
     steps = [lambda: flexsparse.attention(q, k, v, desc, bias=bias,
                                           backend=args.backend).backward(do),
-             lambda: fa(q, k, v, score_mod=score_mod, block_mask=bm).backward(do)]
+             lambda: fa(q, k, v, score_mod=score_mod, block_mask=bm,
+                        kernel_options=flash).backward(do)]
     if args.no_flex:
         steps = steps[:1]
     for step in steps:            # compile and warm up

@@ -1,0 +1,53 @@
+"""Executed SASS instructions per opcode of one or two kernels, from
+`ncu --import R -k regex:K --page source --csv --print-source sass` output: where two
+kernels that do the same work differ in what they execute.
+
+    python3 tests/gpu/ncu_opcode_hist.py ours.csv [theirs.csv] [--per N] [--top 30]
+
+--per N divides the counts by N (e.g. the number of 128x128 tiles) to read them per tile.
+"""
+import csv
+import sys
+from collections import Counter
+
+
+def hist(path):
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.strip() and not ln.startswith("==")]
+    rows = list(csv.reader(lines))
+    head_i = next(i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r))
+    head, body = rows[head_i], [r for r in rows[head_i + 1:] if len(r) == len(rows[head_i])]
+    src = next(i for i, c in enumerate(head) if c.strip() == "Source")
+    ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
+    per_op = Counter()
+    for r in body:
+        try:
+            n = float(r[ex].replace(",", ""))
+        except ValueError:
+            continue
+        toks = r[src].strip().split()
+        if not toks:
+            continue
+        op = toks[1] if toks[0].startswith("@") and len(toks) > 1 else toks[0]
+        per_op[op.split(".")[0]] += n
+    return per_op
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    per = float(sys.argv[sys.argv.index("--per") + 1]) if "--per" in sys.argv else 1.0
+    top = int(sys.argv[sys.argv.index("--top") + 1]) if "--top" in sys.argv else 30
+    args = [a for a in args if a not in (sys.argv[sys.argv.index("--per") + 1] if "--per" in sys.argv else None,
+                                         sys.argv[sys.argv.index("--top") + 1] if "--top" in sys.argv else None)]
+    hs = [hist(p) for p in args]
+    ops = sorted(set().union(*hs), key=lambda o: -max(h[o] for h in hs))
+    print("opcode | " + " | ".join(args) + (" | difference" if len(hs) == 2 else ""))
+    print("total | " + " | ".join(f"{sum(h.values()) / per:.0f}" for h in hs))
+    for op in ops[:top]:
+        vals = [h[op] / per for h in hs]
+        diff = f" | {vals[0] - vals[1]:+.0f}" if len(hs) == 2 else ""
+        print(f"{op} | " + " | ".join(f"{v:.0f}" for v in vals) + diff)
+
+
+if __name__ == "__main__":
+    main()
