@@ -67,25 +67,39 @@ struct ListRow {
 struct TileWalk {
   ListRow partial, full;
   int sub = 1;
+  int sub_shift = 0;   // log2(sub) when sub is a power of two, else -1 (divide)
 
   __device__ __forceinline__ TileWalk() {}
 
-  // Row `row` of the lists at (b, h), `sub` kernel tiles per listed block.
+  // Row `row` of the lists at (b, h), `sub` kernel tiles per listed block. divide: always
+  // take the division path (FLEXSPARSE_CUDA_DEBUG bit 8192, for A/Bs).
   __device__ __forceinline__ TileWalk(const BlockListParams& partial_lists,
                                       const BlockListParams& full_lists, int b, int h, int row,
-                                      int sub_)
-      : partial(partial_lists, b, h, row), full(full_lists, b, h, row), sub(sub_) {}
+                                      int sub_, bool divide = false)
+      : partial(partial_lists, b, h, row), full(full_lists, b, h, row), sub(sub_) {
+    sub_shift = (!divide && sub > 0 && (sub & (sub - 1)) == 0) ? __ffs(sub) - 1 : -1;
+  }
 
   __device__ __forceinline__ int n_tiles() const { return (partial.count + full.count) * sub; }
 
   // Tile t: its tile index along the listed dimension (-1: skip), and whether it needs
-  // element predicates.
+  // element predicates. Called once per tile by every thread of a kernel's main loop, so it
+  // avoids integer division (shifts when sub is a power of two, as it is for every block
+  // size the kernels see in practice).
   __device__ __forceinline__ int tile_at(int t, bool& is_partial) const {
     int np = partial.count * sub;
     is_partial = t < np;
     int u = is_partial ? t : t - np;
-    int blk = is_partial ? partial.block_at(u / sub) : full.block_at(u / sub);
-    return blk < 0 ? -1 : blk * sub + (u % sub);
+    int q, r;
+    if (sub_shift >= 0) {
+      q = u >> sub_shift;
+      r = u & ((1 << sub_shift) - 1);
+    } else {
+      q = u / sub;
+      r = u - q * sub;
+    }
+    int blk = is_partial ? partial.block_at(q) : full.block_at(q);
+    return blk < 0 ? -1 : blk * sub + r;
   }
 };
 

@@ -249,7 +249,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub, p.debug & 8192);
         Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
         Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
         const int n_tiles = walk.n_tiles();
@@ -275,7 +275,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int lane = threadIdx.x % 32;
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub, p.debug & 8192);
         const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
         const int n_tiles = walk.n_tiles();
         for (int t = 0; t < n_tiles; ++t) {
@@ -331,7 +331,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
     Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-    Tensor tdSsdS = thr_sdp.partition_C(sdSt);      // where this thread's dS^T goes
+    // dS^T to shared memory with stmatrix: a key row's adjacent queries are contiguous in
+    // the MN-major dS layout, so the untransposed 8x8 matrices of the accumulator fit.
+    auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_copy_ds = smem_copy_ds.get_thread_slice(tid);
+    Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);   // where this thread's dS^T goes
+    Tensor tdSsdS_elementwise = thr_sdp.partition_C(sdSt);   // FLEXSPARSE_CUDA_DEBUG bit 16384 (A/B)
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     clear(tdVrdV);
@@ -366,7 +371,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     int buf = 0;
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
-      const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+      const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub, p.debug & 8192);
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
@@ -564,7 +569,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
         Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
-        copy(tdKrdS_, tdSsdS(_, _, _, buf));
+        if (p.debug & 16384)
+          copy(tdKrdS_, tdSsdS_elementwise(_, _, _, buf));
+        else
+          copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
         // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.

@@ -170,7 +170,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     b = w / n_m / p.Hq;
     hk = h / (p.Hq / p.Hkv);
     qb = m_block * kBlockM / p.block_q;
-    walk = TileWalk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN);
+    walk = TileWalk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN, p.debug & 8192);
     n_tiles = walk.n_tiles();
   };
 
@@ -560,7 +560,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       release_q();                          // nothing listed: the epilogue writes 0 and -inf
     } else if constexpr (!T::kOverlap) {
       for (int t = next_tile(0, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
-        TileExtras x{n, partial};
+        TileExtras x;
+        x.n = n;
+        x.partial = partial;
         load_extras(x);
         FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipe_k.consumer_wait(read);
@@ -607,7 +609,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if (t < n_tiles) {
         if (wg == 1) issue_end();
         {
-          TileExtras x{n, partial};
+          TileExtras x;
+          x.n = n;
+          x.partial = partial;
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           issue_qk(x, tSrS);
           issue_end();
@@ -618,7 +622,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           keep_p(tSrS);
         }
         for (t = next_tile(t + 1, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
-          TileExtras x{n, partial};
+          TileExtras x;
+          x.n = n;
+          x.partial = partial;
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           issue_qk(x, tSrS);
           if constexpr (!T::kLateRescale) rescale_o(alpha);
