@@ -88,3 +88,16 @@ def test_table_and_row_format():
     line = gp.format_row(row)
     assert line.startswith("| 256 | 8 | uniform |") and "n/a" in line and "R64 w4 s3 rpp2048" in line
     assert line.count("|") == gp.HEADER.splitlines()[0].count("|")
+
+
+def test_index_bench_tables_have_the_ceiling_column():
+    import math
+    from benchmarks import bench_indices as bi
+    row = dict(L=8192, W=64, fwd_ms=1.0, fwd_tflops=1.0, kv_tbs=2.0, kv_frac=0.5,
+               fwd_bwd_ms=2.0, fwd_bwd_tflops=1.0, ceil_tbs=4.0, ceil_frac=0.5)
+    head = bi.HEADER.splitlines()
+    assert "gather ceiling" in head[0] and head[0].count("|") == head[1].count("|")
+    line = bi._format_row(row)
+    assert line.count("|") == head[0].count("|") and "| 4.00 (50%) |" in line
+    row.update(ceil_tbs=math.nan, ceil_frac=math.nan)      # --no-ceiling
+    assert "| n/a (n/a%) |" in bi._format_row(row)
