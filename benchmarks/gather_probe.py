@@ -209,10 +209,10 @@ def _variants(configs, rpps):
 
 
 @functools.lru_cache(maxsize=None)
-def measure(row_bytes, working_set_bytes, pattern="uniform", dtype=torch.bfloat16):
+def measure(row_bytes, working_set_bytes, pattern="uniform", dtype=torch.bfloat16, device="cuda"):
     """(GB/s, label) of the best quick variant for this row; cached per process."""
-    table = make_table(row_bytes, working_set_bytes, dtype)
-    idx = make_indices(pattern, table.shape[0])
+    table = make_table(row_bytes, working_set_bytes, dtype, device)
+    idx = make_indices(pattern, table.shape[0], device)
     res = sweep(table, idx, _variants(QUICK_CONFIGS, QUICK_ROWS_PER_PROG))
     del table, idx
     torch.cuda.empty_cache()
@@ -222,11 +222,11 @@ def measure(row_bytes, working_set_bytes, pattern="uniform", dtype=torch.bfloat1
     return gbs, label(cfg, rpp)
 
 
-def ceiling(row_bytes, working_set_bytes, pattern="uniform", dtype=torch.bfloat16):
+def ceiling(row_bytes, working_set_bytes, pattern="uniform", dtype=torch.bfloat16, device="cuda"):
     """GB/s of gathered rows the best probe variant reaches, for rows of `row_bytes` drawn
     (uniformly by default) from a table of `working_set_bytes`. Measured on the current
-    GPU on first use (about 1-3 s: compiles and a quick sweep), then cached."""
-    return measure(int(row_bytes), int(working_set_bytes), pattern, dtype)[0]
+    GPU on first use (compiles the quick variants, times each once), then cached."""
+    return measure(int(row_bytes), int(working_set_bytes), pattern, dtype, device)[0]
 
 
 # ------------------------------------------------------------------ the table
@@ -245,19 +245,26 @@ def format_row(r):
             f"| {r['config']} | {_f(r['index_select'])} | {_f(r['embedding_bag'])} |")
 
 
-def run(quick=False, budget_s=60.0, row_bytes=ROW_BYTES, log=print):
+def run(quick=False, budget_s=60.0, row_bytes=ROW_BYTES, log=print, working_sets_mb=None,
+        dtype=torch.bfloat16, device="cuda"):
+    """One dict per (row bytes, working set, pattern): the best variant's GB/s and the
+    torch baselines'. The full run ranks the variants first (see the module doc)."""
     t0 = time.time()
     configs = QUICK_CONFIGS if quick else CONFIGS
     rpps = QUICK_ROWS_PER_PROG if quick else ROWS_PER_PROG
-    sets = QUICK_WORKING_SETS_MB if quick else WORKING_SETS_MB
+    sets = working_sets_mb or (QUICK_WORKING_SETS_MB if quick else WORKING_SETS_MB)
+    mb_bytes = lambda mb: int(mb * 2**20)  # noqa: E731
     rows = []
     for rb in row_bytes:
         variants = _variants(configs, rpps)
+        if budget_s is not None and time.time() - t0 > budget_s:
+            log(f"# budget of {budget_s:.0f}s spent: no rows of {rb} B")
+            continue
         if not quick:   # pre-sweep: every variant at the smallest and largest working set
             score = {}
             for mb in (sets[0], sets[-1]):
-                table = make_table(rb, mb << 20)
-                idx = make_indices("uniform", table.shape[0])
+                table = make_table(rb, mb_bytes(mb), dtype, device)
+                idx = make_indices("uniform", table.shape[0], device)
                 for gbs, cfg, rpp in sweep(table, idx, variants):
                     score.setdefault((cfg, rpp), []).append(gbs)
                     log(f"# pre-sweep {rb} B rows, {mb} MB: {label(cfg, rpp)} {gbs:.0f} GB/s")
@@ -270,8 +277,8 @@ def run(quick=False, budget_s=60.0, row_bytes=ROW_BYTES, log=print):
                 if budget_s is not None and time.time() - t0 > budget_s:
                     log(f"# budget of {budget_s:.0f}s spent: no row {rb} B {mb} MB {pattern}")
                     continue
-                table = make_table(rb, mb << 20)
-                idx = make_indices(pattern, table.shape[0])
+                table = make_table(rb, mb_bytes(mb), dtype, device)
+                idx = make_indices(pattern, table.shape[0], device)
                 res = sweep(table, idx, variants)
                 isel, ebag = torch_baselines(table, idx)
                 best = res[0] if res else (math.nan, None, None)

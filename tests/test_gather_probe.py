@@ -101,3 +101,38 @@ def test_index_bench_tables_have_the_ceiling_column():
     assert line.count("|") == head[0].count("|") and "| 4.00 (50%) |" in line
     row.update(ceil_tbs=math.nan, ceil_frac=math.nan)      # --no-ceiling
     assert "| n/a (n/a%) |" in bi._format_row(row)
+
+
+def test_run_and_ceiling_plumbing_on_cpu(monkeypatch):
+    # the table and ceiling() control flow, with every timing replaced by 1 ms
+    calls = []
+
+    def fake_bench(fn):
+        fn()
+        calls.append(fn)
+        return 1.0
+
+    monkeypatch.setattr(gp, "_bench", fake_bench)
+    monkeypatch.setattr(gp, "MIN_ROWS", 1024)
+    monkeypatch.setattr(gp, "ROW_ALIGN", 1024)
+    monkeypatch.setattr(gp, "CONFIGS", [(32, 4, 2), (64, 4, 2)])
+    monkeypatch.setattr(gp, "ROWS_PER_PROG", (1024,))
+    monkeypatch.setattr(gp, "QUICK_ROWS_PER_PROG", (512,))
+    logged = []
+    rows = gp.run(quick=False, budget_s=None, row_bytes=(64,), log=logged.append,
+                  working_sets_mb=(1 / 64, 1 / 32), dtype=torch.float16, device="cpu")
+    assert [(r["ws_mb"], r["pattern"]) for r in rows] == [
+        (1 / 64, "uniform"), (1 / 64, "local"), (1 / 32, "uniform"), (1 / 32, "local")]
+    for r in rows:
+        assert r["gbs"] == r["rows"] * 64 / 1e6       # gathered rows x row bytes per ms
+        assert r["config"].endswith("rpp1024") and r["rows"] % 1024 == 0
+    assert sum(line.startswith("# pre-sweep") for line in logged) == 2 * 2
+    gp.measure.cache_clear()
+    try:
+        c = gp.ceiling(64, 1 << 14, dtype=torch.float16, device="cpu")
+        assert c == 1024 * 64 / 1e6                   # N = MIN_ROWS rows of 64 bytes
+        n = len(calls)
+        assert gp.ceiling(64, 1 << 14, dtype=torch.float16, device="cpu") == c
+        assert len(calls) == n                        # cached
+    finally:
+        gp.measure.cache_clear()
