@@ -8,7 +8,12 @@ triton.testing.do_bench, forward and forward+backward, through torch.ops.flexspa
 (the op the public API calls). Effective TFLOP/s counts 4*D flops per visible (query head,
 key) entry forward and 2.5x that backward. K/V bandwidth = bytes of gathered K/V rows,
 Lq*Hkv*W*(D+Dv)*2, divided by the forward time (the H100's measured copy ceiling is about
-3.0 TB/s; gathers that hit in L2 can exceed it).
+3.0 TB/s; gathers that hit in L2 can exceed it). "gather ceiling" (random rows, unless
+--no-ceiling) is benchmarks/gather_probe.py's `ceiling(D*2, L*(D+Dv)*2)`, measured in the
+same process: the best rate of its Triton gather-and-sum kernel on uniform random rows of
+one kv head's K and V (the kernel's grid runs a kv head's query rows together, so that
+is the set its gathers hit at a time), bytes counted the same way (gathered rows x row
+bytes); the percentage is the forward's K/V TB/s over it (issue 17 asks >= 85%).
 
 Local rows (`--patterns local`, after the random rows and their compiled baselines, each
 started only while `--budget-s` lasts): the issue's overlapping patterns, keys
@@ -237,8 +242,15 @@ def _finish(row):
     return row
 
 
+def gather_ceiling_tbs(L):
+    """TB/s of benchmarks/gather_probe.py's ceiling for one kv head's K/V at length L."""
+    from benchmarks.gather_probe import ceiling
+    esize = torch.tensor([], dtype=torch.bfloat16).element_size()
+    return ceiling(D * esize, L * (D + D) * esize) / 1e3
+
+
 def rows(lengths=LENGTHS, widths=WIDTHS, compile_baseline=True, baseline=True,
-         budget_s=None, log=print, on_update=None):
+         budget_s=None, log=print, on_update=None, gather_ceiling=True):
     """One dict per (L, W): timings, TFLOP/s, K/V bandwidth, speedups.
 
     Pass 1 times the kernels and the eager baseline for every row; pass 2 adds the
@@ -258,10 +270,12 @@ def rows(lengths=LENGTHS, widths=WIDTHS, compile_baseline=True, baseline=True,
             fb_fn, grads = flex_fwd_bwd_fn(q, k, v, idx, scale)
             fb = _bench(fb_fn, grad_to_none=list(grads))
             del grads, fb_fn
+            ceil = gather_ceiling_tbs(L) if gather_ceiling else math.nan
             row = dict(L=L, W=W, fwd_ms=fwd, fwd_tflops=flops_fwd / fwd * 1e-9,
                        kv_tbs=kv_bytes / fwd * 1e-9,
                        kv_frac=kv_bytes / fwd * 1e-9 / HBM_CEILING_TBS,
-                       fwd_bwd_ms=fb, fwd_bwd_tflops=3.5 * flops_fwd / fb * 1e-9)
+                       fwd_bwd_ms=fb, fwd_bwd_tflops=3.5 * flops_fwd / fb * 1e-9,
+                       ceil_tbs=ceil, ceil_frac=kv_bytes / fwd * 1e-9 / ceil)
             if baseline:
                 row["gather_eager_fwd_ms"], row["gather_eager_fwd_bwd_ms"] = \
                     _time_gather(q, k, v, idx, scale, compiled=False)
@@ -293,16 +307,18 @@ def _f(x, fmt):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-HEADER = ("| L | W | fwd ms | fwd TFLOP/s | K/V TB/s (% of 3.0) | gather fwd ms eager / compiled "
+HEADER = ("| L | W | fwd ms | fwd TFLOP/s | K/V TB/s (% of 3.0) | gather ceiling TB/s (% reached) "
+          "| gather fwd ms eager / compiled "
           "| fwd speedup | fwd+bwd ms | fwd+bwd TFLOP/s | gather fwd+bwd ms eager / compiled "
           "| fwd+bwd speedup |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _format_row(r):
     g = lambda key: _f(r.get(key), ".2f")
     return (f"| {r['L'] // 1024}K | {r['W']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} "
             f"| {_f(r['kv_tbs'], '.2f')} ({_f(100 * r['kv_frac'], '.0f')}%) "
+            f"| {_f(r.get('ceil_tbs'), '.2f')} ({_f(100 * r.get('ceil_frac', math.nan), '.0f')}%) "
             f"| {g('gather_eager_fwd_ms')} / {g('gather_compiled_fwd_ms')} "
             f"| {_f(r.get('fwd_speedup'), '.1f')}x "
             f"| {_f(r['fwd_bwd_ms'], '.3f')} | {_f(r['fwd_bwd_tflops'], '.1f')} "
@@ -488,6 +504,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="L=8K only")
     ap.add_argument("--no-compile", action="store_true", help="eager gather baseline only")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-ceiling", action="store_true",
+                    help="no gather-probe ceiling column (benchmarks/gather_probe.py)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="no compiled baseline for rows reached after this many seconds, and "
                          "no local rows started after it")
@@ -521,7 +539,8 @@ def main(argv=None):
         print(HEADER, flush=True)
         rs = rows(lengths=lengths, compile_baseline=not args.no_compile,
                   baseline=not args.no_baseline, budget_s=args.budget_s, log=log,
-                  on_update=lambda r: write("random", format_table(r)))
+                  on_update=lambda r: write("random", format_table(r)),
+                  gather_ceiling=not args.no_ceiling)
         print()
         print(format_table(rs))
         write("random", format_table(rs))

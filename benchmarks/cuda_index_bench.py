@@ -1,16 +1,23 @@
 """Index attention forward, CUDA (csrc/index_fwd.cu) against our Triton kernel, in one
-process, with a random-row gather probe as the memory ceiling (issue 17).
+process, against the random-row gather ceiling of benchmarks/gather_probe.py (issue 17).
 
     python -m benchmarks.cuda_index_bench [--lengths 8192,32768] [--widths 16,64,256]
 
 Random sorted lists (B=1, Hq=16, Hkv=4, hd 128, bf16). "gathered TB/s" counts the K and V
 rows each kv head's lists name (B*Hkv*L*W*(D+Dv)*2 bytes) over the forward's time: the G
 query heads of a kv head share those rows, so it is the traffic an ideal gather kernel
-moves. The probe gathers the same rows (K and V of the same lists, index_select into a
-buffer) and counts the bytes read. On the H100 it reached only 0.42 TB/s, 5-13x below
-our kernels (it also writes what it reads, and gathers per entry, not per shared row), so
-it is a baseline, not the ceiling issue 17 asks for; a dedicated gather probe is still to
-write.
+moves.
+
+"ceiling TB/s" is `gather_probe.ceiling(row bytes, working set)`: the best rate of the
+probe's Triton gather-and-sum kernel over uniform random rows of D*2 = 256 bytes drawn
+from a table the size of ONE kv head's K and V (L*(D+Dv)*2 bytes: both kernels run a kv
+head's query rows together, query row fastest, so that is the set their gathers hit at a
+time), measured in this process, bytes counted the same way (gathered rows x row bytes).
+"/ ceil" is a kernel's gathered TB/s over it (issue 17 asks >= 0.85 at W = 16-256).
+
+The "index_select TB/s" column gathers the same rows with torch.index_select into a
+buffer (K and V of the same lists, bytes read): a CUDA-free baseline that writes what it
+reads and gathers per entry; on the H100 it reached only 0.42 TB/s, so it is no ceiling.
 """
 import argparse
 import math
@@ -20,6 +27,8 @@ import triton.testing
 
 import flexsparse  # noqa: F401  (registers torch.ops.flexsparse)
 from flexsparse.ops import MaskTensors
+
+from .gather_probe import ceiling
 
 B, HQ, HKV, D = 1, 16, 4, 128
 
@@ -67,8 +76,9 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")
     print("| L | W | triton fwd ms | cuda fwd ms | cuda / triton speed | triton TB/s | cuda TB/s "
-          "| probe TB/s | cuda / probe | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| kv head K+V MB | ceiling TB/s | triton / ceil | cuda / ceil "
+          "| index_select TB/s | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for L in map(int, a.lengths.split(",")):
         for W in map(int, a.widths.split(",")):
             q, k, v, idx = inputs(L, W)
@@ -79,14 +89,17 @@ def main():
                 diff = (forward("triton", q, k, v, idx)().float()
                         - forward("cuda", q, k, v, idx)().float()).abs().max().item()
                 t_probe, probe_bytes = probe(k, v, idx)
+                head_bytes = L * 2 * D * q.element_size()    # one kv head's K and V
+                ceil_tbs = ceiling(D * q.element_size(), head_bytes) / 1e3
             except Exception as err:   # reported in the row, the others still run
                 print(f"| {L} | {W} | failed: {type(err).__name__}: {str(err)[:150]} |")
                 continue
             tbs = lambda t: gathered / t / 1e9  # noqa: E731  (ms -> TB/s)
             probe_tbs = probe_bytes / t_probe / 1e9
             print(f"| {L} | {W} | {t_tri:.3f} | {t_cuda:.3f} | {t_tri / t_cuda:.2f} | "
-                  f"{tbs(t_tri):.2f} | {tbs(t_cuda):.2f} | {probe_tbs:.2f} | "
-                  f"{tbs(t_cuda) / probe_tbs:.2f} | {diff:.1e} |", flush=True)
+                  f"{tbs(t_tri):.2f} | {tbs(t_cuda):.2f} | {head_bytes / 2**20:.0f} | "
+                  f"{ceil_tbs:.2f} | {tbs(t_tri) / ceil_tbs:.2f} | {tbs(t_cuda) / ceil_tbs:.2f} | "
+                  f"{probe_tbs:.2f} | {diff:.1e} |", flush=True)
             del q, k, v, idx
             torch.cuda.empty_cache()
 

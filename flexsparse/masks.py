@@ -999,7 +999,12 @@ def _check_masks(name, masks):
 def topk(scores, k: int, causal: bool = False, **kwargs) -> Mask:
     """Flash-DMA's dynamic mask: per query, the k keys with the largest score, as index lists.
 
-    `scores`: (B|1, H|1, Lq, Lk) tensor (e.g. the bias) or a callable (r0, r1) -> rows of it
-    (then pass num_queries=Lq). Processed in row chunks. See `flexsparse.topk.topk_indices`.
+    `scores`: (B|1, Hkv|1, Lq, Lk) tensor (e.g. the bias) or a callable (r0, r1) -> rows
+    r0..r1-1 of it (then pass num_queries=Lq), so no (Lq, Lk) tensor needs to exist.
+    Processed in row chunks on the scores' device, without host syncs; -inf / NaN scores
+    are never kept, and rows with fewer than k allowed keys (causal, Lk < k) are -1
+    padded. `causal`: key j only for query i with j <= i + (Lk - Lq). Other keyword
+    arguments (`chunk_rows`, `num_queries`, `sort`) go to `flexsparse.topk.topk_indices`.
+    Returns `indices(lists)`, the lists int32 (B|1, Hkv|1, Lq, k) in `.indices`.
     """
     return indices(topk_indices(scores, k, causal=causal, **kwargs), validate=False)

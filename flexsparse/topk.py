@@ -87,23 +87,36 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
 
 
 def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: bool):
+    """int32 (..., rows, k) for one chunk of rows r0.. of the scores. No host sync and a
+    fixed handful of kernels per chunk: one pass writes the chunk's own copy with NaN
+    turned into -inf (causal: only the columns some row of the chunk may see, and -inf
+    written into the band above the diagonal in place), then torch.topk, then the
+    (rows, k) results are fixed up."""
     rows, Lk = s.shape[-2], s.shape[-1]
-    if not s.dtype.is_floating_point:
+    width = Lk
+    if causal:   # row i sees j <= i + (Lk - Lq): no row of this chunk sees past r0 + rows - 1 + off
+        off = Lk - Lq
+        width = max(0, min(Lk, r0 + rows + off))
+        s = s[..., :width]
+    kk = min(k, width)
+    if kk == 0 or rows == 0:
+        return torch.full(s.shape[:-1] + (k,), -1, dtype=torch.int32, device=s.device)
+    if s.dtype.is_floating_point:
+        s = torch.nan_to_num(s, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    else:
         s = s.float()
-    neg = torch.tensor(-math.inf, dtype=s.dtype, device=s.device)
-    bad = torch.isnan(s)
     if causal:
-        i = torch.arange(r0, r0 + rows, device=s.device)[:, None]
-        j = torch.arange(Lk, device=s.device)[None, :]
-        bad = bad | (j > i + (Lk - Lq))
-    s = torch.where(bad, neg, s)
-    kk = min(k, Lk)
-    vals, ind = torch.topk(s, kk, dim=-1, largest=True, sorted=True)
-    ind = torch.where(vals == -math.inf, torch.full_like(ind, -1), ind)
-    if sort and kk > 0:
-        ind = torch.where(ind < 0, torch.full_like(ind, Lk), ind).sort(dim=-1).values
-        ind = torch.where(ind >= Lk, torch.full_like(ind, -1), ind)
-    ind = ind.to(torch.int32)
+        lo = max(0, min(width, r0 + off + 1))    # columns before lo are visible to every row
+        if lo < width:
+            i = torch.arange(r0, r0 + rows, device=s.device)[:, None]
+            j = torch.arange(lo, width, device=s.device)[None, :]
+            s[..., lo:width].masked_fill_(j > i + off, -math.inf)
+    # sorted by position afterwards anyway: skip topk's own sort then
+    vals, ind = torch.topk(s, kk, dim=-1, largest=True, sorted=not sort)
+    ind = ind.to(torch.int32).masked_fill_(vals == -math.inf, -1 if not sort else width)
+    if sort:     # ascending positions, the -1 entries (parked at `width`) last
+        ind = ind.sort(dim=-1).values
+        ind.masked_fill_(ind == width, -1)
     if kk < k:
         pad = torch.full(ind.shape[:-1] + (k - kk,), -1, dtype=torch.int32, device=s.device)
         ind = torch.cat([ind, pad], dim=-1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|hf ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|hf|probe ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -85,6 +85,16 @@ if want scale && [ -f tests/gpu/scale.py ]; then
   timeout "${T_SCALE:-200}" python3 tests/gpu/scale.py --budget "${BUDGET_SCALE:-180}" \
     --out "$OUT/scale.md" > "$OUT/scale.log" 2>&1
   echo "scale rc=$?"
+fi
+# Issue 17's measurements, not part of "all": the random-row gather ceiling
+# (PROBE_ARGS=--quick for the short sweep) and masks.topk against torch.topk.
+if [[ " $parts " == *" probe "* ]]; then
+  timeout "${T_PROBE:-150}" python3 -m benchmarks.gather_probe ${PROBE_ARGS:-} --out "$OUT/gather_probe.md" \
+    > "$OUT/gather_probe.log" 2>&1
+  echo "gather_probe rc=$?"; cat "$OUT/gather_probe.md" 2>/dev/null
+  timeout "${T_TOPK:-240}" python3 -m benchmarks.topk_bench --out "$OUT/topk_bench.md" \
+    > "$OUT/topk_bench.log" 2>&1
+  echo "topk_bench rc=$?"; cat "$OUT/topk_bench.md" 2>/dev/null
 fi
 # Tuning aids, not part of "all": per-pass tile sweeps and per-kernel profiles.
 #   SWEEP_ROWS=sliding@8192,document@8192 SWEEP_PASSES=dkdv,dq SWEEP_INDICES=0 bash tests/gpu.sh sweep

@@ -257,6 +257,26 @@ def test_topk_cuda():
         assert got.is_cuda and torch.equal(got.cpu(), want)
 
 
+
+def test_topk_cuda_no_host_sync():
+    # chunked, causal, NaN / -inf scores: no host sync anywhere in the build (issue 17)
+    from flexsparse import masks
+    torch.manual_seed(1)
+    s = torch.randn((1, 2, 200, 190), device=DEV)
+    s[..., 3, ::2] = float("nan")
+    s[..., 5, 1::3] = -math.inf
+    for causal in (False, True):
+        want = topk_indices(s.cpu(), 16, causal=causal)
+        topk_indices(s, 16, causal=causal, chunk_rows=48)      # warm-up (lazy CUDA init)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = topk_indices(s, 16, causal=causal, chunk_rows=48)
+            mask = masks.topk(s, 16, causal=causal, chunk_rows=48)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.cpu(), want) and torch.equal(mask.indices.cpu(), want)
+
 # ------------------------------------------------------------------ direct runner
 
 def run_direct(namespace) -> int:
