@@ -71,13 +71,12 @@ struct TileWalk {
 
   __device__ __forceinline__ TileWalk() {}
 
-  // Row `row` of the lists at (b, h), `sub` kernel tiles per listed block. divide: always
-  // take the division path (FLEXSPARSE_CUDA_DEBUG bit 8192, for A/Bs).
+  // Row `row` of the lists at (b, h), `sub` kernel tiles per listed block.
   __device__ __forceinline__ TileWalk(const BlockListParams& partial_lists,
                                       const BlockListParams& full_lists, int b, int h, int row,
-                                      int sub_, bool divide = false)
+                                      int sub_)
       : partial(partial_lists, b, h, row), full(full_lists, b, h, row), sub(sub_) {
-    sub_shift = (!divide && sub > 0 && (sub & (sub - 1)) == 0) ? __ffs(sub) - 1 : -1;
+    sub_shift = (sub > 0 && (sub & (sub - 1)) == 0) ? __ffs(sub) - 1 : -1;
   }
 
   __device__ __forceinline__ int n_tiles() const { return (partial.count + full.count) * sub; }

@@ -3,16 +3,18 @@
 // One CTA owns a 128-key tile of one (batch, kv head) and walks, for every query head of
 // its group, the query blocks the descriptor lists for its key block (q lists: partial
 // first, then full), 64 query rows at a time. Three warpgroups:
-//   warpgroup 0 (producer): TMA loads of the key and value tile once, then of the query
-//     and dO tiles of every step through two pipelines;
+//   warpgroup 0: the producer (one thread: TMA loads of the key and value tile once, then
+//     of the query and dO tiles of every step through two pipelines) and the dQ writer
+//     (warp 1: adds each step's dQ from shared memory to a float32 accumulator in global
+//     memory with one bulk asynchronous reduction per half, cp.reduce.async.bulk, and
+//     takes the deterministic turns), as FlashAttention-3/4 do;
 //   warpgroups 1, 2 (consumers, 64 keys each), per step:
 //     S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory),
-//     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta) with the element predicates of
-//     partial tiles,
+//     P^T = exp2(S^T - lse) while dP^T still computes, then dS^T = P^T (dP^T - delta),
+//     with the element predicates of partial tiles,
 //     dV += P^T dO and dK += dS^T Q (P^T, dS^T as register operands),
-//     dS^T to shared memory, then dQ = dS K (each warpgroup half of the head dim), staged
-//     in shared memory and added to a float32 dQ accumulator in global memory with one
-//     bulk asynchronous reduction per warpgroup (cp.reduce.async.bulk).
+//     dS^T to shared memory (stmatrix), then dQ = dS K (each warpgroup half of the head
+//     dim), staged in shared memory for the dQ writer.
 // dK and dV stay in registers until the CTA is done and are written once. A preprocess
 // kernel computes delta = rowsum(dO * O) - grad_lse and lse in the log2 domain and zeroes
 // the dQ accumulator; a postprocess kernel scales it into dq.
@@ -31,17 +33,9 @@
 
 namespace flexsparse::sm90 {
 
-// kEarlyP: P^T = exp2(S^T - lse) is computed while the dP^T product still runs, so that
-// the exponentials overlap the tensor cores (calls with bias, softcap or dbias keep the
-// combined P/dS loop below).
-// kDqWarp: a warp of the producer warpgroup adds each step's dQ to the accumulator (and
-// takes the deterministic turns), so the consumers only stage dQ in shared memory and go
-// on (FlashAttention-3/4's dQ writer); without it a consumer thread per warpgroup does.
-template <class Element_, int kHeadDim_, int kStages_, bool kEarlyP_ = true, bool kDqWarp_ = true>
+template <class Element_, int kHeadDim_, int kStages_>
 struct BwdTraits {
   using Element = Element_;
-  static constexpr bool kEarlyP = kEarlyP_;
-  static constexpr bool kDqWarp = kDqWarp_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;     // query rows per step
   static constexpr int kBlockN = 128;    // keys per CTA
@@ -194,10 +188,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
   const bool lane_leader = cute::elect_one_sync();
-  // Named barriers (0 is __syncthreads): 1 both consumer warpgroups (dS); 2, 3 one
-  // consumer warpgroup (dQ staging, without kDqWarp); 4, 5 and 6, 7 a consumer warpgroup
-  // with the dQ warp (its half of sdQ free / filled).
-  constexpr int kBarrierdQEmpty = 4, kBarrierdQFull = 6;
+  // Named barriers (0 is __syncthreads): 1 both consumer warpgroups (dS); 2, 3 and 4, 5 a
+  // consumer warpgroup with the dQ writer warp (its half of sdQ free / filled).
+  constexpr int kBarrierdQEmpty = 2, kBarrierdQFull = 4;
 
   typename T::Pipeline::Params pipe_params;
   // Each stage: a query (dO) tile and its 64 lse2 (delta) values.
@@ -249,7 +242,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub, p.debug & 8192);
+        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
         Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
         Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
         const int n_tiles = walk.n_tiles();
@@ -269,13 +262,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           ++write;
         }
       }
-    } else if (T::kDqWarp && warp_in_group == 1) {
+    } else if (warp_in_group == 1) {
       // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
       // the last reduction has read it, wait until it is filled, add it to dq_accum.
       const int lane = threadIdx.x % 32;
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub, p.debug & 8192);
+        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
         const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
         const int n_tiles = walk.n_tiles();
         for (int t = 0; t < n_tiles; ++t) {
@@ -336,7 +329,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(tid);
     Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);   // where this thread's dS^T goes
-    Tensor tdSsdS_elementwise = thr_sdp.partition_C(sdSt);   // FLEXSPARSE_CUDA_DEBUG bit 16384 (A/B)
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     clear(tdVrdV);
@@ -354,8 +346,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int col_base = get<1>(coord(0, 0));
     constexpr int kBarrierdS = 1;
     const int wg = tid / 128;                   // consumer warpgroup: its keys, its dQ half
-    const int kBarrierdQ = 2 + wg;
-    const bool dq_leader = tid % 128 == 0;      // issues this warpgroup's bulk reductions
     float* sdQ = ss.dq + wg * (kBlockM * kHeadDim / 2);
 
     const float LOG2E = 1.4426950408889634f;
@@ -371,7 +361,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     int buf = 0;
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
-      const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub, p.debug & 8192);
+      const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
@@ -407,9 +397,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const int m = walk.tile_at(t, partial);
         if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
         const int i0 = m * kBlockM;
-        int turn = 0;
-        if (!T::kDqWarp && bp.deterministic && tid % 128 < 32)
-          turn = dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN);
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -493,7 +480,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
         const bool plain = !log2_scores && dbias == nullptr;
         const float scale_log2 = p.scale * LOG2E;
-        if (T::kEarlyP && plain) {
+        if (plain) {
+          // P^T while the dP^T product still runs, so that the exponentials overlap the
+          // tensor cores; then dS^T.
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; c += 2) {
             const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
@@ -569,10 +558,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
         Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
-        if (p.debug & 16384)
-          copy(tdKrdS_, tdSsdS_elementwise(_, _, _, buf));
-        else
-          copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
+        copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
         // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
@@ -582,36 +568,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
         warpgroup_fence_operand(tdQrdQ);
         buf ^= 1;
-        if constexpr (T::kDqWarp) {
-          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
-          CUTLASS_PRAGMA_UNROLL
-          for (int x = 0; x < size(tdQrdQ); x += 2)
-            *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
-        } else {
-          if (dq_leader) tma_store_wait<0>();     // the last reduction has read sdQ
-          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
-          CUTLASS_PRAGMA_UNROLL
-          for (int x = 0; x < size(tdQrdQ); x += 2)
-            *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(128, kBarrierdQ);
-          if (dq_leader) {
-            int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + wg : nullptr;
-            if (flag != nullptr) wait_turn(flag, turn);
-            bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + wg * (kBlockM * kHeadDim / 2), sdQ,
-                            kBlockM * kHeadDim / 2 * sizeof(float));
-            tma_store_arrive();
-            if (flag != nullptr) {
-              // The addition is complete (not only its shared-memory read) before the next
-              // CTA's turn.
-              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-              __threadfence();
-              atomicAdd(flag, 1);
-            }
-          }
-        }
+        // dQ to shared memory for the dQ writer warp, once it has freed this half.
+        cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < size(tdQrdQ); x += 2)
+          *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
         warpgroup_wait<0>();                    // dK done
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
@@ -619,7 +582,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         ++read;
       }
     }
-    if (!T::kDqWarp && dq_leader) tma_store_wait<0>();   // shared memory outlives the reductions
 
     // ------------------------------------------------------------------ epilogue
     // dK gets the softmax scale here (dQ gets it in the postprocess kernel).

@@ -5,13 +5,7 @@ namespace flexsparse {
 
 template <>
 void bwd_sm90_hd<128>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
-  // FLEXSPARSE_CUDA_DEBUG bits 256 / 2048: the combined P/dS loop (kEarlyP off) / dQ added
-  // by the consumers (kDqWarp off), for same-run A/Bs.
-  if (dtype == DType::kBFloat16 && (p.fwd.debug & 256))
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 128, 2, false>>(p, stream);
-  else if (dtype == DType::kBFloat16 && (p.fwd.debug & 2048))
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 128, 2, true, false>>(p, stream);
-  else if (dtype == DType::kBFloat16)
+  if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 128, 2>>(p, stream);
   else
     sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 128, 2>>(p, stream);

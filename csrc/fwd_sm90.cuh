@@ -39,17 +39,13 @@ namespace flexsparse::sm90 {
 // per thread (65536 / 384 threads, rounded down to a multiple of 8), so the warpgroups
 // share 3 * 168 = 504: the producer keeps 504 - 2 * kConsumerRegs (40 or 24). Asking for
 // more than the pool holds makes a consumer's setmaxnreg wait forever.
-// kLateRescale (overlapped schedule): O is scaled by a tile's alpha as soon as the previous
-// tile's O += P V completes, outside the warpgroup's turn at the tensor cores (as
-// FlashAttention-4's Hopper forward does), not just before the next O += P V is issued.
 // kTmaStore: the epilogue writes O through shared memory (stmatrix) and one TMA store per
 // warpgroup instead of 4-byte global stores from registers.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
-          int kConsumerRegs_ = 232, bool kLateRescale_ = true, bool kTmaStore_ = true>
+          int kConsumerRegs_ = 232, bool kTmaStore_ = true>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kOverlap = kOverlap_;
-  static constexpr bool kLateRescale = kLateRescale_;
   static constexpr bool kTmaStore = kTmaStore_;
   static constexpr int kConsumerRegs = kConsumerRegs_;
   static constexpr int kProducerRegs = 504 - 2 * kConsumerRegs_;
@@ -170,7 +166,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     b = w / n_m / p.Hq;
     hk = h / (p.Hq / p.Hkv);
     qb = m_block * kBlockM / p.block_q;
-    walk = TileWalk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN, p.debug & 8192);
+    walk = TileWalk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN);
     n_tiles = walk.n_tiles();
   };
 
@@ -627,7 +623,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           x.partial = partial;
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           issue_qk(x, tSrS);
-          if constexpr (!T::kLateRescale) rescale_o(alpha);
           pipe_v.consumer_wait(read_v);
           gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           issue_end();
@@ -638,11 +633,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
-          if constexpr (T::kLateRescale) rescale_o(alpha);   // O now holds P(t-1) V(t-1)
+          // O (which now holds P(t-1) V(t-1)) takes tile t's alpha here, outside this
+          // warpgroup's turn at the tensor cores, not just before the next O += P V.
+          rescale_o(alpha);
           keep_p(tSrS);
         }
         release_q();
-        if constexpr (!T::kLateRescale) rescale_o(alpha);
         pipe_v.consumer_wait(read_v);
         issue_begin();
         gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -764,27 +760,13 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
 
 // The overlapped schedule where asked for and applicable (no bias), else the serial one.
 // The TMA-store epilogue's staging buffer fits beside the pipeline up to head dim 128.
-// FLEXSPARSE_CUDA_DEBUG bits 512 / 1024 (bf16, overlapped): the rescale before O += P V
-// and the epilogue of direct global stores, for same-run A/Bs.
 template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
   constexpr bool kTma = kHeadDim <= 128;
-  constexpr bool kAB = std::is_same_v<Element, cutlass::bfloat16_t> && kTma;
-  if (overlap && p.bias == nullptr) {
-    if constexpr (kAB) {
-      if (p.debug & 512) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true>>(p, stream);
-        return;
-      }
-      if (p.debug & 1024) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, false>>(p, stream);
-        return;
-      }
-    }
-    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, kTma>>(p, stream);
-  } else {
-    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, true, kTma>>(p, stream);
-  }
+  if (overlap && p.bias == nullptr)
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma>>(p, stream);
+  else
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, kTma>>(p, stream);
 }
 
 }  // namespace flexsparse::sm90
