@@ -315,15 +315,21 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     typename T::TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(tid);
     auto thr_dkv = mma_dkv.get_thread_slice(tid);
-    auto thr_dq = mma_dq.get_thread_slice(tid);
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-    Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);
-    Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-    Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+    // Shared-memory operand descriptors from the warpgroup's first thread, the warpgroup
+    // index warp-uniform (a shuffle): ptxas keeps them in uniform registers instead of
+    // moving them with R2UR before every wgmma (docs/perf-notes.md, C24).
+    const int wg_first = (warpgroup - 1) * 128;
+    auto wg_sdp = mma_sdp.get_thread_slice(wg_first);
+    auto wg_dkv = mma_dkv.get_thread_slice(wg_first);
+    auto wg_dq = mma_dq.get_thread_slice(wg_first);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);
+    Tensor tdPrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);
+    Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
     // dS^T to shared memory with stmatrix: a key row's adjacent queries are contiguous in
     // the MN-major dS layout, so the untransposed 8x8 matrices of the accumulator fit.
     auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);

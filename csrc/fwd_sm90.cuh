@@ -263,9 +263,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     typename T::TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(tid);
     auto thr_pv = mma_pv.get_thread_slice(tid);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+    // Shared-memory operand descriptors are the same for every thread of a warpgroup: take
+    // them from the warpgroup's first thread, with the warpgroup index from a shuffle
+    // (canonical_warp_group_idx), so that ptxas sees them warp-uniform and keeps them in
+    // uniform registers (from the thread index they sat in ordinary registers and were
+    // moved with R2UR before every wgmma: docs/perf-notes.md, C24).
+    auto wg_qk = mma_qk.get_thread_slice((warpgroup - 1) * 128);
+    auto wg_pv = mma_pv.get_thread_slice((warpgroup - 1) * 128);
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
 
     // (row, column) of every score this thread holds, within the tile.
