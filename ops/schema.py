@@ -78,6 +78,49 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# ---- mask-build ops (issue 16): a per-step mask's descriptor in one call
+#
+# Kernels: csrc/build_ops.cpp (CPU loops and CUDA launches, csrc/build_masks.cu), when
+# flexsparse._C is built; flexsparse/build_op.py calls them. Outputs: col_ranges
+# (Bl, 1, Lk, 2m) and the eight range-form block lists (counts (Bl, 1, n), indices
+# (Bl, 1, n, MAX_RANGES, 2)), all int32, in BlockDescriptor order; every size follows
+# from the arguments' shapes (no data-dependent size, so no host sync and no guard on data).
+BUILD_OUTPUTS = ("col_ranges",) + MASK_TENSOR_NAMES[:8]
+_BUILD_RETURNS = "(" + ", ".join(f"Tensor {n}" for n in BUILD_OUTPUTS) + ")"
+torch.library.define(
+    "flexsparse::build_document",
+    f"(Tensor lengths, SymInt L, int block_q, int block_k, bool causal) -> {_BUILD_RETURNS}")
+torch.library.define(
+    "flexsparse::build_prefix_lm",
+    f"(Tensor prefix_len, SymInt Lq, SymInt Lk, int block_q, int block_k) -> {_BUILD_RETURNS}")
+
+
+def _build_fake_outputs(data, Bl, Lq, Lk, block_q, block_k, m):
+    nQB = (Lq + block_q - 1) // block_q
+    nKB = (Lk + block_k - 1) // block_k
+    opts = dict(dtype=torch.int32, device=data.device)
+    out = [data.new_empty((Bl, 1, Lk, 2 * m), **opts)]
+    for n in (nQB, nQB, nKB, nKB):      # kv partial, kv full, q partial, q full
+        out += [data.new_empty((Bl, 1, n), **opts),
+                data.new_empty((Bl, 1, n, MAX_RANGES, 2), **opts)]
+    return tuple(out)
+
+
+@torch.library.register_fake("flexsparse::build_document")
+def _build_document_fake(lengths, L, block_q, block_k, causal):
+    if lengths.dim() != 2:
+        raise ValueError(f"flexsparse build: lengths must be (B, n), got {tuple(lengths.shape)}")
+    return _build_fake_outputs(lengths, lengths.shape[0], L, L, block_q, block_k, 2)
+
+
+@torch.library.register_fake("flexsparse::build_prefix_lm")
+def _build_prefix_lm_fake(prefix_len, Lq, Lk, block_q, block_k):
+    if prefix_len.dim() != 1:
+        raise ValueError(f"flexsparse build: prefix_len must be (B,), got "
+                         f"{tuple(prefix_len.shape)}")
+    return _build_fake_outputs(prefix_len, prefix_len.shape[0], Lq, Lk, block_q, block_k, 1)
+
+
 # Input checks the fake kernels run before they make outputs, keyed by op name: the same
 # checks as the ops' kernels (mask_checks.py: shapes, dtypes, devices, scale and softcap;
 # the backend's support). For `attention` and `attention_backward` a refusal is left to
