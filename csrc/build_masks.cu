@@ -1,5 +1,5 @@
-// The CUDA kernels of the mask-build ops (build_masks.h says what they compute): at most
-// three launches per build, no host synchronization, workspace O(N / block).
+// The CUDA kernels of the mask-build ops (build_masks.h says what they compute): two to four
+// launches per build (two for the usual sizes), no host synchronization, workspace O(N / block).
 //
 //   scan_kernel         (documents with more than kSharedDocs documents per row only)
 //                       one CTA per row: prefix sums of the lengths, and their check;
@@ -7,9 +7,14 @@
 //                       as col_ranges), their per-block statistics, the key block's
 //                       dK/dV lists and its hull/cover bounds (workspace); with few
 //                       documents it scans the lengths itself in shared memory;
-//   query_block_kernel  one CTA per row: the bounds made non-decreasing over key blocks
-//                       (two block scans per sequence), then per query block the forward
-//                       and dQ lists by binary search.
+//   query_block_kernel_smem
+//                       one CTA per row: the bounds made non-decreasing over key blocks
+//                       (two block scans per sequence) in shared memory, then per query
+//                       block the forward and dQ lists by binary search; when a row's
+//                       bounds do not fit in shared memory (more than 160K tokens at
+//                       block 128 for documents) two kernels do it instead: fill_kernel (one CTA per
+//                       sequence and row, into the workspace) and query_block_kernel
+//                       (one thread per query block).
 // Bad values (negative lengths, rows not summing to L, negative prefixes) stop the kernel
 // with a device-side assert, as torch._assert_async does in the torch build.
 #undef NDEBUG
@@ -27,6 +32,7 @@ namespace {
 
 constexpr int kColumnThreads = 128;
 constexpr int kRowThreads = 1024;
+constexpr int kQueryThreads = 256;
 
 struct Add { __device__ int64_t operator()(int64_t a, int64_t b) const { return a + b; } };
 struct Max { __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; } };
@@ -164,39 +170,65 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
   }
 }
 
-__global__ void __launch_bounds__(kRowThreads) query_block_kernel(BuildParams p) {
+// Step 3 for one (lo, hi) sequence over the key blocks: empty intervals take the last
+// end before them and the next start after them (blocklists._monotone_fill), by two block
+// scans per 1024 key blocks. Every thread of the CTA must call it.
+__device__ void fill_pair(const int32_t* lo, const int32_t* hi, int32_t* flo, int32_t* fhi,
+                          int32_t nKB, int32_t nQB, int32_t* buf) {
+  int32_t carry = 0;                               // hi of an empty interval: the last end
+  for (int32_t c = 0; c < nKB; c += blockDim.x) {
+    int32_t i = c + threadIdx.x;
+    bool in = i < nKB, empty = in && hi[i] <= lo[i];
+    int32_t v = in && !empty ? hi[i] : 0;
+    int32_t incl = block_scan(v, Max(), carry, buf);
+    if (in) fhi[i] = empty ? incl : hi[i];
+  }
+  carry = nQB;                                     // lo of an empty interval: the next start
+  for (int32_t c = 0; c < nKB; c += blockDim.x) {
+    int32_t i = nKB - 1 - (c + (int32_t)threadIdx.x);
+    bool in = i >= 0, empty = in && hi[i] <= lo[i];
+    int32_t v = in && !empty ? lo[i] : nQB;
+    int32_t incl = block_scan(v, Min(), carry, buf);
+    if (in) flo[i] = empty ? incl : lo[i];
+  }
+}
+
+// Rows whose bounds fit in shared memory: one CTA per row fills them there and then
+// makes every query block's lists (binary searches in shared memory).
+__global__ void __launch_bounds__(kRowThreads) query_block_kernel_smem(BuildParams p) {
+  extern __shared__ int32_t filled[];              // (4, m, nKB)
   __shared__ int32_t buf[32];
   const int64_t b = blockIdx.x;
-  const int32_t nKB = (int32_t)p.nKB, nQB = (int32_t)p.nQB;
-  for (int r = 0; r < p.m; ++r) {
-    for (int t0 = 0; t0 < 4; t0 += 2) {            // hull (h0, h1), cover (a, b)
-      const int32_t* lo = p.bounds + ws_at(p, b, t0, r);
-      const int32_t* hi = p.bounds + ws_at(p, b, t0 + 1, r);
-      int32_t* flo = p.filled + ws_at(p, b, t0, r);
-      int32_t* fhi = p.filled + ws_at(p, b, t0 + 1, r);
-      int32_t carry = 0;                           // hi of an empty interval: the last end
-      for (int32_t c = 0; c < nKB; c += blockDim.x) {
-        int32_t i = c + threadIdx.x;
-        bool in = i < nKB, empty = in && hi[i] <= lo[i];
-        int32_t v = in && !empty ? hi[i] : 0;
-        int32_t incl = block_scan(v, Max(), carry, buf);
-        if (in) fhi[i] = empty ? incl : hi[i];
-      }
-      carry = nQB;                                 // lo of an empty interval: the next start
-      for (int32_t c = 0; c < nKB; c += blockDim.x) {
-        int32_t i = nKB - 1 - (c + (int32_t)threadIdx.x);
-        bool in = i >= 0, empty = in && hi[i] <= lo[i];
-        int32_t v = in && !empty ? lo[i] : nQB;
-        int32_t incl = block_scan(v, Min(), carry, buf);
-        if (in) flo[i] = empty ? incl : lo[i];
-      }
+  for (int t0 = 0; t0 < 4; t0 += 2) {              // hull (h0, h1), cover (a, b)
+    for (int r = 0; r < p.m; ++r) {
+      fill_pair(p.bounds + ws_at(p, b, t0, r), p.bounds + ws_at(p, b, t0 + 1, r),
+                filled + (t0 * p.m + r) * p.nKB, filled + ((t0 + 1) * p.m + r) * p.nKB,
+                (int32_t)p.nKB, (int32_t)p.nQB, buf);
     }
   }
   __syncthreads();
   for (int64_t qb = threadIdx.x; qb < p.nQB; qb += blockDim.x) {
-    bool ok = query_block_rows(p, b, qb);
+    bool ok = query_block_rows(p, b, qb, filled);
     assert(ok && "flexsparse build: a query block needs more than 4 block ranges");
   }
+}
+
+// Longer rows: one CTA per (sequence, row) fills the workspace ...
+__global__ void __launch_bounds__(kRowThreads) fill_kernel(BuildParams p) {
+  __shared__ int32_t buf[32];
+  const int64_t b = blockIdx.y;
+  const int r = blockIdx.x >> 1, t0 = (blockIdx.x & 1) * 2;
+  fill_pair(p.bounds + ws_at(p, b, t0, r), p.bounds + ws_at(p, b, t0 + 1, r),
+            p.filled + ws_at(p, b, t0, r), p.filled + ws_at(p, b, t0 + 1, r),
+            (int32_t)p.nKB, (int32_t)p.nQB, buf);
+}
+
+// ... and one thread per query block makes its lists.
+__global__ void __launch_bounds__(kQueryThreads) query_block_kernel(BuildParams p) {
+  const int64_t b = blockIdx.y, qb = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (qb >= p.nQB) return;
+  bool ok = query_block_rows(p, b, qb, p.filled + ws_at(p, b, 0, 0));
+  assert(ok && "flexsparse build: a query block needs more than 4 block ranges");
 }
 
 void check_launch(const char* what) {
@@ -212,9 +244,9 @@ void build_column_ranges_cuda(const BuildParams& p, void* stream_) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_);
   if (p.Bl == 0 || p.nKB == 0) return;
   if (p.Bl > 65535) throw std::runtime_error("flexsparse build: more than 65535 rows");
-  bool docs = p.kind != kPrefixLM;
-  bool shared_ends = docs && p.n_docs <= kSharedDocs;
-  if (docs && !shared_ends) {
+  // with few documents every column CTA scans the lengths itself
+  bool shared_ends = p.kind != kPrefixLM && !needs_ends(p);
+  if (needs_ends(p)) {
     scan_kernel<<<(unsigned)p.Bl, kRowThreads, 0, stream>>>(p);
     check_launch("scan_kernel");
   }
@@ -222,8 +254,16 @@ void build_column_ranges_cuda(const BuildParams& p, void* stream_) {
   column_kernel<<<dim3((unsigned)p.nKB, (unsigned)p.Bl), kColumnThreads, smem, stream>>>(
       p, shared_ends);
   check_launch("column_kernel");
-  if (p.nQB > 0) {
-    query_block_kernel<<<(unsigned)p.Bl, kRowThreads, 0, stream>>>(p);
+  if (p.nQB == 0) return;
+  const size_t bounds_bytes = 4 * p.m * p.nKB * sizeof(int32_t);
+  if ((int64_t)bounds_bytes <= kSharedBoundsBytes) {
+    query_block_kernel_smem<<<(unsigned)p.Bl, kRowThreads, bounds_bytes, stream>>>(p);
+    check_launch("query_block_kernel_smem");
+  } else {
+    fill_kernel<<<dim3(2 * p.m, (unsigned)p.Bl), kRowThreads, 0, stream>>>(p);
+    check_launch("fill_kernel");
+    unsigned blocks = (unsigned)((p.nQB + kQueryThreads - 1) / kQueryThreads);
+    query_block_kernel<<<dim3(blocks, (unsigned)p.Bl), kQueryThreads, 0, stream>>>(p);
     check_launch("query_block_kernel");
   }
 }

@@ -222,15 +222,16 @@ FS_HD int64_t ws_at(const BuildParams& p, int64_t b, int t, int r) {
   return ((b * 4 + t) * p.m + r) * p.nKB;
 }
 
-// Step 4 for query block qb of row b, from the filled workspace: the forward / dQ lists.
-FS_HD bool query_block_rows(const BuildParams& p, int64_t b, int64_t qb) {
+// Step 4 for query block qb of row b: the forward / dQ lists. `filled`: row b's filled
+// bounds, (4, m, nKB) (in the workspace, or a copy in shared memory).
+FS_HD bool query_block_rows(const BuildParams& p, int64_t b, int64_t qb, const int32_t* filled) {
   int32_t hlo[kMaxSlots], hhi[kMaxSlots], clo[kMaxSlots], chi[kMaxSlots];
   const int32_t nKB = (int32_t)p.nKB, x = (int32_t)qb;
   for (int r = 0; r < p.m; ++r) {
-    hlo[r] = count_le(p.filled + ws_at(p, b, 1, r), nKB, x);   // #(h1 <= qb)
-    hhi[r] = count_le(p.filled + ws_at(p, b, 0, r), nKB, x);   // #(h0 <= qb)
-    clo[r] = count_le(p.filled + ws_at(p, b, 3, r), nKB, x);   // #(b <= qb)
-    chi[r] = count_le(p.filled + ws_at(p, b, 2, r), nKB, x);   // #(a <= qb)
+    hlo[r] = count_le(filled + (1 * p.m + r) * p.nKB, nKB, x);   // #(h1 <= qb)
+    hhi[r] = count_le(filled + (0 * p.m + r) * p.nKB, nKB, x);   // #(h0 <= qb)
+    clo[r] = count_le(filled + (3 * p.m + r) * p.nKB, nKB, x);   // #(b <= qb)
+    chi[r] = count_le(filled + (2 * p.m + r) * p.nKB, nKB, x);   // #(a <= qb)
   }
   int64_t row = b * p.nQB + qb;
   return write_rows(hlo, hhi, clo, chi, p.m, nKB, p.kv_full_count + row,
@@ -254,12 +255,21 @@ FS_HD bool key_block_rows(const BuildParams& p, int64_t b, int64_t kb, const int
 
 // ---- entry points (build_masks.cu)
 
-// Launches the kernels on `stream` (a cudaStream_t): 3 for documents with many documents,
-// 2 otherwise. Lengths / prefix values are checked on the device (a device-side assert).
+// Launches the kernels on `stream` (a cudaStream_t): 2 when the bounds of a row fit in
+// shared memory (kSharedBoundsBytes: nKB <= 1280 for documents, 160K tokens at block 128)
+// and a row has at most kSharedDocs documents; one more for each of these that does not
+// hold. Lengths / prefix values are checked on the device (a device-side assert).
 void build_column_ranges_cuda(const BuildParams& p, void* stream);
-// Documents with at most this many documents per row scan their lengths inside the
-// column kernel (no separate scan, no `ends` workspace).
+// Documents with at most this many documents per row (and documents x key blocks at most
+// kSharedScanWork) scan their lengths inside the column kernel (no separate scan, no
+// `ends` workspace).
 constexpr int64_t kSharedDocs = 2048;
+constexpr int64_t kSharedScanWork = int64_t(1) << 22;
+// Whether the CUDA build needs the `ends` workspace (and a scan kernel) for these sizes.
+inline bool needs_ends(const BuildParams& p) {
+  return p.kind != kPrefixLM && (p.n_docs > kSharedDocs || p.n_docs * p.nKB > kSharedScanWork);
+}
+constexpr int64_t kSharedBoundsBytes = 40 * 1024;   // + static: under the 48 KB default
 
 }  // namespace build
 }  // namespace flexsparse

@@ -70,7 +70,7 @@ void build_cpu(BuildParams& p, std::vector<int64_t>& ends) {
       }
     }
     for (int64_t qb = 0; qb < p.nQB; ++qb)
-      TORCH_CHECK(query_block_rows(p, b, qb),
+      TORCH_CHECK(query_block_rows(p, b, qb, p.filled + ws_at(p, b, 0, 0)),
                   "flexsparse build: a query block needs more than 4 block ranges");
   }
 }
@@ -121,14 +121,16 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
                    "flexsparse build: lengths must be an integer tensor, got ", data_in.scalar_type());
   const bool docs = kind != kPrefixLM;
   if (docs) {
-    TORCH_CHECK_VALUE(data_in.dim() == 2 && data_in.size(0) > 0 && data_in.size(1) > 0,
-                      "flexsparse build: lengths must be (B, n) with B, n > 0, got ", data_in.sizes());
+    TORCH_CHECK_VALUE((data_in.dim() == 1 || data_in.dim() == 2) && data_in.numel() > 0,
+                      "flexsparse build: lengths must be (n,) or (B, n), nonempty, got ",
+                      data_in.sizes());
     TORCH_CHECK_VALUE(Lq == Lk, "lengths: needs Lq == Lk, got Lq=", Lq, ", Lk=", Lk);
   } else {
     TORCH_CHECK_VALUE(data_in.dim() == 1 && data_in.size(0) > 0,
                       "flexsparse build: prefix_len must be (B,) with B > 0, got ", data_in.sizes());
   }
-  const Tensor data = data_in.to(at::kLong).contiguous();
+  Tensor data = data_in.to(at::kLong).contiguous();
+  if (data.dim() == 1 && docs) data = data.unsqueeze(0);     // (n,) -> (1, n)
   BuildParams p;
   p.kind = kind;
   p.m = slots_of(kind);
@@ -160,7 +162,7 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
   if (data.is_cuda()) {
     c10::cuda::CUDAGuard guard(data.device());
     Tensor ends;
-    if (docs && p.n_docs > kSharedDocs) {
+    if (needs_ends(p)) {
       ends = at::empty({Bl, p.n_docs}, data.options());
       p.ends = ends.data_ptr<int64_t>();
     }

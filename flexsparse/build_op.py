@@ -30,6 +30,9 @@ import torch
 from .descriptor import BlockDescriptor, Sizes
 
 _OPS = ("flexsparse::build_document", "flexsparse::build_prefix_lm")
+# the overloads themselves: calling them skips the packet's overload lookup (host time)
+_DOCUMENT = torch.ops.flexsparse.build_document.default
+_PREFIX_LM = torch.ops.flexsparse.build_prefix_lm.default
 _MODE: Optional[bool] = None      # None: CUDA only; True: CPU too; False: never
 _HAVE = {}                        # dispatch key -> True once the kernels are registered
 
@@ -78,14 +81,14 @@ def _descriptor(outputs, sz: Sizes) -> BlockDescriptor:
 
 
 def document(lengths: torch.Tensor, sz: Sizes, causal: bool) -> BlockDescriptor:
-    """The descriptor of masks.document(lengths, causal) for `sz`; lengths (Bl, n) on
-    sz.device, shapes already checked (Lq == Lk, Bl in (1, B))."""
-    return _descriptor(torch.ops.flexsparse.build_document(
+    """The descriptor of masks.document(lengths, causal) for `sz`; lengths (n,) or (Bl, n)
+    on sz.device, shapes already checked (Lq == Lk, Bl in (1, B))."""
+    return _descriptor(_DOCUMENT(
         lengths, sz.Lk, sz.block_q, sz.block_k, causal), sz)
 
 
 def prefix_lm(prefix_len: torch.Tensor, sz: Sizes) -> BlockDescriptor:
     """The descriptor of masks.prefix_lm(prefix_len) for `sz`; prefix_len (Bp,) on
     sz.device, Bp in (1, B)."""
-    return _descriptor(torch.ops.flexsparse.build_prefix_lm(
+    return _descriptor(_PREFIX_LM(
         prefix_len, sz.Lq, sz.Lk, sz.block_q, sz.block_k), sz)

@@ -528,19 +528,19 @@ def _as_lengths(lengths, name) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _lengths_rows(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tensor:
-    """Document lengths as (Bl, n), their shape checked against the sizes."""
+def _check_lengths_shape(lengths: torch.Tensor, sz: Sizes, name: str) -> None:
+    """Document lengths (n,) or (Bl, n): their shape against the sizes."""
     if sz.Lq != sz.Lk:
         raise ValueError(f"{name}: needs Lq == Lk, got Lq={sz.Lq}, Lk={sz.Lk}")
-    lens = lengths[None] if lengths.dim() == 1 else lengths
-    if not dim_in(lens.shape[0], 1, sz.B):
-        raise ValueError(f"{name}: batch dim {lens.shape[0]} must be 1 or B={sz.B}")
-    return lens
+    rows = lengths.shape[0] if lengths.dim() == 2 else 1
+    if not dim_in(rows, 1, sz.B):
+        raise ValueError(f"{name}: batch dim {rows} must be 1 or B={sz.B}")
 
 
 def _checked_lengths(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tensor:
     """Document lengths as (Bl, n), checked where they live (a CPU copy: no device sync)."""
-    lens = _lengths_rows(lengths, sz, name)
+    _check_lengths_shape(lengths, sz, name)
+    lens = lengths[None] if lengths.dim() == 1 else lengths
     totals = lens.sum(-1)
     if static_shapes():
         # the values are data: checked by the graph when it runs (torch._assert_async)
@@ -592,8 +592,8 @@ def document(lengths, causal: bool = True) -> Mask:
         if build_op.debug_checks():
             with building_static(False):
                 _checked_lengths(lens, sz, "lengths")
-        rows = _lengths_rows(lens, sz, "lengths").to(sz.device)
-        return build_op.document(rows, sz, use_causal)
+        _check_lengths_shape(lens, sz, "lengths")
+        return build_op.document(lens.to(sz.device), sz, use_causal)
     return _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
                          spec=spec, cacheable=lens.device.type == "cpu", fast=fast)
 

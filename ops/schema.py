@@ -90,6 +90,7 @@ _BUILD_RETURNS = "(" + ", ".join(f"Tensor {n}" for n in BUILD_OUTPUTS) + ")"
 torch.library.define(
     "flexsparse::build_document",
     f"(Tensor lengths, SymInt L, int block_q, int block_k, bool causal) -> {_BUILD_RETURNS}")
+# lengths: (n,) or (B, n); prefix_len: (B,)
 torch.library.define(
     "flexsparse::build_prefix_lm",
     f"(Tensor prefix_len, SymInt Lq, SymInt Lk, int block_q, int block_k) -> {_BUILD_RETURNS}")
@@ -108,9 +109,11 @@ def _build_fake_outputs(data, Bl, Lq, Lk, block_q, block_k, m):
 
 @torch.library.register_fake("flexsparse::build_document")
 def _build_document_fake(lengths, L, block_q, block_k, causal):
-    if lengths.dim() != 2:
-        raise ValueError(f"flexsparse build: lengths must be (B, n), got {tuple(lengths.shape)}")
-    return _build_fake_outputs(lengths, lengths.shape[0], L, L, block_q, block_k, 2)
+    if lengths.dim() not in (1, 2):
+        raise ValueError(f"flexsparse build: lengths must be (n,) or (B, n), got "
+                         f"{tuple(lengths.shape)}")
+    Bl = lengths.shape[0] if lengths.dim() == 2 else 1
+    return _build_fake_outputs(lengths, Bl, L, L, block_q, block_k, 2)
 
 
 @torch.library.register_fake("flexsparse::build_prefix_lm")

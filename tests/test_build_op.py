@@ -23,53 +23,14 @@ import flexsparse
 from flexsparse import build_op
 from flexsparse import masks as M
 from flexsparse.descriptor import Sizes, building_static
-from flexsparse.ops import visibility
-from flexsparse.ops.schema import MAX_RANGES
+
+from build_checks import LISTS, check_range_rows, grids
 
 if os.environ.get("FLEXSPARSE_TEST_BUILD_LIB"):
     torch.ops.load_library(os.environ["FLEXSPARSE_TEST_BUILD_LIB"])
 
 pytestmark = pytest.mark.skipif(not build_op.available("cpu"),
                                 reason="flexsparse._C (the mask-build ops) is not built")
-
-LISTS = ("kv", "kv_full", "q", "q_full")
-
-
-def _grids(desc):
-    """Per list: (count, bool grid of the listed blocks), whatever the list form."""
-    Lq, Lk = desc.seq_lengths
-    bq, bk = desc.block_size
-    nQB, nKB = -(-Lq // bq), -(-Lk // bk)
-    out = {}
-    for name in LISTS:
-        count, index = getattr(desc, name + "_count"), getattr(desc, name + "_index")
-        n = nKB if name.startswith("kv") else nQB
-        if index.dim() == 5:
-            grid = visibility.ranges_to_grid(index, n, count)
-        else:
-            cols = torch.arange(index.shape[-1])
-            valid = cols < count[..., None].long()
-            hits = torch.zeros(index.shape[:-1] + (n,), dtype=torch.int32)
-            hits.scatter_add_(-1, torch.where(valid, index.long(), 0), valid.to(torch.int32))
-            grid = hits > 0
-        out[name] = (count, grid)
-    return out
-
-
-def _check_range_rows(desc):
-    """Range form with MAX_RANGES sorted, disjoint, nonempty ranges first, then (0, 0)."""
-    for name in LISTS:
-        index = getattr(desc, name + "_index")
-        assert index.dim() == 5 and index.shape[-2:] == (MAX_RANGES, 2), name
-        assert index.dtype == torch.int32 and index.is_contiguous()
-        lo, hi = index[..., 0], index[..., 1]
-        nonempty = hi > lo
-        assert ((lo == 0) & (hi == 0) | nonempty).all(), name
-        # nonempty ranges first, in order, not touching
-        assert (nonempty[..., 1:] <= nonempty[..., :-1]).all(), name
-        both = nonempty[..., 1:] & nonempty[..., :-1]
-        assert (~both | (lo[..., 1:] > hi[..., :-1])).all(), name
-
 
 def _sizes(B, Hq, Hkv, Lq, Lk, block):
     return Sizes(B, Hq, Hkv, Lq, Lk, *block, torch.device("cpu"))
@@ -84,11 +45,11 @@ def _compare(mask, B, Hq, Hkv, Lq, Lk, block, attention=False):
         got = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
     M.clear_cache()
     assert compact.kv_index.dim() == 5, "the compact build gave lists: not a range-form mask"
-    _check_range_rows(got)
+    check_range_rows(got)
     assert got.col_ranges.dtype == torch.int32 and got.col_ranges.is_contiguous()
     assert torch.equal(got.col_ranges, static.col_ranges)
     assert torch.equal(got.col_ranges, compact.col_ranges)
-    want, want_static, have = _grids(compact), _grids(static), _grids(got)
+    want, want_static, have = grids(compact), grids(static), grids(got)
     for name in LISTS:
         assert have[name][0].dtype == torch.int32
         assert torch.equal(have[name][0], want[name][0]), name
@@ -265,8 +226,11 @@ def test_raw_op_refuses_bad_arguments():
         torch.ops.flexsparse.build_document(lens, 16, 0, 16, True)
     with pytest.raises(TypeError, match="integer tensor"):
         torch.ops.flexsparse.build_document(lens.float(), 16, 16, 16, True)
-    with pytest.raises(ValueError, match=r"\(B, n\)"):
-        torch.ops.flexsparse.build_document(lens[0], 16, 16, 16, True)
+    with pytest.raises(ValueError, match=r"\(n,\) or \(B, n\)"):
+        torch.ops.flexsparse.build_document(lens[None], 16, 16, 16, True)
+    one_d = torch.ops.flexsparse.build_document(lens[0], 16, 16, 16, True)
+    for a, b in zip(one_d, torch.ops.flexsparse.build_document(lens, 16, 16, 16, True)):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"\(B,\)"):
         torch.ops.flexsparse.build_prefix_lm(lens, 16, 16, 16, 16)
     out = torch.ops.flexsparse.build_document(lens.to(torch.int32), 16, 16, 16, True)
