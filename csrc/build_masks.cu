@@ -130,17 +130,23 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
   const int64_t j0 = kb * p.bk, j1 = min64(p.Lk, j0 + p.bk);
   for (int64_t j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
     int64_t ds = 0, de = 0, s[kMaxSlots], e[kMaxSlots];
-    if (p.kind != kPrefixLM) {
-      int64_t d = document_of(ends, p.n_docs, j);
-      de = ends[d];
-      ds = d > 0 ? ends[d - 1] : 0;          // = ends[d] - lengths[d]
+    if (p.kind == kColumnRanges) {
+      int64_t x[4] = {0, 0, 0, 0};
+      for (int c = 0; c < p.C; ++c) x[c] = p.startend[(b * p.Lk + j) * p.C + c];
+      flashmask_intervals(p.C, p.causal, p.Lq, p.Lk, j, x, s, e);
+    } else {
+      if (p.kind != kPrefixLM) {
+        int64_t d = document_of(ends, p.n_docs, j);
+        de = ends[d];
+        ds = d > 0 ? ends[d - 1] : 0;          // = ends[d] - lengths[d]
+      }
+      column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
     }
-    column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
     int32_t* cr = p.col_ranges + (b * p.Lk + j) * 2 * m;
     if (m == 2) {
       *reinterpret_cast<int4*>(cr) = make_int4((int)s[0], (int)e[0], (int)s[1], (int)e[1]);
     } else {
-      *reinterpret_cast<int2*>(cr) = make_int2((int)s[0], (int)e[0]);
+      for (int r = 0; r < m; ++r) *reinterpret_cast<int2*>(cr + 2 * r) = make_int2((int)s[r], (int)e[r]);
     }
     for (int r = 0; r < m; ++r) st[r].add(s[r], e[r]);
   }
@@ -165,8 +171,66 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
       }
       t.bounds(p.Lq, p.bq, p.nQB, bd[r]);
     }
-    bool ok = key_block_rows(p, b, kb, bd);
-    assert(ok && "flexsparse build: a key block needs more than 4 block ranges");
+    if (p.kind == kColumnRanges) {                 // lists: list_kernel
+      for (int r = 0; r < m; ++r)
+        for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
+    } else {
+      bool ok = key_block_rows(p, b, kb, bd);
+      assert(ok && "flexsparse build: a key block needs more than 4 block ranges");
+    }
+  }
+}
+
+// Column ranges: the padded lists (descriptor._block_lists of the block states), one warp
+// per list row: warps [0, nQB) the forward / dQ rows (over key blocks), the rest the
+// dK/dV rows (over query blocks). Pass 1 counts the partial and full blocks of the row;
+// pass 2 writes each block at its place: listed ones first, then the others, ascending.
+__global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
+  const int64_t b = blockIdx.y;
+  const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= p.nQB + p.nKB) return;                  // whole warps leave together
+  const bool kv = w < p.nQB;
+  const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
+  const int32_t* bounds = p.bounds + ws_at(p, b, 0, 0);
+  int32_t *part, *full;
+  int32_t *part_count, *full_count;
+  if (kv) {
+    part = p.kv_index + (b * p.nQB + row) * n; full = p.kv_full_index + (b * p.nQB + row) * n;
+    part_count = p.kv_count + b * p.nQB + row; full_count = p.kv_full_count + b * p.nQB + row;
+  } else {
+    part = p.q_index + (b * p.nKB + row) * n; full = p.q_full_index + (b * p.nKB + row) * n;
+    part_count = p.q_count + b * p.nKB + row; full_count = p.q_full_count + b * p.nKB + row;
+  }
+  auto state = [&](int64_t i) {                    // i: the block along the row
+    int64_t qb = kv ? row : i, kb = kv ? i : row;
+    return block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
+  };
+  int64_t np = 0, nf = 0;
+  for (int64_t c = 0; c < n; c += 32) {
+    int64_t i = c + lane;
+    int st = i < n ? state(i) : kSkip;
+    np += __popc(__ballot_sync(0xffffffffu, st == kPartial));
+    nf += __popc(__ballot_sync(0xffffffffu, st == kFull));
+  }
+  const unsigned below = (1u << lane) - 1u;
+  int64_t bp = 0, bf = 0;                          // listed blocks before this chunk
+  for (int64_t c = 0; c < n; c += 32) {
+    int64_t i = c + lane;
+    int st = i < n ? state(i) : kSkip;
+    unsigned sp = __ballot_sync(0xffffffffu, st == kPartial);
+    unsigned sf = __ballot_sync(0xffffffffu, st == kFull);
+    if (i < n) {
+      int64_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
+      part[st == kPartial ? before_p : np + (i - before_p)] = (int32_t)i;
+      full[st == kFull ? before_f : nf + (i - before_f)] = (int32_t)i;
+    }
+    bp += __popc(sp);
+    bf += __popc(sf);
+  }
+  if (lane == 0) {
+    *part_count = (int32_t)np;
+    *full_count = (int32_t)nf;
   }
 }
 
@@ -255,6 +319,13 @@ void build_column_ranges_cuda(const BuildParams& p, void* stream_) {
       p, shared_ends);
   check_launch("column_kernel");
   if (p.nQB == 0) return;
+  if (p.kind == kColumnRanges) {
+    int64_t threads = (p.nQB + p.nKB) * 32;
+    list_kernel<<<dim3((unsigned)((threads + kQueryThreads - 1) / kQueryThreads), (unsigned)p.Bl),
+                  kQueryThreads, 0, stream>>>(p);
+    check_launch("list_kernel");
+    return;
+  }
   const size_t bounds_bytes = 4 * p.m * p.nKB * sizeof(int32_t);
   if ((int64_t)bounds_bytes <= kSharedBoundsBytes) {
     query_block_kernel_smem<<<(unsigned)p.Bl, kRowThreads, bounds_bytes, stream>>>(p);

@@ -3,7 +3,7 @@
 // the range-form descriptor of flexsparse.blocklists.column_range_range_descriptor (the
 // compact build): the column ranges (Bl, 1, Lk, 2m) and the eight block lists, each row
 // at most 4 half-open block ranges. Kept free of torch headers: the CUDA kernels
-// (build_masks.cu) and the CPU loops (build_ops.cpp) share the per-column, per-key-block
+// (build_masks.cu) and the CPU loops (build_ops.h) share the per-column, per-key-block
 // and per-query-block steps below, so both compute the same thing.
 //
 // Steps (the torch code of blocklists.py they follow, in brackets):
@@ -31,12 +31,19 @@ namespace flexsparse {
 namespace build {
 
 constexpr int kMaxRanges = 4;       // ranges per list row (ops.schema.MAX_RANGES)
-constexpr int kMaxSlots = 2;        // masked intervals per column of the kinds built here
+constexpr int kMaxSlots = 3;        // masked intervals per column of the kinds built here
 constexpr int64_t kBig = int64_t(1) << 40;
 
-enum Kind : int { kDocumentCausal = 0, kDocument = 1, kPrefixLM = 2 };
+enum Kind : int { kDocumentCausal = 0, kDocument = 1, kPrefixLM = 2, kColumnRanges = 3 };
 
-inline int slots_of(int kind) { return kind == kPrefixLM ? 1 : 2; }
+// Column ranges (FlashMask, masks.column_ranges): user data need not be range-shaped, and
+// the form cannot depend on the data without a host sync, so this kind gets the static
+// build's padded lists instead (index (Bd, Hd, n, N): the listed blocks ascending, then
+// the others ascending, as descriptor._block_lists), from the same block states.
+inline int slots_of(int kind, int C = 0, bool causal = false) {
+  if (kind == kColumnRanges) return (C == 4 && causal) ? 3 : 2;
+  return kind == kPrefixLM ? 1 : 2;
+}
 
 struct BuildParams {
   int kind = 0;
@@ -49,14 +56,18 @@ struct BuildParams {
   int64_t* ends = nullptr;
   // prefix-LM: prefix lengths (Bl,) int64
   const int64_t* prefix = nullptr;
+  // column ranges: startend (Bl = Bc * Hc, Lk, C) int64 and the mask's causal flag
+  const int64_t* startend = nullptr;
+  int C = 0;
+  bool causal = false;
   // outputs, int32, contiguous
   int32_t* col_ranges = nullptr;      // (Bl, Lk, 2m)
   int32_t* kv_count = nullptr;        // (Bl, nQB)       partial, per query block
-  int32_t* kv_index = nullptr;        // (Bl, nQB, 4, 2)
+  int32_t* kv_index = nullptr;        // (Bl, nQB, 4, 2); column ranges: (Bl, nQB, nKB)
   int32_t* kv_full_count = nullptr;
   int32_t* kv_full_index = nullptr;
   int32_t* q_count = nullptr;         // (Bl, nKB)       partial, per key block
-  int32_t* q_index = nullptr;         // (Bl, nKB, 4, 2)
+  int32_t* q_index = nullptr;         // (Bl, nKB, 4, 2); column ranges: (Bl, nKB, nQB)
   int32_t* q_full_count = nullptr;
   int32_t* q_full_index = nullptr;
   // workspace, int32 (Bl, 4, m, nKB): h0, h1, a, b per interval and key block, raw
@@ -101,6 +112,47 @@ FS_HD void column_intervals(int kind, int64_t Lq, int64_t Lk, int64_t j, int64_t
   s[1] = lower;
   e[1] = Lq;
   if (lower >= Lq) s[1] = Lq;
+}
+
+// Step 1 for column ranges: the slots of masks.column_ranges after masks._simplify
+// (upper first, then lower, then general intervals), normalized as above. x: the column's
+// C values.
+FS_HD void flashmask_intervals(int C, bool causal, int64_t Lq, int64_t Lk, int64_t j,
+                               const int64_t* x, int64_t* s, int64_t* e) {
+  const int UPPER = 0, LOWER = 1, GENERAL = 2;
+  int kind[kMaxSlots];
+  int n = 0;
+  if (causal) { kind[n] = UPPER; s[n] = 0; e[n] = j - (Lk - Lq); ++n; }
+  if (C == 1) {
+    kind[n] = LOWER; s[n] = x[0]; e[n] = Lq; ++n;
+  } else if (C == 2 && causal) {
+    kind[n] = GENERAL; s[n] = x[0]; e[n] = x[1]; ++n;
+  } else if (C == 2) {
+    kind[n] = UPPER; s[n] = 0; e[n] = x[1]; ++n;
+    kind[n] = LOWER; s[n] = x[0]; e[n] = Lq; ++n;
+  } else {
+    kind[n] = GENERAL; s[n] = x[0]; e[n] = x[1]; ++n;
+    kind[n] = GENERAL; s[n] = x[2]; e[n] = x[3]; ++n;
+  }
+  for (int r = 0; r < n; ++r) {
+    s[r] = clamp64(s[r], 0, Lq);
+    e[r] = clamp64(e[r], 0, Lq);
+    if (s[r] >= e[r]) s[r] = e[r] = kind[r] == LOWER ? Lq : 0;
+  }
+}
+
+// Block state of (qb, kb) from kb's bounds (masks.col_ranges_block_state): skipped if an
+// interval covers the query block in every column, full if none touches it, else partial.
+enum State : int { kSkip = 0, kPartial = 1, kFull = 2 };
+FS_HD int block_state(const int32_t* bounds_kb, int m, int64_t stride, int32_t qb) {
+  bool skip = false, touched = false;
+  for (int r = 0; r < m; ++r) {
+    int32_t h0 = bounds_kb[(0 * m + r) * stride], h1 = bounds_kb[(1 * m + r) * stride];
+    int32_t a = bounds_kb[(2 * m + r) * stride], b = bounds_kb[(3 * m + r) * stride];
+    skip = skip || (a <= qb && qb < b);
+    touched = touched || (h0 <= qb && qb < h1);
+  }
+  return skip ? kSkip : (touched ? kPartial : kFull);
 }
 
 // Step 2: per key block statistics of one interval (blocklists.key_block_stats; padded

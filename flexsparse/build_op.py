@@ -1,20 +1,23 @@
-"""Per-step mask builds in one op call (issue 16): `flexsparse::build_document` and
-`flexsparse::build_prefix_lm` (schemas and fakes in ops/schema.py, kernels in
-csrc/build_ops.cpp and csrc/build_masks.cu, part of flexsparse._C).
+"""Per-step mask builds in one op call (issue 16): `flexsparse::build_document`,
+`flexsparse::build_prefix_lm` and `flexsparse::build_column_ranges` (schemas and fakes in
+ops/schema.py; kernels in csrc/build_ops.h and csrc/build_masks.cu, part of
+flexsparse._C).
 
-Each call allocates every output in C++ and, on CUDA, runs two kernels (three for
-documents with more than 2048 documents per row): no host synchronization, workspace
-O(N / block), the same cost at any length. The descriptor is the range form of
-`blocklists.column_range_range_descriptor` (what the compact build gives for these
-masks; O(N / block), and the form the kernels run fastest): the same column ranges and
-the same block grid as the static build, which would hold padded (nQB x nKB) lists.
+Each call allocates every output in C++ and, on CUDA, runs two kernels for the usual
+sizes (one more for a row of more than 2048 documents, one more past ~160K tokens at
+block 128): no host synchronization, sizes from the shapes only. Documents and prefix-LM
+get the range form of `blocklists.column_range_range_descriptor` (what the compact build
+gives them; O(N / block) at any length, and the form the kernels run fastest): the same
+column ranges and block grid as the static build, which would hold padded (nQB x nKB)
+lists. FlashMask column ranges (user data, not always range-shaped) get exactly the
+static build's tensors, padded lists included, up to STATIC_MAX_BLOCKS in eager builds.
 
-Used by `masks.document(tensor)` and `masks.prefix_lm(tensor)` when the op is built and
-the mask is compiled for CUDA tensors, eager or inside torch.compile (the op has a fake
-kernel; sizes come from the shapes only). CPU tensors take the op only inside `use(True)`
+Used by `masks.document`, `masks.prefix_lm(tensor)` and `masks.column_ranges` (each used
+alone) when the op is built and the mask is compiled for CUDA tensors, eager or inside
+torch.compile (the op has a fake kernel). CPU tensors take the op only inside `use(True)`
 (tests), because the CPU op reports bad values as a ValueError also in compiled graphs,
 where the torch build raises RuntimeError from torch._assert_async; `use(False)` turns
-the op off everywhere (benchmarks of the torch build).
+the op off everywhere (benchmarks of the torch builds).
 
 Checks of values: on CUDA a device-side assert inside the kernels (as the static torch
 build's torch._assert_async); on CPU the ValueError of the torch build's eager path, with
@@ -29,10 +32,12 @@ import torch
 
 from .descriptor import BlockDescriptor, Sizes
 
-_OPS = ("flexsparse::build_document", "flexsparse::build_prefix_lm")
+_OPS = ("flexsparse::build_document", "flexsparse::build_prefix_lm",
+        "flexsparse::build_column_ranges")
 # the overloads themselves: calling them skips the packet's overload lookup (host time)
 _DOCUMENT = torch.ops.flexsparse.build_document.default
 _PREFIX_LM = torch.ops.flexsparse.build_prefix_lm.default
+_COLUMN_RANGES = torch.ops.flexsparse.build_column_ranges.default
 _MODE: Optional[bool] = None      # None: CUDA only; True: CPU too; False: never
 _HAVE = {}                        # dispatch key -> True once the kernels are registered
 
@@ -92,3 +97,10 @@ def prefix_lm(prefix_len: torch.Tensor, sz: Sizes) -> BlockDescriptor:
     sz.device, Bp in (1, B)."""
     return _descriptor(_PREFIX_LM(
         prefix_len, sz.Lq, sz.Lk, sz.block_q, sz.block_k), sz)
+
+
+def column_ranges(startend: torch.Tensor, sz: Sizes, causal: bool) -> BlockDescriptor:
+    """The descriptor of masks.column_ranges(startend, causal) for `sz` (shapes checked):
+    the static build's tensors (padded lists: user data need not be range-shaped)."""
+    return _descriptor(_COLUMN_RANGES(startend, sz.Lq, sz.Lk, sz.block_q, sz.block_k, causal),
+                       sz)

@@ -710,13 +710,16 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
         raise ValueError(f"startend_row_indices: last dim C={C} is not valid with causal={causal} "
                          f"(causal: 1, 2 or 4; non-causal: 2 or 4)")
 
-    def build(sz):
+    def check(sz):
         if not dim_in(t.shape[0], 1, sz.B) or t.shape[2] != sz.Lk:
             raise ValueError(f"startend_row_indices: shape {tuple(t.shape)} must be "
                              f"(B|1, Hkv|1, Lk={sz.Lk}, C)")
         _check_heads_dim("startend_row_indices", t.shape[1], sz)
         if t.device != sz.device:
             raise ValueError(f"startend_row_indices: is on {t.device}, inputs on {sz.device}")
+
+    def build(sz):
+        check(sz)
         x = t.to(torch.int64)
         lq = torch.full_like(x[..., 0], sz.Lq)
         zero = torch.zeros_like(lq)
@@ -732,8 +735,15 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
         if causal:
             slots.append((UPPER, _interval(torch.zeros_like(_cols(sz)), _cols(sz) - sz.offset)))
         return slots
+    def fast(sz):    # one op call giving the static build's padded lists (build_op.py)
+        if not build_op.wanted(sz.device):
+            return None
+        if not _is_compiling() and sz.nQB * sz.nKB > STATIC_MAX_BLOCKS:
+            return None      # padded lists too large: the compact build, as without the op
+        check(sz)
+        return build_op.column_ranges(t, sz, causal)
     return _ColumnRanges(build, lambda: f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
-                         device=t.device, kv_heads_hint=t.shape[1], cacheable=False)
+                         device=t.device, kv_heads_hint=t.shape[1], cacheable=False, fast=fast)
 
 
 # =============================================================== index lists

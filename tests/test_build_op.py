@@ -1,17 +1,17 @@
-"""The mask-build ops (issue 16; flexsparse/build_op.py, csrc/build_ops.cpp): their CPU
-kernel against the torch builds of the same masks.
-
-For documents from a lengths tensor (causal and not) and prefix-LM from per-sample
-prefixes: the same column ranges as the static and the compact build (exactly), the same
-block counts, the same blocks in every list (the op writes maximal ranges; the compact
-build may split a run in two), the same block grid, mask and attention, and output shapes
-that equal the fake kernel's. Bad values raise the eager build's ValueError with the same
-text. Inside torch.compile(fullgraph=True, dynamic=True) the op is one node of the graph,
-with no recompile across lengths.
+"""The mask-build ops (issue 16; flexsparse/build_op.py, csrc/build_ops.h): their CPU
+kernel against the torch builds of the same masks. FlashMask column ranges: the static
+build's tensors exactly (padded lists). Documents from a lengths tensor (causal and not)
+and prefix-LM from per-sample prefixes: the same column ranges as the static and the
+compact build (exactly), the same block counts, the same blocks in every list (the op
+writes maximal ranges; the compact build may split a run in two), the same block grid,
+mask and attention. Output shapes equal the fake kernel's. Bad values raise the eager
+build's ValueError with the same text. Inside torch.compile(fullgraph=True, dynamic=True)
+the op is one node of the graph, with no recompile across lengths.
 
 Skipped when flexsparse._C is not built (no CPU kernel registered). To run these tests
 against a library built elsewhere, set FLEXSPARSE_TEST_BUILD_LIB to its path (loaded with
-torch.ops.load_library, e.g. a build of csrc/build_ops.cpp + csrc/build_masks.cu alone).
+torch.ops.load_library; e.g. csrc/build_masks.cu with a .cpp that includes
+csrc/build_ops.h, built alone).
 """
 import os
 
@@ -23,6 +23,7 @@ import flexsparse
 from flexsparse import build_op
 from flexsparse import masks as M
 from flexsparse.descriptor import Sizes, building_static
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from build_checks import LISTS, check_range_rows, grids
 
@@ -189,6 +190,69 @@ def test_not_used_on_cpu_by_default():
     with pytest.raises(TypeError, match="mode"):
         with build_op.use("yes"):
             pass
+
+
+# ------------------------------------------------------------------ FlashMask column ranges
+
+def _compare_static(t, causal, B, Hq, Hkv, Lq, Lk, block, attention=False):
+    """Column ranges: the op gives the static build's tensors exactly (padded lists)."""
+    mask = M.column_ranges(t, causal=causal)
+    with building_static():
+        static = mask._descriptor(_sizes(B, Hq, Hkv, Lq, Lk, block))
+    with build_op.use(True):
+        got = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+    for name, a, b in zip(got.mask_tensors()._fields, got.mask_tensors(), static.mask_tensors()):
+        assert (a is None) == (b is None), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+    with FakeTensorMode() as mode:
+        fake = torch.ops.flexsparse.build_column_ranges(
+            mode.from_tensor(t), Lq, Lk, *block, causal)
+    real = [got.col_ranges] + list(got.mask_tensors())[:8]
+    for f, r in zip(fake, real):
+        assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype
+    if attention:
+        g = torch.Generator().manual_seed(Lq)
+        q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
+        k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+        v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+        compact = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+        torch.testing.assert_close(flexsparse.attention(q, k, v, got),
+                                   flexsparse.attention(q, k, v, compact), rtol=0, atol=0)
+    return got
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 200), st.integers(0, 50), BLOCKS, st.sampled_from([1, 2, 4]),
+       st.booleans(), st.sampled_from([(1, 1), (2, 1), (2, 2), (1, 2)]), st.integers(0, 2**31))
+def test_column_ranges_random(Lq, extra, block, C, causal, bh, seed):
+    """Random (unsorted, out-of-range) row indices, every C, head dim 1 or Hkv."""
+    if C == 1 and not causal:
+        C = 2
+    Lk = Lq + extra
+    Bc, Hc = bh
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(-5, Lq + 6, (Bc, Hc, Lk, C), generator=g)
+    _compare_static(t, causal, 2, 4, 2, Lq, Lk, block)
+
+
+@pytest.mark.parametrize("C,causal", [(1, True), (2, True), (4, True), (2, False), (4, False)])
+def test_column_ranges_attention(C, causal):
+    g = torch.Generator().manual_seed(C)
+    t = torch.randint(0, 200, (2, 2, 200, C), generator=g, dtype=torch.int32)
+    _compare_static(t, causal, 2, 4, 2, 200, 200, (32, 32), attention=True)
+
+
+def test_column_ranges_past_static_max_blocks_keep_the_compact_build(monkeypatch):
+    """Past STATIC_MAX_BLOCKS the padded lists would be too large: eager builds keep the
+    compact build (as without the op)."""
+    monkeypatch.setattr(M, "STATIC_MAX_BLOCKS", 4)
+    t = torch.randint(0, 64, (1, 1, 64, 2))
+    with build_op.use(True):
+        desc = M.column_ranges(t, causal=True).compile(1, 1, 1, 64, 64, block_size=(16, 16))
+    compact = M.column_ranges(t, causal=True).compile(1, 1, 1, 64, 64, block_size=(16, 16))
+    for a, b in zip(desc.mask_tensors(), compact.mask_tensors()):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
 
 
 # ------------------------------------------------------------------ errors

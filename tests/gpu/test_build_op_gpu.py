@@ -1,9 +1,10 @@
 """The mask-build ops (issue 16; flexsparse/build_op.py, csrc/build_masks.cu) on the GPU:
 the CUDA kernels against the CPU kernel (bit for bit) and against the torch builds (same
-column ranges, counts and block grids), no host synchronization in a build and in a
-forward/backward with the built descriptor, CUDA-graph capture with the lengths changed in
-place, torch.compile(fullgraph=True, dynamic=True), and the device-side assert for bad
-lengths (in a subprocess: it ends the CUDA context). Skipped without CUDA or without the
+column ranges, counts and block grids; FlashMask column ranges: the static build's
+tensors), no host synchronization in a build and in a forward/backward with the built
+descriptor, CUDA-graph capture with the lengths changed in place,
+torch.compile(fullgraph=True, dynamic=True), and the device-side assert for bad lengths
+(in a subprocess: it ends the CUDA context). Skipped without CUDA or without the
 built extension. No hypothesis needed (seeded cases)."""
 import os
 import subprocess
@@ -91,10 +92,33 @@ def test_cuda_equals_cpu_kernel_and_torch_builds(case):
         assert torch.equal(got.block_state(), static.block_state())
 
 
+FLASH = [(C, causal, bh, L) for C, causal in [(1, True), (2, True), (4, True), (2, False),
+                                            (4, False)]
+         for bh, L in [((1, 1), 8192), ((2, 2), 1000), ((1, 2), 77)]]
+
+
+@pytest.mark.parametrize("C,causal,bh,L", FLASH)
+def test_column_ranges_equal_cpu_kernel_and_static_build(C, causal, bh, L):
+    """FlashMask column ranges (random, out-of-range row indices): the static build's
+    padded lists, bit for bit, from the CUDA kernels, the CPU kernel and the torch build."""
+    g = torch.Generator().manual_seed(C * 1000 + L)
+    t = torch.randint(-5, L + 6, (*bh, L, C), generator=g)
+    B, Hq, Hkv = 2, 4, 2
+    got = _build(lambda d: M.column_ranges(t.to(d), causal=causal), DEV, B, Hq, Hkv, L, L,
+                 (128, 128), None)
+    cpu_op = _build(lambda d: M.column_ranges(t.to(d), causal=causal), "cpu", B, Hq, Hkv, L, L,
+                    (128, 128), True)
+    static = _build(lambda d: M.column_ranges(t.to(d), causal=causal), DEV, B, Hq, Hkv, L, L,
+                    (128, 128), False)
+    for name in FIELDS:
+        a, b, c = getattr(got, name), getattr(cpu_op, name), getattr(static, name)
+        assert torch.equal(a.cpu(), b) and torch.equal(a, c), name
+
+
 @pytest.mark.parametrize("L", [131072, 1 << 20])
 def test_long_sequences_equal_the_cpu_kernel(L):
     for make in (lambda d: M.document(_lengths(L, 16, 1, 1).to(d)),
-                 lambda d: M.document(_lengths(L, 4000, 2, 2).to(d), causal=False),
+                 lambda d: M.document(_lengths(L, 4000, 1, 2).to(d), causal=False),
                  lambda d: M.prefix_lm(torch.tensor([L // 3]).to(d))):
         got = _build(make, DEV, 1, 16, 16, L, L, (128, 128), None)
         ref = _build(make, "cpu", 1, 16, 16, L, L, (128, 128), True)
@@ -115,16 +139,18 @@ BACKENDS = [("triton", {"trim_lists": False})] + (
 
 
 @pytest.mark.parametrize("backend,options", BACKENDS, ids=[b for b, _ in BACKENDS])
-@pytest.mark.parametrize("kind", ["document", "document-noncausal", "prefix_lm"])
+@pytest.mark.parametrize("kind", ["document", "document-noncausal", "prefix_lm", "column_ranges"])
 def test_no_host_sync_build_forward_backward(kind, backend, options):
     """Build + forward + backward under set_sync_debug_mode("error"); the result equals
     the torch build's."""
     B, Hq, Hkv, L = 2, 4, 2, 2048
     lens = torch.tensor([[300, 1000, 748], [2048, 0, 0]], device=DEV)
     prefix = torch.tensor([100, 1500], device=DEV)
+    cr = torch.randint(0, L + 1, (B, Hkv, L, 2), device=DEV).sort(-1).values
     make = {"document": lambda: M.document(lens),
             "document-noncausal": lambda: M.document(lens, causal=False),
-            "prefix_lm": lambda: M.prefix_lm(prefix)}[kind]
+            "prefix_lm": lambda: M.prefix_lm(prefix),
+            "column_ranges": lambda: M.column_ranges(cr, causal=True)}[kind]
     q, k, v = _qkv(B, Hq, Hkv, L)
     kw = dict(backend=backend, kernel_options=options) if options else dict(backend=backend)
     torch.cuda.synchronize()
@@ -135,7 +161,7 @@ def test_no_host_sync_build_forward_backward(kind, backend, options):
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert desc.kv_index.dim() == 5
+    assert desc.kv_index.dim() == (4 if kind == "column_ranges" else 5)
     with build_op.use(False):
         ref = make().compile(B, Hq, Hkv, L, L)
     want = flexsparse.attention(q, k, v, ref, **kw)

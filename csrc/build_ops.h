@@ -1,7 +1,11 @@
-// The mask-build ops (issue 16): flexsparse::build_document and flexsparse::build_prefix_lm,
-// one call per build that allocates every output here and runs the kernels of
-// build_masks.cu (CUDA) or the same steps as plain loops (CPU, for tests and CPU users).
+// The mask-build ops (issue 16): flexsparse::build_document, build_prefix_lm and
+// build_column_ranges, one call per build that allocates every output here and runs the
+// kernels of build_masks.cu (CUDA) or the same steps as plain loops (CPU, for tests).
 // Schemas and fake kernels: ops/schema.py. What is built: build_masks.h.
+//
+// Included once, at the end of attention_ops.cpp: a translation unit of its own would
+// compile the torch headers a second time (~45 s of CI's csrc compile on 2 cores).
+#pragma once
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -22,6 +26,35 @@ using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
 
 // ---- the CPU build: the steps of build_masks.h as loops
 
+// Column ranges: the padded lists of row b (list_kernel in build_masks.cu).
+void padded_lists_cpu(BuildParams& p, int64_t b) {
+  const int32_t* bounds = p.bounds + ws_at(p, b, 0, 0);
+  for (int kv = 1; kv >= 0; --kv) {
+    const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
+    for (int64_t row = 0; row < rows; ++row) {
+      int32_t* part = (kv ? p.kv_index : p.q_index) + (b * rows + row) * n;
+      int32_t* full = (kv ? p.kv_full_index : p.q_full_index) + (b * rows + row) * n;
+      std::vector<int> st(n);
+      int64_t np = 0, nf = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t qb = kv ? row : i, kb = kv ? i : row;
+        st[i] = block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
+        np += st[i] == kPartial;
+        nf += st[i] == kFull;
+      }
+      int64_t bp = 0, bf = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        part[st[i] == kPartial ? bp : np + (i - bp)] = (int32_t)i;
+        full[st[i] == kFull ? bf : nf + (i - bf)] = (int32_t)i;
+        bp += st[i] == kPartial;
+        bf += st[i] == kFull;
+      }
+      (kv ? p.kv_count : p.q_count)[b * rows + row] = (int32_t)np;
+      (kv ? p.kv_full_count : p.q_full_count)[b * rows + row] = (int32_t)nf;
+    }
+  }
+}
+
 void build_cpu(BuildParams& p, std::vector<int64_t>& ends) {
   const int m = p.m;
   for (int64_t b = 0; b < p.Bl; ++b) {
@@ -31,12 +64,17 @@ void build_cpu(BuildParams& p, std::vector<int64_t>& ends) {
       Stats st[kMaxSlots];
       for (int64_t j = kb * p.bk; j < min64(p.Lk, (kb + 1) * p.bk); ++j) {
         int64_t ds = 0, de = 0, s[kMaxSlots], e[kMaxSlots];
-        if (row_ends != nullptr) {
-          int64_t d = document_of(row_ends, p.n_docs, j);
-          de = row_ends[d];
-          ds = d > 0 ? row_ends[d - 1] : 0;
+        if (p.kind == kColumnRanges) {
+          flashmask_intervals(p.C, p.causal, p.Lq, p.Lk, j, p.startend + (b * p.Lk + j) * p.C,
+                              s, e);
+        } else {
+          if (row_ends != nullptr) {
+            int64_t d = document_of(row_ends, p.n_docs, j);
+            de = row_ends[d];
+            ds = d > 0 ? row_ends[d - 1] : 0;
+          }
+          column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
         }
-        column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
         int32_t* cr = p.col_ranges + (b * p.Lk + j) * 2 * m;
         for (int r = 0; r < m; ++r) {
           cr[2 * r] = (int32_t)s[r];
@@ -46,8 +84,17 @@ void build_cpu(BuildParams& p, std::vector<int64_t>& ends) {
       }
       int32_t bd[kMaxSlots][4];
       for (int r = 0; r < m; ++r) st[r].bounds(p.Lq, p.bq, p.nQB, bd[r]);
-      TORCH_CHECK(key_block_rows(p, b, kb, bd),
-                  "flexsparse build: a key block needs more than 4 block ranges");
+      if (p.kind == kColumnRanges) {
+        for (int r = 0; r < m; ++r)
+          for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
+      } else {
+        TORCH_CHECK(key_block_rows(p, b, kb, bd),
+                    "flexsparse build: a key block needs more than 4 block ranges");
+      }
+    }
+    if (p.kind == kColumnRanges) {
+      padded_lists_cpu(p, b);
+      continue;
     }
     for (int r = 0; r < m; ++r) {
       for (int t0 = 0; t0 < 4; t0 += 2) {
@@ -112,19 +159,28 @@ void check_prefix_cpu(const Tensor& prefix) {
 // ---- the ops
 
 Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t block_q,
-              int64_t block_k) {
+              int64_t block_k, bool causal = false) {
   TORCH_CHECK_VALUE(block_q > 0 && block_k > 0, "flexsparse build: block sizes must be positive, got (",
                     block_q, ", ", block_k, ")");
   TORCH_CHECK_VALUE(Lq >= 0 && Lk >= 0 && Lq < (int64_t(1) << 31) && Lk < (int64_t(1) << 31),
                     "flexsparse build: sequence lengths must be in [0, 2^31), got (", Lq, ", ", Lk, ")");
   TORCH_CHECK_TYPE(!at::isFloatingType(data_in.scalar_type()) && data_in.scalar_type() != at::kBool,
                    "flexsparse build: lengths must be an integer tensor, got ", data_in.scalar_type());
-  const bool docs = kind != kPrefixLM;
+  const bool docs = kind == kDocument || kind == kDocumentCausal, flash = kind == kColumnRanges;
   if (docs) {
     TORCH_CHECK_VALUE((data_in.dim() == 1 || data_in.dim() == 2) && data_in.numel() > 0,
                       "flexsparse build: lengths must be (n,) or (B, n), nonempty, got ",
                       data_in.sizes());
     TORCH_CHECK_VALUE(Lq == Lk, "lengths: needs Lq == Lk, got Lq=", Lq, ", Lk=", Lk);
+  } else if (flash) {
+    TORCH_CHECK_VALUE(data_in.dim() == 4 && data_in.size(2) == Lk && data_in.size(0) > 0 &&
+                          data_in.size(1) > 0,
+                      "flexsparse build: startend_row_indices must be (B, H, Lk=", Lk, ", C), got ",
+                      data_in.sizes());
+    const int64_t C = data_in.size(3);
+    TORCH_CHECK_VALUE(causal ? (C == 1 || C == 2 || C == 4) : (C == 2 || C == 4),
+                      "flexsparse build: startend_row_indices: last dim C=", C,
+                      " is not valid with causal=", causal);
   } else {
     TORCH_CHECK_VALUE(data_in.dim() == 1 && data_in.size(0) > 0,
                       "flexsparse build: prefix_len must be (B,) with B > 0, got ", data_in.sizes());
@@ -133,29 +189,38 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
   if (data.dim() == 1 && docs) data = data.unsqueeze(0);     // (n,) -> (1, n)
   BuildParams p;
   p.kind = kind;
-  p.m = slots_of(kind);
-  p.Bl = data.size(0);
+  p.C = flash ? (int)data.size(3) : 0;
+  p.causal = causal;
+  p.m = slots_of(kind, p.C, causal);
+  const int64_t Bd = data.size(0), Hd = flash ? data.size(1) : 1;
+  p.Bl = Bd * Hd;
   p.Lq = Lq; p.Lk = Lk; p.bq = block_q; p.bk = block_k;
   p.nQB = (Lq + block_q - 1) / block_q;
   p.nKB = (Lk + block_k - 1) / block_k;
   auto opts = data.options().dtype(at::kInt);
-  const int64_t Bl = p.Bl, nQB = p.nQB, nKB = p.nKB, R = kMaxRanges;
-  Tensor cr = at::empty({Bl, 1, Lk, 2 * p.m}, opts);
-  Tensor kv_c = at::empty({Bl, 1, nQB}, opts), kv_i = at::empty({Bl, 1, nQB, R, 2}, opts);
-  Tensor kvf_c = at::empty({Bl, 1, nQB}, opts), kvf_i = at::empty({Bl, 1, nQB, R, 2}, opts);
-  Tensor q_c = at::empty({Bl, 1, nKB}, opts), q_i = at::empty({Bl, 1, nKB, R, 2}, opts);
-  Tensor qf_c = at::empty({Bl, 1, nKB}, opts), qf_i = at::empty({Bl, 1, nKB, R, 2}, opts);
-  Tensor ws = at::empty({2, Bl, 4, p.m, nKB}, opts);
+  const int64_t nQB = p.nQB, nKB = p.nKB, R = kMaxRanges;
+  // list rows: 4 ranges (range form) or every block (padded lists, column ranges)
+  auto index_shape = [&](int64_t rows, int64_t n) {
+    return flash ? std::vector<int64_t>{Bd, Hd, rows, n} : std::vector<int64_t>{Bd, Hd, rows, R, 2};
+  };
+  Tensor cr = at::empty({Bd, Hd, Lk, 2 * p.m}, opts);
+  Tensor kv_c = at::empty({Bd, Hd, nQB}, opts), kv_i = at::empty(index_shape(nQB, nKB), opts);
+  Tensor kvf_c = at::empty({Bd, Hd, nQB}, opts), kvf_i = at::empty(index_shape(nQB, nKB), opts);
+  Tensor q_c = at::empty({Bd, Hd, nKB}, opts), q_i = at::empty(index_shape(nKB, nQB), opts);
+  Tensor qf_c = at::empty({Bd, Hd, nKB}, opts), qf_i = at::empty(index_shape(nKB, nQB), opts);
+  Tensor ws = at::empty({flash ? 1 : 2, p.Bl, 4, p.m, nKB}, opts);
   p.col_ranges = cr.data_ptr<int32_t>();
   p.kv_count = kv_c.data_ptr<int32_t>(); p.kv_index = kv_i.data_ptr<int32_t>();
   p.kv_full_count = kvf_c.data_ptr<int32_t>(); p.kv_full_index = kvf_i.data_ptr<int32_t>();
   p.q_count = q_c.data_ptr<int32_t>(); p.q_index = q_i.data_ptr<int32_t>();
   p.q_full_count = qf_c.data_ptr<int32_t>(); p.q_full_index = qf_i.data_ptr<int32_t>();
   p.bounds = ws.data_ptr<int32_t>();
-  p.filled = p.bounds + Bl * 4 * p.m * nKB;
+  p.filled = flash ? nullptr : p.bounds + p.Bl * 4 * p.m * nKB;
   if (docs) {
     p.lengths = data.data_ptr<int64_t>();
     p.n_docs = data.size(1);
+  } else if (flash) {
+    p.startend = data.data_ptr<int64_t>();
   } else {
     p.prefix = data.data_ptr<int64_t>();
   }
@@ -163,7 +228,7 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
     c10::cuda::CUDAGuard guard(data.device());
     Tensor ends;
     if (needs_ends(p)) {
-      ends = at::empty({Bl, p.n_docs}, data.options());
+      ends = at::empty({p.Bl, p.n_docs}, data.options());
       p.ends = ends.data_ptr<int64_t>();
     }
     build_column_ranges_cuda(p, at::cuda::getCurrentCUDAStream().stream());
@@ -171,9 +236,9 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
     TORCH_CHECK(data.device().is_cpu(), "flexsparse build: CPU or CUDA tensors, got ", data.device());
     std::vector<int64_t> ends;
     if (docs) {
-      ends.resize(Bl * p.n_docs);
+      ends.resize(p.Bl * p.n_docs);
       check_lengths_cpu(data, Lk, ends);
-    } else {
+    } else if (!flash) {
       check_prefix_cpu(data);
     }
     build_cpu(p, ends);
@@ -191,16 +256,23 @@ Outputs build_prefix_lm(const Tensor& prefix_len, int64_t Lq, int64_t Lk, int64_
   return build(kPrefixLM, prefix_len, Lq, Lk, block_q, block_k);
 }
 
+Outputs build_column_ranges(const Tensor& startend, int64_t Lq, int64_t Lk, int64_t block_q,
+                            int64_t block_k, bool causal) {
+  return build(kColumnRanges, startend, Lq, Lk, block_q, block_k, causal);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flexsparse, CPU, m) {
   m.impl("build_document", &build_document);
   m.impl("build_prefix_lm", &build_prefix_lm);
+  m.impl("build_column_ranges", &build_column_ranges);
 }
 
 TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
   m.impl("build_document", &build_document);
   m.impl("build_prefix_lm", &build_prefix_lm);
+  m.impl("build_column_ranges", &build_column_ranges);
 }
 
 }  // namespace build
