@@ -43,11 +43,19 @@ _HAVE = {}                        # dispatch key -> True once the kernels are re
 
 
 def available(device_type: str) -> bool:
-    """Whether the build ops have a kernel for this device type ("cpu", "cuda")."""
+    """Whether the build ops have a kernel for this device type ("cpu", "cuda"). Looked up
+    eagerly (at import and until found); inside torch.compile only the last answer is read
+    (Dynamo cannot trace the dispatcher query)."""
     key = "CUDA" if device_type == "cuda" else "CPU"
+    if torch.compiler.is_compiling():
+        return _HAVE.get(key, False)
     if not _HAVE.get(key):
         _HAVE[key] = all(torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in _OPS)
     return _HAVE[key]
+
+
+for _device_type in ("cpu", "cuda"):     # flexsparse._C is loaded by now (flexsparse.ops)
+    available(_device_type)
 
 
 def wanted(device: torch.device) -> bool:

@@ -339,6 +339,28 @@ def test_inside_torch_compile_one_graph_over_lengths():
     assert sorted(ops) == ["flexsparse.build_document", "flexsparse.build_prefix_lm"], seen
 
 
+def test_compiled_first_use_does_not_query_the_dispatcher():
+    """A process whose first build is inside torch.compile: availability is read from the
+    cache (Dynamo cannot trace the dispatcher query); with the cache empty the torch build
+    runs, and an eager call fills it again."""
+    torch._dynamo.reset()
+    saved = dict(build_op._HAVE)
+
+    def build(lens, q):
+        L = q.shape[2]
+        return M.document(lens).compile(1, 1, 1, L, L, block_size=(16, 16)).kv_count
+
+    f = torch.compile(build, backend="aot_eager", fullgraph=True, dynamic=True)
+    try:
+        build_op._HAVE.clear()
+        with build_op.use(True):
+            assert f(torch.tensor([32, 32]), torch.zeros(1, 1, 64, 4)).shape == (1, 1, 4)
+        assert build_op.available("cpu")
+    finally:
+        build_op._HAVE.update(saved)
+        torch._dynamo.reset()
+
+
 def test_compiled_bad_lengths_raise_when_the_graph_runs():
     """Inside a compiled graph the CPU op raises its ValueError when the graph runs (the
     torch build raises RuntimeError from torch._assert_async there)."""
