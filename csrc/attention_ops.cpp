@@ -404,7 +404,3 @@ TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
 }
 
 }  // namespace flexsparse
-
-// The mask-build ops (flexsparse::build_document, build_prefix_lm; kernels in
-// build_masks.cu): in this translation unit so that the torch headers compile once.
-#include "build_ops.h"
