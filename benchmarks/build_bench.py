@@ -68,6 +68,7 @@ def time_us(fn, reps):
 
 
 def host_syncs(fn):
+    """Host syncs during fn(), as torch.cuda.set_sync_debug_mode("warn") reports them."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

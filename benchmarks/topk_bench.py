@@ -28,6 +28,8 @@ import sys
 
 import torch
 
+from benchmarks.build_bench import host_syncs
+
 B, H = 1, 8
 LENGTHS = (8192, 32768)
 KS = (64, 256)
@@ -50,19 +52,6 @@ def _peak_extra_mb(fn):
     del out
     return extra
 
-
-def host_syncs(fn):
-    """Host syncs during fn(), as torch.cuda.set_sync_debug_mode("warn") reports them."""
-    import warnings
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def fits(L, k, dtype):
