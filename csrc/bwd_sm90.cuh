@@ -510,52 +510,35 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
         } else {
+          // bias, softcap or dbias: P^T and dS^T in one pass once dP^T is done
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdPrdP);
-          if (plain) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+            const int ic = 8 * (c / 2) + (c & 1);
             CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < kCols; c += 2) {
-              const int ic = 8 * (c / 2);
-              const float2 l = *reinterpret_cast<const float2*>(lse2 + ic);
-              const float2 d = *reinterpret_cast<const float2*>(delta + ic);
-              CUTLASS_PRAGMA_UNROLL
-              for (int r = 0; r < kRows; ++r) {
-                const float p0 = exp2f(S(r, c) * scale_log2 - l.x);
-                const float p1 = exp2f(S(r, c + 1) * scale_log2 - l.y);
-                S(r, c) = p0;
-                S(r, c + 1) = p1;
-                dP(r, c) = p0 * (dP(r, c) - d.x);
-                dP(r, c + 1) = p1 * (dP(r, c + 1) - d.y);
+            for (int r = 0; r < kRows; ++r) {
+              const float raw = S(r, c);
+              float s, dtanh = 1.f;
+              if (has_softcap) {
+                const float th = tanhf(raw * p.scale / p.softcap);
+                s = p.softcap * th;
+                dtanh = 1.f - th * th;
+              } else {
+                s = raw * p.scale;
               }
-            }
-          } else {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < kCols; ++c) {
-              const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-              const int ic = 8 * (c / 2) + (c & 1);
-              CUTLASS_PRAGMA_UNROLL
-              for (int r = 0; r < kRows; ++r) {
-                const float raw = S(r, c);
-                float s, dtanh = 1.f;
-                if (has_softcap) {
-                  const float th = tanhf(raw * p.scale / p.softcap);
-                  s = p.softcap * th;
-                  dtanh = 1.f - th * th;
-                } else {
-                  s = raw * p.scale;
-                }
-                s *= LOG2E;
-                if (has_bias)
-                  s += LOG2E * static_cast<float>(
-                      bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
-                s = raw == -INFINITY ? -INFINITY : s;
-                const float pv = exp2f(s - lse2[ic]);
-                const float ds = pv * (dP(r, c) - delta[ic]);
-                if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
-                  dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
-                S(r, c) = pv;
-                dP(r, c) = ds * dtanh;
-              }
+              s *= LOG2E;
+              if (has_bias)
+                s += LOG2E * static_cast<float>(
+                    bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
+              s = raw == -INFINITY ? -INFINITY : s;
+              const float pv = exp2f(s - lse2[ic]);
+              const float ds = pv * (dP(r, c) - delta[ic]);
+              if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
+                dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
+              S(r, c) = pv;
+              dP(r, c) = ds * dtanh;
             }
           }
         }

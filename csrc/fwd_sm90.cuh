@@ -662,19 +662,20 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
 
     // ------------------------------------------------------------------ epilogue
+    // O / l and the lse per row (rows past Lq are never written), then O to memory.
     float* lse = p.lse + ((int64_t)b * p.Hq + h) * p.Lq;
-    if constexpr (T::kTmaStore) {
-      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float l = quad_sum(row_sum[r]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const float l = quad_sum(row_sum[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
-        const int i = i0 + row_base + 8 * r;
-        if (tid % 4 == 0 && i < p.Lq)
-          lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
-      }
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
+      const int i = i0 + row_base + 8 * r;
+      if (tid % 4 == 0 && i < p.Lq)
+        lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    }
+    if constexpr (T::kTmaStore) {
       Tensor rO = convert_type<Element>(tOrO);
       Tensor sO = make_tensor(make_smem_ptr(ss.o.data() + wg * cosize_v<typename T::SmemLayoutO>),
                               typename T::SmemLayoutO{});
@@ -695,15 +696,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         tma_store_arrive();
       }
     } else {
-      Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tOcO = thr_pv.partition_C(cO);
       Tensor ocoord = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
       Element* out = static_cast<Element*>(p.out) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const float l = quad_sum(row_sum[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
         const int i = i0 + get<0>(ocoord(r, 0));
         if (i < p.Lq) {
           CUTLASS_PRAGMA_UNROLL
@@ -711,11 +709,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             const int d = get<1>(ocoord(r, c));
             // Columns c, c + 1 of the accumulator are adjacent head-dim entries.
             auto pair = cutlass::NumericArrayConverter<Element, float, 2>()(
-                cutlass::Array<float, 2>{{O(r, c) * inv, O(r, c + 1) * inv}});
+                cutlass::Array<float, 2>{{O(r, c), O(r, c + 1)}});
             *reinterpret_cast<cutlass::Array<Element, 2>*>(out + (int64_t)i * kHeadDim + d) = pair;
           }
-          if (tid % 4 == 0)
-            lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
         }
       }
     }
