@@ -2,7 +2,13 @@
 `mask.compile`, against FlexAttention's compiled `create_block_mask` of the same mask, in
 one process.
 
-    python -m benchmarks.build_bench [--lengths 8192,131072,1048576] [--no-flex]
+    python -m benchmarks.build_bench [--lengths 8192,131072,1048576] [--no-flex] [--op-only]
+
+Columns: the build op (`flexsparse::build_document` / `build_prefix_lm`, one C++ call,
+flexsparse/build_op.py; what `mask.compile` uses for these kinds when flexsparse._C is
+built, "n/a" for the kinds it does not build), the torch builds with the op turned off
+(`build_op.use(False)`: the eager static build, and `compiled_build=True`), and Flex.
+`--op-only` skips the torch builds and Flex.
 
 Each timed call makes a fresh mask object from the step's tensors (no cache can answer)
 and compiles it for B=1, H=16, block 128. Times are medians of wall-clock per build with
@@ -17,6 +23,7 @@ import warnings
 import torch
 
 from flexsparse import masks as M
+from flexsparse.descriptor import STATIC_MAX_BLOCKS
 
 H, BLOCK = 16, 128
 
@@ -80,50 +87,83 @@ def host_syncs(fn):
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def kernels_per_call(fn):
+    """CUDA kernels (and memsets/copies) one call launches, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+OP_KINDS = ("document(lengths tensor)", "prefix_lm(tensor)", "column_ranges(tensor)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,131072,1048576")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--op-only", action="store_true")
     a = ap.parse_args()
+    from flexsparse import build_op
     from torch.nn.attention.flex_attention import create_block_mask
     cbm = torch.compile(create_block_mask)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; per build, µs (median)")
-    print("| mask | L | flexsparse µs | host syncs | compiled_build µs | host syncs "
-          "| Flex compiled create_block_mask µs | Flex / compiled_build |")
-    print("|---|---|---|---|---|---|---|---|")
+    have_op = build_op.available("cuda")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; per build, µs (median); "
+          f"build op {'built' if have_op else 'NOT built (flexsparse._C missing)'}")
+    print("| mask | L | build op µs | host syncs | GPU kernels | static build (eager) µs "
+          "| host syncs | compiled_build µs | host syncs | Flex compiled create_block_mask µs "
+          "| Flex / build op |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for L in map(int, a.lengths.split(",")):
         for name, (make, mod) in cases(L).items():
+            if a.op_only and name not in OP_KINDS:
+                continue
             reps = 50 if L <= 131072 else 10
             kw = dict(device="cuda", block_size=BLOCK)
-            try:
-                build = lambda: make().compile(1, H, H, L, L, **kw)  # noqa: E731
-                ours = time_us(build, reps)
-                syncs = host_syncs(build)
-            except Exception as err:
-                print(f"| {name} | {L} | failed: {type(err).__name__}: {str(err)[:150]} |")
-                continue
-            try:
-                cbuild = lambda: make().compile(1, H, H, L, L, compiled_build=True, **kw)  # noqa: E731
-                t0 = time.perf_counter()
-                cbuild()
-                first = time.perf_counter() - t0
-                comp = time_us(cbuild, reps)
-                csyncs = host_syncs(cbuild)
-                print(f"# {name} {L}: first compiled build {first:.1f} s")
-            except Exception as err:
-                print(f"# compiled_build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
-                comp, csyncs = float("nan"), "n/a"
-                torch.cuda.empty_cache()
-            flex = float("nan")
-            if mod is not None and not a.no_flex:
+            build = lambda: make().compile(1, H, H, L, L, **kw)  # noqa: E731
+            op, op_syncs, op_kernels = float("nan"), "n/a", "n/a"
+            nb = -(-L // BLOCK)
+            # column ranges past STATIC_MAX_BLOCKS keep the compact build (padded lists)
+            if have_op and name in OP_KINDS and not (name.startswith("column")
+                                                      and nb * nb > STATIC_MAX_BLOCKS):
                 try:
-                    flex = time_us(lambda: cbm(mod, None, None, L, L, device="cuda",
-                                               BLOCK_SIZE=BLOCK), reps)
+                    with build_op.use(None):
+                        op = time_us(build, reps)
+                        op_syncs = host_syncs(build)
+                        op_kernels = kernels_per_call(build)
                 except Exception as err:
-                    print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
-            ratio = f"{flex / comp:.1f}x" if flex == flex and comp == comp else "n/a"
-            print(f"| {name} | {L} | {ours:.0f} | {syncs} | {comp:.0f} | {csyncs} | {flex:.0f} "
-                  f"| {ratio} |", flush=True)
+                    print(f"# build op {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+            ours, syncs, comp, csyncs, flex = float("nan"), "n/a", float("nan"), "n/a", float("nan")
+            if not a.op_only:
+                with build_op.use(False):
+                    try:
+                        ours = time_us(build, reps)
+                        syncs = host_syncs(build)
+                    except Exception as err:
+                        print(f"# static build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+                    try:
+                        cbuild = lambda: make().compile(1, H, H, L, L, compiled_build=True, **kw)  # noqa: E731
+                        t0 = time.perf_counter()
+                        cbuild()
+                        first = time.perf_counter() - t0
+                        comp = time_us(cbuild, reps)
+                        csyncs = host_syncs(cbuild)
+                        print(f"# {name} {L}: first compiled build {first:.1f} s")
+                    except Exception as err:
+                        print(f"# compiled_build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+                        torch.cuda.empty_cache()
+                if mod is not None and not a.no_flex:
+                    try:
+                        flex = time_us(lambda: cbm(mod, None, None, L, L, device="cuda",
+                                                   BLOCK_SIZE=BLOCK), reps)
+                    except Exception as err:
+                        print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+            ratio = f"{flex / op:.1f}x" if flex == flex and op == op else "n/a"
+            print(f"| {name} | {L} | {op:.0f} | {op_syncs} | {op_kernels} | {ours:.0f} | {syncs} "
+                  f"| {comp:.0f} | {csyncs} | {flex:.0f} | {ratio} |", flush=True)
         torch.cuda.empty_cache()
 
 

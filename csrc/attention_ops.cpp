@@ -1,5 +1,6 @@
 // The CUDA backend's op kernels: flexsparse::cuda_attention (block descriptors and index
-// masks) and flexsparse::cuda_attention_backward (block descriptors), registered for the
+// masks) and flexsparse::cuda_attention_backward (block descriptors and, not yet the
+// default path, index masks without dbias), registered for the
 // CUDA dispatch key. Their schemas, fake kernels and autograd are defined once in Python
 // (the op layer); this file checks the tensors, fills the kernel arguments (params.h) and
 // launches (kernels.h).
@@ -237,9 +238,9 @@ bool any_present(std::initializer_list<std::reference_wrapper<const OptTensor>> 
   return false;
 }
 
-// Index mode (docs/design.md, "Index mode"): the gather kernel of index_fwd.cu.
-std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double scale,
-                                           double softcap) {
+// Index mode (docs/design.md, "Index mode"): the kernel arguments of query, key, value,
+// bias and the lists (index_fwd.cu and index_bwd.cu), all but out and lse.
+IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double softcap) {
   check_qkv(in);
   const Tensor& q = in.q;
   const int64_t B = q.size(0), Lq = q.size(2), Hkv = in.k.size(1), Lk = in.k.size(2);
@@ -264,6 +265,14 @@ std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double
   p.idx_int64 = idx.scalar_type() == at::kLong;
   p.idx_sb = bstride(idx, 0); p.idx_sh = bstride(idx, 1);
   p.idx_sq = idx.stride(2); p.idx_sw = idx.stride(3);
+  return p;
+}
+
+// Index mode forward: the gather kernel of index_fwd.cu.
+std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double scale,
+                                           double softcap) {
+  IndexParams p = index_params(in, idx, scale, softcap);
+  const Tensor& q = in.q;
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, q.options().dtype(at::kFloat));
   p.out = out.data_ptr();
@@ -332,6 +341,55 @@ Tensor reduce_to_shape(const Tensor& full, const Tensor& bias, int64_t Hkv) {
   return g.to(bias.scalar_type());
 }
 
+// Index mode backward (index_bwd.cu): dq, dk, dv, no dbias (ops/schema.py sends calls that
+// want one to the Triton index backward). Not yet the default path: chosen by
+// FLEXSPARSE_CUDA_INDEX_BWD=1 (ops/cuda_backend.py, index_backward_kernel()).
+std::tuple<Tensor, Tensor, Tensor, Tensor> index_attention_backward(
+    const Tensor& grad_out, const OptTensor& grad_lse, Inputs& in, const Tensor& out,
+    const Tensor& lse, const Tensor& idx, double scale, double softcap, bool bias_requires_grad) {
+  TORCH_CHECK(!(in.bias.has_value() && bias_requires_grad),
+              "flexsparse cuda: the CUDA index backward computes no bias gradient (the triton "
+              "index backward does)");
+  IndexBackwardParams bp;
+  bp.fwd = index_params(in, idx, scale, softcap);
+  IndexParams& p = bp.fwd;
+  const Tensor& q = in.q;
+  TORCH_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
+              "flexsparse cuda: out ", out.sizes(), " and grad_out ", grad_out.sizes(),
+              " must have the query's shape ", q.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.B && lse.size(1) == p.Hq && lse.size(2) == p.Lq,
+              "flexsparse cuda: lse shape ", lse.sizes());
+  Tensor o = out.to(q.scalar_type()).contiguous();
+  Tensor l = lse.to(at::kFloat).contiguous();
+  Tensor dout = tma_ready(grad_out.to(q.scalar_type()));
+  p.out = o.data_ptr();
+  p.lse = l.data_ptr<float>();
+  bp.dout = dout.data_ptr();
+  bp.do_sb = dout.stride(0); bp.do_sh = dout.stride(1); bp.do_sm = dout.stride(2);
+  Tensor glse;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "flexsparse cuda: grad_lse shape ",
+                grad_lse->sizes());
+    glse = grad_lse->to(at::kFloat).contiguous();
+    bp.grad_lse = glse.data_ptr<float>();
+  }
+  Tensor dq = at::empty(q.sizes(), q.options());
+  Tensor dk = at::empty(in.k.sizes(), in.k.options());
+  Tensor dv = at::empty(in.v.sizes(), in.v.options());
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+  bp.Bi = idx.size(0);
+  bp.Hi = idx.size(1);
+  const std::string why = index_bwd_unsupported(bp);
+  TORCH_CHECK(why.empty(), "flexsparse cuda index backward: ", why);
+  Tensor workspace = at::empty({static_cast<int64_t>(index_bwd_workspace_bytes(bp))},
+                               q.options().dtype(at::kByte));
+  bp.workspace = workspace.data_ptr();
+  index_bwd_sm90(bp, dtype_of(q), at::cuda::getCurrentCUDAStream());
+  return {dq, dk, dv, at::empty({0}, q.options())};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& query, const Tensor& key,
     const Tensor& value, const Tensor& out, const Tensor& lse, const OptTensor& bias,
@@ -343,10 +401,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     int64_t block_k, double scale, double softcap, bool deterministic, bool bias_requires_grad) {
   c10::cuda::CUDAGuard guard(query.device());
   check_sm90(query);
-  TORCH_CHECK(!attn_indices.has_value(), "flexsparse cuda: index masks (attn_indices) have no "
-              "CUDA backward; their gradients come from the triton backend (ops/schema.py "
-              "routes the cuda op's backward there)");
   Inputs in{query, key, value, bias, {}};
+  if (attn_indices.has_value()) {
+    TORCH_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
+                              q_full_count, q_full_index, dense_mask, col_ranges,
+                              partial_bits_index, partial_bits}),
+                "flexsparse cuda: an index mask (attn_indices) takes no other mask tensors");
+    return index_attention_backward(grad_out, grad_lse, in, out, lse, *attn_indices, scale,
+                                    softcap, bias_requires_grad);
+  }
   BackwardParams bp;
   bp.fwd = fill_params(in, kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
                        q_full_count, q_full_index, dense_mask, col_ranges, partial_bits_index,
@@ -404,3 +467,7 @@ TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
 }
 
 }  // namespace flexsparse
+
+// The mask-build ops (flexsparse::build_document, build_prefix_lm; kernels in
+// build_masks.cu): in this translation unit so that the torch headers compile once.
+#include "build_ops.h"

@@ -40,6 +40,7 @@ struct BwdTraits {
   static constexpr int kBlockM = 64;     // query rows per step
   static constexpr int kBlockN = 128;    // keys per CTA
   static constexpr int kStages = kStages_;
+  static_assert(kStages % 2 == 0, "the dS^T double buffer follows the stage index's parity");
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
   // Column ranges per key staged in shared memory once per head; masks with more are read
@@ -351,7 +352,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int row_base = get<0>(coord(0, 0));
     const int col_base = get<1>(coord(0, 0));
     constexpr int kBarrierdS = 1;
-    const int wg = tid / 128;                   // consumer warpgroup: its keys, its dQ half
+    // consumer warpgroup: its keys, its dQ half (warp-uniform, so that the dQ wgmma's
+    // descriptors are computed in uniform registers)
+    const int wg = warpgroup - 1;
     float* sdQ = ss.dq + wg * (kBlockM * kHeadDim / 2);
 
     const float LOG2E = 1.4426950408889634f;
@@ -364,7 +367,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
     Barrier::wait(&ss.barrier_kv, 0);
     typename T::PipelineState read;
-    int buf = 0;
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
       const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
@@ -547,6 +549,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
         Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
+        // dS^T buffer: the step's parity, read from the pipeline state (uniform registers)
+        // rather than a toggled variable ptxas cannot prove warp-uniform.
+        const int buf = read.index() & 1;
         copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
@@ -556,7 +561,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_do.consumer_release(read);
         gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
         warpgroup_fence_operand(tdQrdQ);
-        buf ^= 1;
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
         cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
         CUTLASS_PRAGMA_UNROLL

@@ -395,7 +395,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < kStagedPerWarpgroup; ++e)
           reinterpret_cast<int2*>(ss.col_ranges[wg][buf])[wg_tid + e * 128] = x.cr_vals[e];
-        cutlass::arch::NamedBarrier::sync(128, kBarrierColRanges + wg);
+        bar_sync_wg<128, kBarrierColRanges>(wg);
       }
       // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
@@ -588,8 +588,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // O += P(t-1) V(t-1); wait for S(t) only; mask and softmax of tile t while the PV
       // wgmma runs; wait for it; P(t) from S(t). Scheduler barriers make the two
       // warpgroups issue their pairs of wgmmas in turn (warpgroup 0 first).
-      auto issue_begin = [&] { cutlass::arch::NamedBarrier::sync(2 * 128, kBarrierSchedule + wg); };
-      auto issue_end = [&] { cutlass::arch::NamedBarrier::arrive(2 * 128, kBarrierSchedule + 1 - wg); };
+      auto issue_begin = [&] { bar_sync_wg<2 * 128, kBarrierSchedule>(wg); };
+      auto issue_end = [&] { bar_arrive_wg<2 * 128, kBarrierSchedule>(1 - wg); };
       Tensor tOrP = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
       float alpha[kRows];
       // Issue S = Q K^T of the tile, holding this warpgroup's turn at the tensor cores.
@@ -683,10 +683,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto thr_copy_o = smem_copy_o.get_thread_slice(wg_tid);
       const bool store_leader = wg_tid == 0;
       if (store_leader) tma_store_wait<0>();   // the last work tile's store has read sO
-      cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
+      bar_sync_wg<128, kBarrierEpilogue>(wg);
       copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
       cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
+      bar_sync_wg<128, kBarrierEpilogue>(wg);
       if (store_leader) {
         Tensor mO = kp.tma_o.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
         Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kHeadDim>>{},

@@ -45,4 +45,12 @@ std::string bwd_sm90_unsupported(BackwardParams const& p);
 // active entry: 0 and -inf). Head dims 64, 128, 256 (D = Dv); any G, W, Lq, Lk < 2^31.
 void index_fwd_sm90(IndexParams const& p, DType dtype, cudaStream_t stream);
 
+// Index attention backward (index_bwd.cu): dq, dk, dv of index masks, no float atomics,
+// bitwise deterministic. The caller allocates index_bwd_workspace_bytes(p) bytes for
+// p.workspace (uninitialised). Head dims 64, 128, 256; needs Bi*Hi*Lq*W < 2^31 and
+// Bi*Hi*(Lk+1) < 2^31 (index_bwd_unsupported says so).
+size_t index_bwd_workspace_bytes(IndexBackwardParams const& p);
+std::string index_bwd_unsupported(IndexBackwardParams const& p);
+void index_bwd_sm90(IndexBackwardParams const& p, DType dtype, cudaStream_t stream);
+
 }  // namespace flexsparse

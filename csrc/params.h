@@ -122,4 +122,20 @@ struct IndexParams {
   float softcap = 0.f;      // 0: none
 };
 
+// The index backward (index_bwd.cu): gradients of out (and optionally lse) to dq, dk, dv
+// for index masks. No dbias (the op routes calls that want one to the Triton backward).
+struct IndexBackwardParams {
+  IndexParams fwd;              // query, key, value, lists, bias, sizes as in the forward;
+                                // fwd.out (B, Hq, Lq, D) contiguous and fwd.lse: the
+                                // forward's outputs (read only)
+  const void* dout = nullptr;   // (B, Hq, Lq, D), last dim contiguous, 16-byte aligned rows
+  int64_t do_sb = 0, do_sh = 0, do_sm = 0;
+  const float* grad_lse = nullptr;   // nullptr or (B, Hq, Lq) contiguous
+  void* dq = nullptr;           // (B, Hq, Lq, D) contiguous, the query's dtype
+  void* dk = nullptr;           // (B, Hkv, Lk, D) contiguous
+  void* dv = nullptr;           // (B, Hkv, Lk, D) contiguous
+  int64_t Bi = 1, Hi = 1;       // attn_indices' batch and head extents (1 or B, 1 or Hkv)
+  void* workspace = nullptr;    // index_bwd_workspace_bytes(...) bytes, uninitialised
+};
+
 }  // namespace flexsparse

@@ -3,6 +3,7 @@
 // kernels.
 #pragma once
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
 
 namespace flexsparse::sm90 {
@@ -81,6 +82,21 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Named barrier kId0 + wg for a warp-uniform wg of 0 or 1, as a branch between two
+// immediates, so that the id never sits in a register (ptxas spilled such ids and reloaded
+// them from local memory before every barrier of the forward's main loop). The backward
+// keeps plain ids: there the branch measured 0-3% slower (docs/perf-notes.md C25).
+template <int kThreads, int kId0>
+__device__ __forceinline__ void bar_sync_wg(int wg) {
+  if (wg == 0) cutlass::arch::NamedBarrier::sync(kThreads, kId0);
+  else cutlass::arch::NamedBarrier::sync(kThreads, kId0 + 1);
+}
+template <int kThreads, int kId0>
+__device__ __forceinline__ void bar_arrive_wg(int wg) {
+  if (wg == 0) cutlass::arch::NamedBarrier::arrive(kThreads, kId0);
+  else cutlass::arch::NamedBarrier::arrive(kThreads, kId0 + 1);
 }
 
 }  // namespace flexsparse::sm90

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import intervals
+from . import build_op, intervals
 from .blocklists import (column_range_descriptor, column_range_range_descriptor,
                          key_block_stats)
 from .descriptor import (FULL, PARTIAL, SKIP, STATIC_MAX_BLOCKS, BlockDescriptor,
@@ -330,7 +330,8 @@ class _ColumnRanges(Mask):
 
     def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
                  device=None, kv_heads_hint=None, cacheable=True,
-                 spec: Optional[Callable[[Sizes], Optional[IntervalSpec]]] = None):
+                 spec: Optional[Callable[[Sizes], Optional[IntervalSpec]]] = None,
+                 fast: Optional[Callable[[Sizes], Optional[BlockDescriptor]]] = None):
         # text: the repr, or a function making it when first asked (eagerly: under
         # torch.compile a mask's int arguments may be symbolic, and Dynamo cannot format
         # them into a string, "BUILD_STRING type error", so the text waits)
@@ -339,6 +340,9 @@ class _ColumnRanges(Mask):
         self.cacheable = cacheable   # False when `text` does not pin down the values
         # The same column ranges in closed form (flexsparse/intervals.py): one launch on GPUs.
         self.spec = spec
+        # The whole descriptor from one op call (flexsparse/build_op.py), or None where
+        # the op is not used for these sizes and device (then the builds below run).
+        self.fast = fast
 
     @property
     def text(self) -> str:
@@ -374,6 +378,10 @@ class _ColumnRanges(Mask):
         return _stack_slots(slots, sz) if slots else None
 
     def _descriptor(self, sz):
+        if self.fast is not None:
+            desc = self.fast(sz)
+            if desc is not None:
+                return desc
         # Eager: O(N) without the dense block grid (flexsparse/blocklists.py).
         cr = None if static_shapes() else self._column_ranges(sz)
         if cr is None:
@@ -520,13 +528,19 @@ def _as_lengths(lengths, name) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _checked_lengths(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tensor:
-    """Document lengths as (Bl, n), checked where they live (a CPU copy: no device sync)."""
+def _check_lengths_shape(lengths: torch.Tensor, sz: Sizes, name: str) -> None:
+    """Document lengths (n,) or (Bl, n): their shape against the sizes."""
     if sz.Lq != sz.Lk:
         raise ValueError(f"{name}: needs Lq == Lk, got Lq={sz.Lq}, Lk={sz.Lk}")
+    rows = lengths.shape[0] if lengths.dim() == 2 else 1
+    if not dim_in(rows, 1, sz.B):
+        raise ValueError(f"{name}: batch dim {rows} must be 1 or B={sz.B}")
+
+
+def _checked_lengths(lengths: torch.Tensor, sz: Sizes, name: str) -> torch.Tensor:
+    """Document lengths as (Bl, n), checked where they live (a CPU copy: no device sync)."""
+    _check_lengths_shape(lengths, sz, name)
     lens = lengths[None] if lengths.dim() == 1 else lengths
-    if not dim_in(lens.shape[0], 1, sz.B):
-        raise ValueError(f"{name}: batch dim {lens.shape[0]} must be 1 or B={sz.B}")
     totals = lens.sum(-1)
     if static_shapes():
         # the values are data: checked by the graph when it runs (torch._assert_async)
@@ -571,8 +585,19 @@ def document(lengths, causal: bool = True) -> Mask:
         lo = (Term(DOC_START),) + ((Term(COL, -sz.offset),) if use_causal else ())
         return IntervalSpec((Interval(lo, (Term(DOC_END),)),),
                             _checked_lengths(lens, sz, "lengths"))
+
+    def fast(sz):    # one op call (flexsparse/build_op.py); the op checks the values
+        if not build_op.wanted(sz.device):
+            return None
+        if build_op.debug_checks():
+            with building_static(False):
+                _checked_lengths(lens, sz, "lengths")
+        _check_lengths_shape(lens, sz, "lengths")
+        return build_op.document(lens.to(sz.device), sz, use_causal)
+    # a lengths tensor on the GPU builds there unless compile() names another device
     return _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
-                         spec=spec, cacheable=lens.device.type == "cpu")
+                         device=lens.device, spec=spec, cacheable=lens.device.type == "cpu",
+                         fast=fast)
 
 
 def prefix_lm(prefix_len) -> Mask:
@@ -590,10 +615,14 @@ def prefix_lm(prefix_len) -> Mask:
     if p.dim() > 1:
         raise ValueError(f"prefix_len: must be an int or a (B,) tensor, got shape {tuple(p.shape)}")
 
-    def checked(sz):
+    def rows(sz):
         pl = p.reshape(-1)
         if not dim_in(pl.shape[0], 1, sz.B):
             raise ValueError(f"prefix_len: batch dim {pl.shape[0]} must be 1 or B={sz.B}")
+        return pl
+
+    def checked(sz):
+        pl = rows(sz)
         if is_int:
             return pl
         if static_shapes():
@@ -612,7 +641,16 @@ def prefix_lm(prefix_len) -> Mask:
         return IntervalSpec((Interval(lo=(Term(COL, -sz.offset, below=checked(sz), alt=0),)),))
     def text():
         return f"prefix_lm({prefix_len})" if is_int else f"prefix_lm({_values_text(p)})"
-    return _ColumnRanges(build, text, spec=spec, cacheable=p.device.type == "cpu")
+
+    def fast(sz):    # one op call (flexsparse/build_op.py); the op checks the values
+        if is_int or not build_op.wanted(sz.device):
+            return None     # an int prefix is a value mask, built once and cached
+        if build_op.debug_checks():
+            with building_static(False):
+                checked(sz)
+        return build_op.prefix_lm(rows(sz).to(sz.device), sz)
+    return _ColumnRanges(build, text, device=p.device, spec=spec,
+                         cacheable=p.device.type == "cpu", fast=fast)
 
 
 def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:
@@ -675,13 +713,16 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
         raise ValueError(f"startend_row_indices: last dim C={C} is not valid with causal={causal} "
                          f"(causal: 1, 2 or 4; non-causal: 2 or 4)")
 
-    def build(sz):
+    def check(sz):
         if not dim_in(t.shape[0], 1, sz.B) or t.shape[2] != sz.Lk:
             raise ValueError(f"startend_row_indices: shape {tuple(t.shape)} must be "
                              f"(B|1, Hkv|1, Lk={sz.Lk}, C)")
         _check_heads_dim("startend_row_indices", t.shape[1], sz)
         if t.device != sz.device:
             raise ValueError(f"startend_row_indices: is on {t.device}, inputs on {sz.device}")
+
+    def build(sz):
+        check(sz)
         x = t.to(torch.int64)
         lq = torch.full_like(x[..., 0], sz.Lq)
         zero = torch.zeros_like(lq)
@@ -697,8 +738,15 @@ def column_ranges(startend_row_indices: torch.Tensor, causal: bool) -> Mask:
         if causal:
             slots.append((UPPER, _interval(torch.zeros_like(_cols(sz)), _cols(sz) - sz.offset)))
         return slots
+    def fast(sz):    # one op call giving the static build's padded lists (build_op.py)
+        if not build_op.wanted(sz.device):
+            return None
+        if not _is_compiling() and sz.nQB * sz.nKB > STATIC_MAX_BLOCKS:
+            return None      # padded lists too large: the compact build, as without the op
+        check(sz)
+        return build_op.column_ranges(t, sz, causal)
     return _ColumnRanges(build, lambda: f"column_ranges(<{tuple(t.shape)}>, causal={causal})",
-                         device=t.device, kv_heads_hint=t.shape[1], cacheable=False)
+                         device=t.device, kv_heads_hint=t.shape[1], cacheable=False, fast=fast)
 
 
 # =============================================================== index lists

@@ -6,8 +6,12 @@ schemas and fake kernels in Python (schema.py) and their CUDA kernels in C++
 the C++ kernel through the dispatcher with no Python in between.
 
 Index masks (attn_indices): the forward runs csrc/index_fwd.cu; their gradients come from
-the Triton index kernels (ops/triton_indices.py) until a CUDA index backward exists.
+the Triton index kernels (ops/triton_indices.py) by default. csrc/index_bwd.cu is a CUDA
+index backward (issue 17; first version, not yet validated on a GPU), chosen by
+FLEXSPARSE_CUDA_INDEX_BWD=1 (index_backward_kernel below).
 """
+import os
+
 import torch
 
 from . import triton_indices
@@ -116,6 +120,31 @@ def backward_not_supported_reasons(query, block_q: int, block_k: int, determinis
     return reasons
 
 
+# The index backward: the Triton index kernels (ops/triton_indices.py) by default, or
+# csrc/index_bwd.cu (through flexsparse::cuda_attention_backward: no float atomics, bitwise
+# deterministic; FIRST VERSION, NOT YET RUN ON A GPU, hence not the default) when the
+# environment variable FLEXSPARSE_CUDA_INDEX_BWD is "1" or "cuda", read at each backward
+# call (A/B runs and tests). An environment switch like FLEXSPARSE_CUDA_DEBUG, not a kernel
+# option: backend="cuda" calls the CUDA op, whose schema carries no options string.
+_INDEX_BWD_HEAD_DIMS = (64, 128, 256)
+_INDEX_BWD_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def index_backward_kernel(query, bias, bias_requires_grad: bool) -> str:
+    """Which kernel computes the gradients of an index-mask call: "cuda" when chosen
+    (FLEXSPARSE_CUDA_INDEX_BWD, above) and able to (the C++ op is registered, head dim
+    64/128/256, fp16/bf16, no bias gradient wanted: index_bwd.cu computes no dbias), else
+    "triton"."""
+    env = os.environ.get("FLEXSPARSE_CUDA_INDEX_BWD", "").strip().lower()
+    if env not in ("1", "cuda") or not has_backward():
+        return "triton"
+    if query.shape[-1] not in _INDEX_BWD_HEAD_DIMS or query.dtype not in _INDEX_BWD_DTYPES:
+        return "triton"
+    if bias is not None and bias_requires_grad:
+        return "triton"
+    return "cuda"
+
+
 def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
     tn = _tile_n(head_dim)
     if block_q % _TILE_M or block_k % tn:
@@ -154,7 +183,12 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
              scale, softcap, deterministic, bias_requires_grad, options=None):
     if mask.attn_indices is not None:
-        # No CUDA index backward yet: the Triton one, which reads out and lse as the CUDA
+        if index_backward_kernel(query, bias, bias_requires_grad) == "cuda":
+            # csrc/index_bwd.cu (C++ op: index_attention_backward); dbias: empty (not wanted)
+            return torch.ops.flexsparse.cuda_attention_backward(
+                grad_out, grad_lse, query, key, value, out, lse, bias, *mask, block_q, block_k,
+                scale, softcap, deterministic, bias_requires_grad)
+        # By default the Triton index backward, which reads out and lse as the CUDA
         # index forward writes them (out in the query's dtype, lse float32 in natural log,
         # -inf for empty rows). It recomputes the scores with the bias the forward read,
         # rounded to the query's dtype (csrc/attention_ops.cpp).

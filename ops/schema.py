@@ -78,6 +78,68 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# ---- mask-build ops (issue 16): a per-step mask's descriptor in one call
+#
+# Kernels: csrc/build_ops.h (CPU loops and CUDA launches, csrc/build_masks.cu), when
+# flexsparse._C is built; flexsparse/build_op.py calls them. Outputs: col_ranges
+# (Bl, 1, Lk, 2m) and the eight range-form block lists (counts (Bl, 1, n), indices
+# (Bl, 1, n, MAX_RANGES, 2)), all int32, in BlockDescriptor order; every size follows
+# from the arguments' shapes (no data-dependent size, so no host sync and no guard on data).
+BUILD_OUTPUTS = ("col_ranges",) + MASK_TENSOR_NAMES[:8]
+_BUILD_RETURNS = "(" + ", ".join(f"Tensor {n}" for n in BUILD_OUTPUTS) + ")"
+torch.library.define(
+    "flexsparse::build_document",
+    f"(Tensor lengths, SymInt L, int block_q, int block_k, bool causal) -> {_BUILD_RETURNS}")
+# lengths: (n,) or (B, n); prefix_len: (B,)
+torch.library.define(
+    "flexsparse::build_prefix_lm",
+    f"(Tensor prefix_len, SymInt Lq, SymInt Lk, int block_q, int block_k) -> {_BUILD_RETURNS}")
+# FlashMask column ranges (B|1, H|1, Lk, C): the static build's padded lists instead of
+# ranges (index (B|1, H|1, n, N)), as user data need not be range-shaped
+torch.library.define(
+    "flexsparse::build_column_ranges",
+    f"(Tensor startend_row_indices, SymInt Lq, SymInt Lk, int block_q, int block_k, bool causal)"
+    f" -> {_BUILD_RETURNS}")
+
+
+def _build_fake_outputs(data, Bl, Lq, Lk, block_q, block_k, m, Hl=1, padded=False):
+    nQB = (Lq + block_q - 1) // block_q
+    nKB = (Lk + block_k - 1) // block_k
+    opts = dict(dtype=torch.int32, device=data.device)
+    out = [data.new_empty((Bl, Hl, Lk, 2 * m), **opts)]
+    for n, N in ((nQB, nKB), (nQB, nKB), (nKB, nQB), (nKB, nQB)):   # kv, kv full, q, q full
+        out += [data.new_empty((Bl, Hl, n), **opts),
+                data.new_empty((Bl, Hl, n, N) if padded else (Bl, Hl, n, MAX_RANGES, 2), **opts)]
+    return tuple(out)
+
+
+@torch.library.register_fake("flexsparse::build_document")
+def _build_document_fake(lengths, L, block_q, block_k, causal):
+    if lengths.dim() not in (1, 2):
+        raise ValueError(f"flexsparse build: lengths must be (n,) or (B, n), got "
+                         f"{tuple(lengths.shape)}")
+    Bl = lengths.shape[0] if lengths.dim() == 2 else 1
+    return _build_fake_outputs(lengths, Bl, L, L, block_q, block_k, 2)
+
+
+@torch.library.register_fake("flexsparse::build_prefix_lm")
+def _build_prefix_lm_fake(prefix_len, Lq, Lk, block_q, block_k):
+    if prefix_len.dim() != 1:
+        raise ValueError(f"flexsparse build: prefix_len must be (B,), got "
+                         f"{tuple(prefix_len.shape)}")
+    return _build_fake_outputs(prefix_len, prefix_len.shape[0], Lq, Lk, block_q, block_k, 1)
+
+
+@torch.library.register_fake("flexsparse::build_column_ranges")
+def _build_column_ranges_fake(startend, Lq, Lk, block_q, block_k, causal):
+    if startend.dim() != 4:
+        raise ValueError(f"flexsparse build: startend_row_indices must be (B, H, Lk, C), got "
+                         f"{tuple(startend.shape)}")
+    Bc, Hc, _, C = startend.shape
+    m = 3 if (C == 4 and causal) else 2
+    return _build_fake_outputs(startend, Bc, Lq, Lk, block_q, block_k, m, Hl=Hc, padded=True)
+
+
 # Input checks the fake kernels run before they make outputs, keyed by op name: the same
 # checks as the ops' kernels (mask_checks.py: shapes, dtypes, devices, scale and softcap;
 # the backend's support). For `attention` and `attention_backward` a refusal is left to
@@ -169,9 +231,10 @@ torch.library.register_autograd("flexsparse::attention", _backward, setup_contex
 
 
 def _cuda_index_backward(*args):
-    """The backward of the CUDA op for index masks, which has no C++ kernel yet: the
-    generic backward op with backend "cuda" (cuda_backend.backward runs it on the Triton
-    index kernels). args: the CUDA backward op's, whose tail has no backend name."""
+    """The backward of the CUDA op for index masks: the generic backward op with backend
+    "cuda", where cuda_backend.backward picks the kernel (index_backward_kernel: the Triton
+    index kernels by default, csrc/index_bwd.cu when chosen). args: the CUDA backward op's,
+    whose tail has no backend name."""
     *head, deterministic, bias_requires_grad = args
     return torch.ops.flexsparse.attention_backward(*head, "cuda", deterministic,
                                                    bias_requires_grad)

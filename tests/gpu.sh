@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|hf|probe ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ibwd|hf|probe ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -16,7 +16,7 @@ status=0
 } 2>&1 | tee "$OUT/env.txt"
 # Wheels carried in .whl (expecttest etc.), if any.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # transformers and what it imports, carried in .hfw (cp312 wheels): only the distributions
 # the device lacks, so that its own packages are not shadowed.
@@ -34,7 +34,7 @@ if need:
                            "--no-compile", "--target", "/tmp/site", *need])
 print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
 PY
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
 t0=$(date +%s)
@@ -64,6 +64,15 @@ if [[ " $parts " == *" hf "* ]]; then
   timeout "${T_HFBENCH:-300}" python3 -m benchmarks.bench_hf ${HF_ARGS:-} --out "$OUT/bench_hf.md" \
     > "$OUT/bench_hf.log" 2>&1
   echo "bench_hf rc=$?"; grep -v Warning "$OUT/bench_hf.log" | tail -12
+fi
+# The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, then its table.
+if [[ " $parts " == *" ibwd "* ]]; then
+  timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_cuda_index_bwd_gpu.py \
+    > "$OUT/ibwd_tests.log" 2>&1
+  rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:-} 2>&1 \
+    | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
 fi
 if want cudabench; then
   timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \

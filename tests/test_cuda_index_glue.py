@@ -113,3 +113,75 @@ def test_index_backward_needs_the_triton_index_kernels(calls, monkeypatch):
     with torch.no_grad():
         flexsparse.attention(qg, k, v, M.indices(idx), backend="cuda")
     assert calls == ["cuda_attention"]
+
+
+# ---- the switch to the CUDA index backward (csrc/index_bwd.cu; tested on the GPU in
+# tests/gpu/test_cuda_index_bwd_gpu.py): which kernel cuda_backend.backward calls.
+
+def test_index_backward_kernel_choice(monkeypatch):
+    """Triton by default; FLEXSPARSE_CUDA_INDEX_BWD=1 picks the CUDA kernel where it can
+    run (fp16/bf16, head dims 64/128/256, no dbias wanted)."""
+    monkeypatch.setattr(cuda_backend, "has_backward", lambda: True)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_INDEX_BWD", raising=False)
+    q = torch.empty(1, 2, 3, 64, dtype=torch.float16)
+    bias = torch.empty(1, 1, 3, 5, dtype=torch.float16)
+    pick = cuda_backend.index_backward_kernel
+    assert pick(q, None, False) == "triton"
+    for value in ("1", "cuda"):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", value)
+        assert pick(q, None, False) == "cuda"
+        assert pick(q, bias, False) == "cuda"            # a bias read, no gradient
+        assert pick(q, bias, True) == "triton"           # dbias: Triton only
+        assert pick(q.float(), None, False) == "triton"
+        assert pick(torch.empty(1, 2, 3, 32, dtype=torch.bfloat16), None, False) == "triton"
+    for value in ("0", "triton", ""):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", value)
+        assert pick(q, None, False) == "triton"
+    monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "1")
+    monkeypatch.setattr(cuda_backend, "has_backward", lambda: False)
+    assert pick(q, None, False) == "triton"
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_index_gradients_through_the_cuda_index_backward(calls, monkeypatch, bias_grad):
+    """FLEXSPARSE_CUDA_INDEX_BWD=1: cuda_backend.backward calls the CUDA backward op
+    (stood in for on CPU by the Triton index backward) with the call's arguments; a call
+    that wants dbias stays on the Triton backward."""
+    monkeypatch.setattr(cuda_backend, "has_backward", lambda: True)
+    monkeypatch.setattr(cuda_backend, "_INDEX_BWD_DTYPES", (torch.float32,))
+    monkeypatch.setattr(cuda_backend, "_INDEX_BWD_HEAD_DIMS", (16,))
+    monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "1")
+
+    def backward_kernel(grad_out, grad_lse, query, key, value, out, lse, bias, *rest):
+        calls.append("cuda_attention_backward")
+        mask = MaskTensors(*rest[:_N_MASK])
+        block_q, block_k, scale, softcap, deterministic, bias_requires_grad = rest[_N_MASK:]
+        assert not bias_requires_grad
+        dq, dk, dv, _ = triton_indices.backward(
+            grad_out, grad_lse, query, key, value, out, lse,
+            None if bias is None else bias.to(query.dtype), mask, scale, softcap,
+            deterministic, False)
+        return dq, dk, dv, query.new_empty((0,))
+
+    lib = torch.library.Library("flexsparse", "IMPL")
+    lib.impl("cuda_attention_backward", backward_kernel, "CPU")
+    try:
+        q, k, v, bias, idx = _inputs()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        b = bias.clone().requires_grad_(bias_grad)
+        out = flexsparse.attention(*leaves, M.indices(idx), bias=b, backend="cuda")
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves + ([b] if bias_grad else []), do)
+        # (the stand-in runs the Triton index backward itself: its spy entry follows)
+        want = (["cuda_attention", "cuda_backend.backward"]
+                + ([] if bias_grad else ["cuda_attention_backward"])
+                + ["triton_indices.backward(bias torch.float32)"])
+        assert calls == want
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = flexsparse.attention(*ref_leaves, M.indices(idx), bias=bias.float(),
+                                   backend="reference")
+        ref_grads = torch.autograd.grad(ref, ref_leaves, do)
+        for name, got, want_g in zip(("dq", "dk", "dv"), grads, ref_grads):
+            torch.testing.assert_close(got, want_g, atol=1e-4, rtol=1e-4, msg=name)
+    finally:
+        lib._destroy()

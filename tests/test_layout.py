@@ -96,6 +96,7 @@ LAYERS = [
     # the descriptor: one type and its builders
     "flexsparse.descriptor",
     "flexsparse.blocklists",
+    "flexsparse.build_op",              # per-step mask builds in one C++ op call (csrc/)
     "flexsparse.index_blocks",
     # mask constructors
     "flexsparse.masks",

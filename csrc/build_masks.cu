@@ -1,0 +1,343 @@
+// The CUDA kernels of the mask-build ops (build_masks.h says what they compute): two to four
+// launches per build (two for the usual sizes), no host synchronization, workspace O(N / block).
+//
+//   scan_kernel         (documents with more than kSharedDocs documents per row only)
+//                       one CTA per row: prefix sums of the lengths, and their check;
+//   column_kernel       one CTA per (key block, row): its columns' intervals (written out
+//                       as col_ranges), their per-block statistics, the key block's
+//                       dK/dV lists and its hull/cover bounds (workspace); with few
+//                       documents it scans the lengths itself in shared memory;
+//   query_block_kernel_smem
+//                       one CTA per row: the bounds made non-decreasing over key blocks
+//                       (two block scans per sequence) in shared memory, then per query
+//                       block the forward and dQ lists by binary search; when a row's
+//                       bounds do not fit in shared memory (more than 160K tokens at
+//                       block 128 for documents) two kernels do it instead: fill_kernel (one CTA per
+//                       sequence and row, into the workspace) and query_block_kernel
+//                       (one thread per query block).
+// Bad values (negative lengths, rows not summing to L, negative prefixes) stop the kernel
+// with a device-side assert, as torch._assert_async does in the torch build.
+#undef NDEBUG
+#include <cassert>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "build_masks.h"
+
+namespace flexsparse {
+namespace build {
+namespace {
+
+constexpr int kColumnThreads = 128;
+constexpr int kRowThreads = 1024;
+constexpr int kQueryThreads = 256;
+
+struct Add { __device__ int64_t operator()(int64_t a, int64_t b) const { return a + b; } };
+struct Max { __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; } };
+struct Min { __device__ int32_t operator()(int32_t a, int32_t b) const { return a < b ? a : b; } };
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_scan(T v, Op op) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    T o = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v = op(v, o);
+  }
+  return v;
+}
+
+// Inclusive scan of one value per thread across the CTA (blockDim.x a multiple of 32),
+// continuing from `carry`, which becomes the running total. Every thread must call it.
+template <typename T, typename Op>
+__device__ T block_scan(T v, Op op, T& carry, T* buf) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_scan(v, op);
+  if (lane == 31) buf[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T w = warp_scan(buf[lane < nw ? lane : nw - 1], op);   // lanes >= nw do not matter
+    if (lane < nw) buf[lane] = w;
+  }
+  __syncthreads();
+  T out = op(carry, warp > 0 ? op(buf[warp - 1], v) : v);
+  carry = op(carry, buf[nw - 1]);
+  __syncthreads();                                         // buf is reused by the next call
+  return out;
+}
+
+// Prefix sums of one row of document lengths into `ends`; true when the row is valid
+// (no negative length, sum == L). Every thread must call it; all get the answer.
+__device__ bool scan_lengths(const int64_t* lengths, int64_t n, int64_t L, int64_t* ends,
+                             int64_t* buf) {
+  int64_t carry = 0;
+  int bad = 0;
+  for (int64_t c = 0; c < n; c += blockDim.x) {
+    int64_t i = c + threadIdx.x;
+    int64_t v = i < n ? lengths[i] : 0;
+    bad |= v < 0;
+    int64_t incl = block_scan(v, Add(), carry, buf);
+    if (i < n) ends[i] = incl;
+  }
+  bad = __syncthreads_or(bad);
+  return !bad && carry == L;
+}
+
+#define FS_BAD_LENGTHS \
+  "lengths: lengths must be non-negative and each row must sum to the sequence length L"
+
+__global__ void scan_kernel(BuildParams p) {
+  __shared__ int64_t buf[32];
+  const int64_t b = blockIdx.x;
+  bool ok = scan_lengths(p.lengths + b * p.n_docs, p.n_docs, p.Lk, p.ends + b * p.n_docs, buf);
+  if (threadIdx.x == 0) assert(ok && FS_BAD_LENGTHS);
+}
+
+__device__ __forceinline__ void warp_reduce(Stats& s) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    Stats o;
+    o.s_cov = __shfl_xor_sync(0xffffffffu, s.s_cov, d);
+    o.e_cov = __shfl_xor_sync(0xffffffffu, s.e_cov, d);
+    o.s_miss = __shfl_xor_sync(0xffffffffu, s.s_miss, d);
+    o.e_miss = __shfl_xor_sync(0xffffffffu, s.e_miss, d);
+    s.merge(o);
+  }
+}
+
+__global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, bool shared_ends) {
+  extern __shared__ int64_t smem_ends[];
+  __shared__ int64_t buf[32];
+  __shared__ int64_t part[kColumnThreads / 32][kMaxSlots][4];   // warps' Stats
+  const int64_t kb = blockIdx.x, b = blockIdx.y;
+  const int m = p.m;
+  const int64_t* ends = nullptr;
+  int64_t prefix = 0;
+  if (p.kind == kPrefixLM) {
+    prefix = p.prefix[b];
+    if (kb == 0 && threadIdx.x == 0)
+      assert(prefix >= 0 && "prefix_len: must be >= 0");
+  } else if (shared_ends) {
+    bool ok = scan_lengths(p.lengths + b * p.n_docs, p.n_docs, p.Lk, smem_ends, buf);
+    if (kb == 0 && threadIdx.x == 0) assert(ok && FS_BAD_LENGTHS);
+    ends = smem_ends;
+  } else {
+    ends = p.ends + b * p.n_docs;
+  }
+  Stats st[kMaxSlots];
+  const int64_t j0 = kb * p.bk, j1 = min64(p.Lk, j0 + p.bk);
+  for (int64_t j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+    int64_t ds = 0, de = 0, s[kMaxSlots], e[kMaxSlots];
+    if (p.kind == kColumnRanges) {
+      int64_t x[4] = {0, 0, 0, 0};
+      for (int c = 0; c < p.C; ++c) x[c] = p.startend[(b * p.Lk + j) * p.C + c];
+      flashmask_intervals(p.C, p.causal, p.Lq, p.Lk, j, x, s, e);
+    } else {
+      if (p.kind != kPrefixLM) {
+        int64_t d = document_of(ends, p.n_docs, j);
+        de = ends[d];
+        ds = d > 0 ? ends[d - 1] : 0;          // = ends[d] - lengths[d]
+      }
+      column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
+    }
+    int32_t* cr = p.col_ranges + (b * p.Lk + j) * 2 * m;
+    if (m == 2) {
+      *reinterpret_cast<int4*>(cr) = make_int4((int)s[0], (int)e[0], (int)s[1], (int)e[1]);
+    } else {
+      for (int r = 0; r < m; ++r) *reinterpret_cast<int2*>(cr + 2 * r) = make_int2((int)s[r], (int)e[r]);
+    }
+    for (int r = 0; r < m; ++r) st[r].add(s[r], e[r]);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = 0; r < m; ++r) {
+    warp_reduce(st[r]);
+    if (lane == 0) {
+      part[warp][r][0] = st[r].s_cov; part[warp][r][1] = st[r].e_cov;
+      part[warp][r][2] = st[r].s_miss; part[warp][r][3] = st[r].e_miss;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t bd[kMaxSlots][4];
+    for (int r = 0; r < m; ++r) {
+      Stats t;
+      for (int w = 0; w < kColumnThreads / 32; ++w) {
+        Stats o;
+        o.s_cov = part[w][r][0]; o.e_cov = part[w][r][1];
+        o.s_miss = part[w][r][2]; o.e_miss = part[w][r][3];
+        t.merge(o);
+      }
+      t.bounds(p.Lq, p.bq, p.nQB, bd[r]);
+    }
+    if (p.kind == kColumnRanges) {                 // lists: list_kernel
+      for (int r = 0; r < m; ++r)
+        for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
+    } else {
+      bool ok = key_block_rows(p, b, kb, bd);
+      assert(ok && "flexsparse build: a key block needs more than 4 block ranges");
+    }
+  }
+}
+
+// Column ranges: the padded lists (descriptor._block_lists of the block states), one warp
+// per list row: warps [0, nQB) the forward / dQ rows (over key blocks), the rest the
+// dK/dV rows (over query blocks). Pass 1 counts the partial and full blocks of the row;
+// pass 2 writes each block at its place: listed ones first, then the others, ascending.
+__global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
+  const int64_t b = blockIdx.y;
+  const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= p.nQB + p.nKB) return;                  // whole warps leave together
+  const bool kv = w < p.nQB;
+  const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
+  const int32_t* bounds = p.bounds + ws_at(p, b, 0, 0);
+  int32_t *part, *full;
+  int32_t *part_count, *full_count;
+  if (kv) {
+    part = p.kv_index + (b * p.nQB + row) * n; full = p.kv_full_index + (b * p.nQB + row) * n;
+    part_count = p.kv_count + b * p.nQB + row; full_count = p.kv_full_count + b * p.nQB + row;
+  } else {
+    part = p.q_index + (b * p.nKB + row) * n; full = p.q_full_index + (b * p.nKB + row) * n;
+    part_count = p.q_count + b * p.nKB + row; full_count = p.q_full_count + b * p.nKB + row;
+  }
+  auto state = [&](int64_t i) {                    // i: the block along the row
+    int64_t qb = kv ? row : i, kb = kv ? i : row;
+    return block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
+  };
+  int64_t np = 0, nf = 0;
+  for (int64_t c = 0; c < n; c += 32) {
+    int64_t i = c + lane;
+    int st = i < n ? state(i) : kSkip;
+    np += __popc(__ballot_sync(0xffffffffu, st == kPartial));
+    nf += __popc(__ballot_sync(0xffffffffu, st == kFull));
+  }
+  const unsigned below = (1u << lane) - 1u;
+  int64_t bp = 0, bf = 0;                          // listed blocks before this chunk
+  for (int64_t c = 0; c < n; c += 32) {
+    int64_t i = c + lane;
+    int st = i < n ? state(i) : kSkip;
+    unsigned sp = __ballot_sync(0xffffffffu, st == kPartial);
+    unsigned sf = __ballot_sync(0xffffffffu, st == kFull);
+    if (i < n) {
+      int64_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
+      part[st == kPartial ? before_p : np + (i - before_p)] = (int32_t)i;
+      full[st == kFull ? before_f : nf + (i - before_f)] = (int32_t)i;
+    }
+    bp += __popc(sp);
+    bf += __popc(sf);
+  }
+  if (lane == 0) {
+    *part_count = (int32_t)np;
+    *full_count = (int32_t)nf;
+  }
+}
+
+// Step 3 for one (lo, hi) sequence over the key blocks: empty intervals take the last
+// end before them and the next start after them (blocklists._monotone_fill), by two block
+// scans per 1024 key blocks. Every thread of the CTA must call it.
+__device__ void fill_pair(const int32_t* lo, const int32_t* hi, int32_t* flo, int32_t* fhi,
+                          int32_t nKB, int32_t nQB, int32_t* buf) {
+  int32_t carry = 0;                               // hi of an empty interval: the last end
+  for (int32_t c = 0; c < nKB; c += blockDim.x) {
+    int32_t i = c + threadIdx.x;
+    bool in = i < nKB, empty = in && hi[i] <= lo[i];
+    int32_t v = in && !empty ? hi[i] : 0;
+    int32_t incl = block_scan(v, Max(), carry, buf);
+    if (in) fhi[i] = empty ? incl : hi[i];
+  }
+  carry = nQB;                                     // lo of an empty interval: the next start
+  for (int32_t c = 0; c < nKB; c += blockDim.x) {
+    int32_t i = nKB - 1 - (c + (int32_t)threadIdx.x);
+    bool in = i >= 0, empty = in && hi[i] <= lo[i];
+    int32_t v = in && !empty ? lo[i] : nQB;
+    int32_t incl = block_scan(v, Min(), carry, buf);
+    if (in) flo[i] = empty ? incl : lo[i];
+  }
+}
+
+// Rows whose bounds fit in shared memory: one CTA per row fills them there and then
+// makes every query block's lists (binary searches in shared memory).
+__global__ void __launch_bounds__(kRowThreads) query_block_kernel_smem(BuildParams p) {
+  extern __shared__ int32_t filled[];              // (4, m, nKB)
+  __shared__ int32_t buf[32];
+  const int64_t b = blockIdx.x;
+  for (int t0 = 0; t0 < 4; t0 += 2) {              // hull (h0, h1), cover (a, b)
+    for (int r = 0; r < p.m; ++r) {
+      fill_pair(p.bounds + ws_at(p, b, t0, r), p.bounds + ws_at(p, b, t0 + 1, r),
+                filled + (t0 * p.m + r) * p.nKB, filled + ((t0 + 1) * p.m + r) * p.nKB,
+                (int32_t)p.nKB, (int32_t)p.nQB, buf);
+    }
+  }
+  __syncthreads();
+  for (int64_t qb = threadIdx.x; qb < p.nQB; qb += blockDim.x) {
+    bool ok = query_block_rows(p, b, qb, filled);
+    assert(ok && "flexsparse build: a query block needs more than 4 block ranges");
+  }
+}
+
+// Longer rows: one CTA per (sequence, row) fills the workspace ...
+__global__ void __launch_bounds__(kRowThreads) fill_kernel(BuildParams p) {
+  __shared__ int32_t buf[32];
+  const int64_t b = blockIdx.y;
+  const int r = blockIdx.x >> 1, t0 = (blockIdx.x & 1) * 2;
+  fill_pair(p.bounds + ws_at(p, b, t0, r), p.bounds + ws_at(p, b, t0 + 1, r),
+            p.filled + ws_at(p, b, t0, r), p.filled + ws_at(p, b, t0 + 1, r),
+            (int32_t)p.nKB, (int32_t)p.nQB, buf);
+}
+
+// ... and one thread per query block makes its lists.
+__global__ void __launch_bounds__(kQueryThreads) query_block_kernel(BuildParams p) {
+  const int64_t b = blockIdx.y, qb = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (qb >= p.nQB) return;
+  bool ok = query_block_rows(p, b, qb, p.filled + ws_at(p, b, 0, 0));
+  assert(ok && "flexsparse build: a query block needs more than 4 block ranges");
+}
+
+void check_launch(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("flexsparse build: ") + what + ": " +
+                             cudaGetErrorString(err));
+}
+
+}  // namespace
+
+void build_column_ranges_cuda(const BuildParams& p, void* stream_) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_);
+  if (p.Bl == 0 || p.nKB == 0) return;
+  if (p.Bl > 65535) throw std::runtime_error("flexsparse build: more than 65535 rows");
+  // with few documents every column CTA scans the lengths itself
+  bool shared_ends = is_document(p.kind) && !needs_ends(p);
+  if (needs_ends(p)) {
+    scan_kernel<<<(unsigned)p.Bl, kRowThreads, 0, stream>>>(p);
+    check_launch("scan_kernel");
+  }
+  size_t smem = shared_ends ? p.n_docs * sizeof(int64_t) : 0;
+  column_kernel<<<dim3((unsigned)p.nKB, (unsigned)p.Bl), kColumnThreads, smem, stream>>>(
+      p, shared_ends);
+  check_launch("column_kernel");
+  if (p.nQB == 0) return;
+  if (p.kind == kColumnRanges) {
+    int64_t threads = (p.nQB + p.nKB) * 32;
+    list_kernel<<<dim3((unsigned)((threads + kQueryThreads - 1) / kQueryThreads), (unsigned)p.Bl),
+                  kQueryThreads, 0, stream>>>(p);
+    check_launch("list_kernel");
+    return;
+  }
+  const size_t bounds_bytes = 4 * p.m * p.nKB * sizeof(int32_t);
+  if ((int64_t)bounds_bytes <= kSharedBoundsBytes) {
+    query_block_kernel_smem<<<(unsigned)p.Bl, kRowThreads, bounds_bytes, stream>>>(p);
+    check_launch("query_block_kernel_smem");
+  } else {
+    fill_kernel<<<dim3(2 * p.m, (unsigned)p.Bl), kRowThreads, 0, stream>>>(p);
+    check_launch("fill_kernel");
+    unsigned blocks = (unsigned)((p.nQB + kQueryThreads - 1) / kQueryThreads);
+    query_block_kernel<<<dim3(blocks, (unsigned)p.Bl), kQueryThreads, 0, stream>>>(p);
+    check_launch("query_block_kernel");
+  }
+}
+
+}  // namespace build
+}  // namespace flexsparse

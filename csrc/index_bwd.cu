@@ -1,0 +1,705 @@
+// Index attention backward (issue 17): dq, dk, dv of index masks (per-query key lists,
+// docs/design.md "Index mode") with no float atomics, bitwise deterministic by
+// construction. FIRST VERSION, written without a GPU: see docs/perf-notes.md ("CUDA index
+// backward, first version, not yet run").
+//
+// Four steps on the stream, no host sync:
+//  1. prep: per (b, query head, row) the pair (lse2, delta): lse2 = lse * log2(e) (0 for
+//     lse = -inf rows: they have no active entry, or only entries whose score is -inf, so
+//     every p below is 0 and their gradients are 0) and delta = rowsum(dO * O) - grad_lse;
+//     one 8-byte load per (row, head) in the passes below.
+//  2. dQ, query-major (the forward's layout): one warp per (b, kv head, 16-head group,
+//     query row), its G query heads as the M rows of m16n8k16 mma.sync tiles; 16 gathered
+//     keys per stage (cp.async ring, as index_fwd.cu). Per stage S = Q K^T, dP = dO V^T,
+//     P = exp2(S' - lse2), dS = P (dP - delta) (softcap: times 1 - tanh^2), scaled;
+//     dQ += dS K (K through ldmatrix.trans). dQ stays in registers; one store per row.
+//  3. transposed lists (CSR), per list (bi, hi): every entry gets the sort key
+//     list * (Lk + 1) + key (inactive entries: key Lk, a bucket nobody reads) and the value
+//     of its query row; integer atomics count the entries per bucket, cub's exclusive scan
+//     gives each bucket's start, cub's radix sort (stable, deterministic) orders the
+//     values by key. A key's segment thus lists its query rows in (row, slot) order, a
+//     duplicate once per occurrence.
+//  4. dK/dV, key-major: one warp per (b, kv head, key), walking its segment's (query row,
+//     query head) pairs, e-major: groups of D/8 lanes (8 columns, one 16-byte load per
+//     row per lane; 4 groups at D=64, 2 at 128, 1 at 256), each group one pair at a time,
+//     4 steps' loads issued together; dot products over the group's lanes by shuffles,
+//     then dV += P dO, dK += dS Q in fp32 registers; the groups' sums are added in a
+//     fixed shuffle order at the end. CUDA-core FMA: a key-major pair reads one Q and one dO row
+//     for 4 D flops, so the pass is bound by that gather, not by math (perf-notes).
+//
+// Determinism: every output element is written by one warp, whose summation order
+// depends only on the lists (the sort is stable, the scan exact); no float atomics.
+//
+// Safety as in the forward: an entry is used only if 0 <= idx < Lk; inactive entries read
+// nothing. Keys that no list names get dk = dv = 0.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cub/cub.cuh>
+
+#include "kernels.h"
+
+namespace flexsparse {
+namespace index_bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kKeys = 16;    // gathered keys per stage
+constexpr int kHeads = 16;   // query heads per warp (the MMA's M)
+
+// dQ pass: stages per warp and warps per CTA. Shared memory per warp: Q and dO tiles
+// (2 x 16 x D) and kStages x 16 rows of K and of V. D=64: 20 KB/warp (4 warps, 2 CTAs per
+// SM); D=128: 32 KB/warp (3 warps, 2 CTAs per SM); D=256: 48 KB/warp (4 warps, 1 CTA).
+template <int kD>
+struct Config;
+template <>
+struct Config<64> {
+  static constexpr int kStages = 4, kWarps = 4;
+};
+template <>
+struct Config<128> {
+  static constexpr int kStages = 3, kWarps = 3;
+};
+template <>
+struct Config<256> {
+  static constexpr int kStages = 2, kWarps = 4;
+};
+
+template <int kD>
+constexpr int warp_smem_bytes() {
+  return (2 * kHeads * kD + 2 * Config<kD>::kStages * kKeys * kD) * 2 +
+         Config<kD>::kStages * kKeys * 4;
+}
+
+// ------------------------------------------------------------------ device helpers
+// (the same as index_fwd.cu's; copied so that the validated forward stays untouched)
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+    return __half22float2(*reinterpret_cast<__half2*>(&x));
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+  }
+};
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <int kD>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return row * kD + ((chunk ^ (row & 7)) << 3);
+}
+
+// The key of list slot w of a row's list, or -1 (past W, or inactive).
+__device__ __forceinline__ int load_key(const IndexParams& p, int64_t idx_off, int64_t w) {
+  if (w >= p.W) return -1;
+  const int64_t x = p.idx_int64
+                        ? static_cast<const int64_t*>(p.idx)[idx_off + w * p.idx_sw]
+                        : static_cast<int64_t>(static_cast<const int32_t*>(p.idx)[idx_off + w * p.idx_sw]);
+  return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
+}
+
+// ------------------------------------------------------------------ 1. prep
+
+// One warp per (b, query head, row): delta and lse2 (see the top of the file).
+template <typename T>
+__global__ void __launch_bounds__(256) prep_kernel(const IndexBackwardParams p, float2* rowstat) {
+  const IndexParams& f = p.fwd;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (row >= f.B * f.Hq * f.Lq) return;
+  const int64_t i = row % f.Lq;
+  const int64_t bh = row / f.Lq;
+  const int64_t hq = bh % f.Hq, b = bh / f.Hq;
+  const T* o = static_cast<const T*>(f.out) + row * f.D;
+  const T* dout = static_cast<const T*>(p.dout) + b * p.do_sb + hq * p.do_sh + i * p.do_sm;
+  float acc = 0.f;
+  for (int d = lane; d < f.D; d += 32) acc += to_float(o[d]) * to_float(dout[d]);
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) {
+    const float l = f.lse[row];
+    rowstat[row] = make_float2((l == -INFINITY ? 0.f : l) * kLog2e,
+                               acc - (p.grad_lse != nullptr ? p.grad_lse[row] : 0.f));
+  }
+}
+
+// ------------------------------------------------------------------ 2. dQ
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(Config<kD>::kWarps * 32)
+    dq_kernel(const IndexBackwardParams bp, const float2* rowstat) {
+  const IndexParams& p = bp.fwd;
+  constexpr int kStages = Config<kD>::kStages;
+  constexpr int kWarps = Config<kD>::kWarps;
+  constexpr int kChunks = kD / 8;
+  constexpr int kTile = kKeys * kD;
+  constexpr int kSteps = kD / 16;
+  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks within a row");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD>());
+  T* s_do = s_q + kHeads * kD;
+  T* s_k = s_do + kHeads * kD;
+  T* s_v = s_k + kStages * kTile;
+  int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);
+
+  const int n_groups = (p.G + kHeads - 1) / kHeads;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.B * p.Hkv * n_groups * p.Lq) return;
+  const int64_t i = item % p.Lq;
+  int64_t rest = item / p.Lq;
+  const int group = static_cast<int>(rest % n_groups);
+  rest /= n_groups;
+  const int64_t h = rest % p.Hkv;
+  const int64_t b = rest / p.Hkv;
+  const int heads = min(kHeads, p.G - group * kHeads);
+  const int64_t hq0 = h * p.G + group * kHeads;
+
+  const T* q_row = static_cast<const T*>(p.q) + b * p.q_sb + hq0 * p.q_sh + i * p.q_sm;
+  const T* do_row = static_cast<const T*>(bp.dout) + b * bp.do_sb + hq0 * bp.do_sh + i * bp.do_sm;
+  const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const int64_t idx_off = b * p.idx_sb + h * p.idx_sh + i * p.idx_sq;
+
+  // Q and dO tiles: rows of the `heads` query heads, zeros below.
+#pragma unroll
+  for (int t = 0; t < kHeads * kChunks / 32; ++t) {
+    const int e = t * 32 + lane;
+    const int r = e / kChunks, c = e % kChunks;
+    const bool ok = r < heads;
+    cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
+                ok ? 16 : 0);
+    cp_async_16(smem_addr(s_do + swizzle<kD>(r, c)), ok ? do_row + r * bp.do_sh + c * 8 : q_row,
+                ok ? 16 : 0);
+  }
+
+  auto issue = [&](int key_of_lane, int stage) {
+    if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
+    T* dk = s_k + stage * kTile;
+    T* dv = s_v + stage * kTile;
+#pragma unroll
+    for (int t = 0; t < kKeys * kChunks / 32; ++t) {
+      const int e = t * 32 + lane;
+      const int r = e / kChunks, c = e % kChunks;
+      const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+      const bool ok = key >= 0;
+      const int off = swizzle<kD>(r, c);
+      cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
+      cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
+    }
+  };
+
+  const int n_chunks = static_cast<int>((p.W + kKeys - 1) / kKeys);
+  const int slot = lane & (kKeys - 1);
+  int next_key = load_key(p, idx_off, slot);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_chunks) issue(next_key, s);
+    cp_async_commit();
+    next_key = load_key(p, idx_off, static_cast<int64_t>(s + 1) * kKeys + slot);
+  }
+
+  const bool has_softcap = p.softcap > 0.f;
+  const bool has_bias = p.bias != nullptr;
+  const float tanh_mul = has_softcap ? p.scale / p.softcap : 0.f;
+  const int r = lane >> 2, quad = lane & 3;
+  // This lane's two head rows (r, r + 8): their lse2 and delta (0 past `heads`: those
+  // rows are zero queries, never stored).
+  float row_lse2[2] = {0.f, 0.f}, row_delta[2] = {0.f, 0.f};
+  const T* bias_rows[2] = {nullptr, nullptr};
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = r + 8 * rr;
+    if (row < heads) {
+      const int64_t g_row = (b * p.Hq + hq0 + row) * p.Lq + i;
+      const float2 st = rowstat[g_row];
+      row_lse2[rr] = st.x;
+      row_delta[rr] = st.y;
+      if (has_bias)
+        bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
+                        ((hq0 + row) / p.bias_head_div) * p.bias_sh + i * p.bias_sq;
+    }
+  }
+
+  float dq_acc[kD / 8][4];
+#pragma unroll
+  for (int t = 0; t < kD / 8; ++t) dq_acc[t][0] = dq_acc[t][1] = dq_acc[t][2] = dq_acc[t][3] = 0.f;
+
+  // ldmatrix lanes: A operands (Q, dO) and trans B (K for dS K) as the forward's Q and V;
+  // non-trans B (K for S, V for dP) as the forward's K.
+  const int a_ld_row = ((lane >> 3) & 1) * 8 + (lane & 7), a_ld_chunk = lane >> 4;
+  const int b_ld_row = (lane >> 4) * 8 + (lane & 7), b_ld_chunk = (lane >> 3) & 1;
+
+  for (int chunk = 0; chunk < n_chunks; ++chunk) {
+    const int ahead = chunk + kStages - 1;
+    if (ahead < n_chunks) issue(next_key, ahead % kStages);
+    cp_async_commit();
+    next_key = load_key(p, idx_off, static_cast<int64_t>(ahead + 1) * kKeys + slot);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const int stage = chunk % kStages;
+    const T* k_s = s_k + stage * kTile;
+    const T* v_s = s_v + stage * kTile;
+    const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 2 * quad);
+    const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 8 + 2 * quad);
+    const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
+    float bias_val[2][4];
+    if (has_bias) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = col_key[j][e & 1];
+          const T* row = bias_rows[e >> 1];
+          bias_val[j][e] = (row != nullptr && key >= 0) ? to_float(row[key * p.bias_sk]) : 0.f;
+        }
+    }
+
+    // S = Q K^T and dP = dO V^T over 16 keys (two m16n8 tiles each).
+    float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float dp_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t qa[4], da[4], kb[4], vb[4];
+      ldmatrix_x4(qa, smem_addr(s_q + swizzle<kD>(a_ld_row, 2 * st + a_ld_chunk)));
+      ldmatrix_x4(da, smem_addr(s_do + swizzle<kD>(a_ld_row, 2 * st + a_ld_chunk)));
+      ldmatrix_x4(kb, smem_addr(k_s + swizzle<kD>(b_ld_row, 2 * st + b_ld_chunk)));
+      ldmatrix_x4(vb, smem_addr(v_s + swizzle<kD>(b_ld_row, 2 * st + b_ld_chunk)));
+      Mma<T>::run(s_acc[0], qa, kb[0], kb[1]);
+      Mma<T>::run(s_acc[1], qa, kb[2], kb[3]);
+      Mma<T>::run(dp_acc[0], da, vb[0], vb[1]);
+      Mma<T>::run(dp_acc[1], da, vb[2], vb[3]);
+    }
+
+    // dS (scaled, the gradient of the raw product q.k); inactive keys 0.
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float acc = s_acc[j][e];
+        float t = 0.f, s;
+        if (has_softcap) {
+          t = tanhf(acc * tanh_mul);
+          s = p.softcap * t;
+        } else {
+          s = acc * p.scale;
+        }
+        if (has_bias) s += bias_val[j][e];
+        const float pe = col_key[j][e & 1] >= 0 ? exp2f(s * kLog2e - row_lse2[e >> 1]) : 0.f;
+        float ds = pe * (dp_acc[j][e] - row_delta[e >> 1]);
+        if (has_softcap) ds *= 1.f - t * t;
+        s_acc[j][e] = ds * p.scale;
+      }
+
+    // dQ += dS K: dS as the A operand (keys 0-7 then 8-15), K rows through ldmatrix.trans.
+    uint32_t dsa[4];
+    dsa[0] = Mma<T>::pack(s_acc[0][0], s_acc[0][1]);
+    dsa[1] = Mma<T>::pack(s_acc[0][2], s_acc[0][3]);
+    dsa[2] = Mma<T>::pack(s_acc[1][0], s_acc[1][1]);
+    dsa[3] = Mma<T>::pack(s_acc[1][2], s_acc[1][3]);
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t kb[4];
+      ldmatrix_x4_trans(kb, smem_addr(k_s + swizzle<kD>(a_ld_row, 2 * st + a_ld_chunk)));
+      Mma<T>::run(dq_acc[2 * st], dsa, kb[0], kb[1]);
+      Mma<T>::run(dq_acc[2 * st + 1], dsa, kb[2], kb[3]);
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  T* dq = static_cast<T*>(bp.dq);
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = r + 8 * rr;
+    if (row >= heads) continue;
+    T* o = dq + ((b * p.Hq + hq0 + row) * p.Lq + i) * kD + 2 * quad;
+#pragma unroll
+    for (int t = 0; t < kD / 8; ++t)
+      *reinterpret_cast<uint32_t*>(o + 8 * t) = Mma<T>::pack(dq_acc[t][2 * rr], dq_acc[t][2 * rr + 1]);
+  }
+}
+
+// ------------------------------------------------------------------ 3. transposed lists
+
+// Per entry (list nb = bi * Hi + hi, row i, slot w), flattened in that order: its sort key
+// nb * (Lk + 1) + key (key Lk for an inactive entry), its value i, and one count.
+__global__ void __launch_bounds__(256) csr_keys_kernel(const IndexBackwardParams bp,
+                                                       uint32_t* keys, int32_t* vals,
+                                                       int32_t* counts) {
+  const IndexParams& p = bp.fwd;
+  const int64_t n = bp.Bi * bp.Hi * p.Lq * p.W;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= n) return;
+  const int64_t w = e % p.W;
+  int64_t rest = e / p.W;
+  const int64_t i = rest % p.Lq;
+  rest /= p.Lq;
+  const int64_t hi = rest % bp.Hi, bi = rest / bp.Hi;
+  const int key = load_key(p, bi * p.idx_sb + hi * p.idx_sh + i * p.idx_sq, w);
+  const int64_t bucket = rest * (p.Lk + 1) + (key >= 0 ? key : p.Lk);
+  keys[e] = static_cast<uint32_t>(bucket);
+  vals[e] = static_cast<int32_t>(i);
+  atomicAdd(counts + bucket, 1);
+}
+
+// ------------------------------------------------------------------ 4. dK, dV
+
+template <int kD>
+struct KvConfig {
+  static constexpr int kElems = 8;             // columns per lane: one 16-byte load per row
+  static constexpr int kLanes = kD / kElems;   // lanes per (query row, head) pair: 8, 16, 32
+  static constexpr int kGroups = 32 / kLanes;  // pairs per warp step: 4, 2, 1
+  static constexpr int kUnroll = 4;            // steps whose loads are issued together
+  static constexpr int kWarps = 8;
+};
+
+// 8 elements (16 bytes) as 8 floats.
+template <typename T>
+__device__ __forceinline__ void unpack8(float (&x)[8], uint4 raw) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const float2 f = Mma<T>::unpack(words[u]);
+    x[2 * u] = f.x;
+    x[2 * u + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ uint4 load16(const void* src, bool ok) {
+  return ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
+    dkdv_kernel(const IndexBackwardParams bp, const float2* rowstat, const int32_t* counts,
+                const int32_t* starts, const int32_t* qrows) {
+  using C = KvConfig<kD>;
+  constexpr int kE = C::kElems, kU = C::kUnroll, kGroups = C::kGroups;
+  const IndexParams& p = bp.fwd;
+  const int lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * C::kWarps + (threadIdx.x >> 5);
+  if (item >= p.B * p.Hkv * p.Lk) return;
+  const int64_t j = item % p.Lk;
+  const int64_t bh = item / p.Lk;
+  const int64_t h = bh % p.Hkv, b = bh / p.Hkv;
+  const int64_t nb = (bp.Bi == 1 ? 0 : b) * bp.Hi + (bp.Hi == 1 ? 0 : h);
+  const int64_t bucket = nb * (p.Lk + 1) + j;
+  const int64_t seg = starts[bucket];
+  const int64_t n_rows = static_cast<int64_t>(counts[bucket]) * p.G;
+  const int grp = lane / C::kLanes, col = (lane % C::kLanes) * kE;
+
+  float kf[kE], vf[kE], dk[kE], dv[kE];
+  static_assert(kE == 8, "one 16-byte load per row and lane");
+  unpack8<T>(kf, load16(static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + j * p.k_sn + col, true));
+  unpack8<T>(vf, load16(static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + j * p.v_sn + col, true));
+#pragma unroll
+  for (int c = 0; c < kE; ++c) dk[c] = dv[c] = 0.f;
+
+  const bool has_softcap = p.softcap > 0.f;
+  const bool has_bias = p.bias != nullptr;
+  const float tanh_mul = has_softcap ? p.scale / p.softcap : 0.f;
+  const T* q_base = static_cast<const T*>(p.q) + b * p.q_sb + col;
+  const T* do_base = static_cast<const T*>(bp.dout) + b * bp.do_sb + col;
+
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kGroups * kU) {
+    uint4 q_raw[kU], do_raw[kU];   // raw rows: converted in the math, fewer registers
+    float l2[kU], dl[kU], bv[kU];
+    bool ok[kU];
+    // Loads of kU pairs first (their latencies overlap), then the math.
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t rr = r0 + u * kGroups + grp;   // pair: entry rr / G, head rr % G
+      ok[u] = rr < n_rows;
+      const int64_t e = rr / p.G;
+      const int64_t hq = h * p.G + (rr - e * p.G);
+      const int64_t qi = ok[u] ? qrows[seg + e] : 0;
+      q_raw[u] = load16(q_base + hq * p.q_sh + qi * p.q_sm, ok[u]);
+      do_raw[u] = load16(do_base + hq * bp.do_sh + qi * bp.do_sm, ok[u]);
+      const int64_t g_row = (b * p.Hq + hq) * p.Lq + qi;
+      const float2 st = ok[u] ? rowstat[g_row] : make_float2(0.f, 0.f);
+      l2[u] = st.x;
+      dl[u] = st.y;
+      bv[u] = (has_bias && ok[u])
+                  ? to_float(static_cast<const T*>(p.bias)[b * p.bias_sb + (hq / p.bias_head_div) * p.bias_sh +
+                                                           qi * p.bias_sq + j * p.bias_sk])
+                  : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      float qx[kE], dox[kE];
+      unpack8<T>(qx, q_raw[u]);
+      unpack8<T>(dox, do_raw[u]);
+      float s = 0.f, dp = 0.f;
+#pragma unroll
+      for (int c = 0; c < kE; ++c) {
+        s = fmaf(qx[c], kf[c], s);
+        dp = fmaf(dox[c], vf[c], dp);
+      }
+#pragma unroll
+      for (int x = 1; x < C::kLanes; x <<= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, x);
+        dp += __shfl_xor_sync(0xffffffffu, dp, x);
+      }
+      float t = 0.f;
+      if (has_softcap) {
+        t = tanhf(s * tanh_mul);
+        s = p.softcap * t;
+      } else {
+        s *= p.scale;
+      }
+      s += bv[u];
+      const float pe = ok[u] ? exp2f(s * kLog2e - l2[u]) : 0.f;
+      float ds = pe * (dp - dl[u]);
+      if (has_softcap) ds *= 1.f - t * t;
+      ds *= p.scale;
+#pragma unroll
+      for (int c = 0; c < kE; ++c) {
+        dv[c] = fmaf(pe, dox[c], dv[c]);
+        dk[c] = fmaf(ds, qx[c], dk[c]);
+      }
+    }
+  }
+  // The groups' partial sums, in a fixed order (xor 8 then 16: every lane ends with the
+  // same total, computed the same way every run).
+#pragma unroll
+  for (int x = C::kLanes; x < 32; x <<= 1)
+#pragma unroll
+    for (int c = 0; c < kE; ++c) {
+      dk[c] += __shfl_xor_sync(0xffffffffu, dk[c], x);
+      dv[c] += __shfl_xor_sync(0xffffffffu, dv[c], x);
+    }
+  if (grp == 0) {
+    const int64_t out_row = (bh * p.Lk + j) * kD + col;
+    T* dk_out = static_cast<T*>(bp.dk) + out_row;
+    T* dv_out = static_cast<T*>(bp.dv) + out_row;
+#pragma unroll
+    for (int c = 0; c < kE / 8; ++c) {
+      uint4 a, v;
+      a.x = Mma<T>::pack(dk[8 * c + 0], dk[8 * c + 1]);
+      a.y = Mma<T>::pack(dk[8 * c + 2], dk[8 * c + 3]);
+      a.z = Mma<T>::pack(dk[8 * c + 4], dk[8 * c + 5]);
+      a.w = Mma<T>::pack(dk[8 * c + 6], dk[8 * c + 7]);
+      v.x = Mma<T>::pack(dv[8 * c + 0], dv[8 * c + 1]);
+      v.y = Mma<T>::pack(dv[8 * c + 2], dv[8 * c + 3]);
+      v.z = Mma<T>::pack(dv[8 * c + 4], dv[8 * c + 5]);
+      v.w = Mma<T>::pack(dv[8 * c + 6], dv[8 * c + 7]);
+      *reinterpret_cast<uint4*>(dk_out + 8 * c) = a;
+      *reinterpret_cast<uint4*>(dv_out + 8 * c) = v;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ host side
+
+// Workspace layout, each piece 256-byte aligned.
+struct Layout {
+  size_t rowstat = 0, counts = 0, starts = 0, keys_in = 0, keys_out = 0, vals_in = 0,
+         vals_out = 0, temp = 0, temp_bytes = 0, total = 0;
+  int64_t rows = 0, buckets = 0, entries = 0;
+  int end_bit = 1;
+};
+
+inline size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+Layout layout(IndexBackwardParams const& bp) {
+  const IndexParams& p = bp.fwd;
+  Layout L;
+  L.rows = p.B * p.Hq * p.Lq;
+  L.buckets = bp.Bi * bp.Hi * (p.Lk + 1);
+  L.entries = bp.Bi * bp.Hi * p.Lq * p.W;
+  while (L.end_bit < 32 && (int64_t{1} << L.end_bit) < L.buckets) ++L.end_bit;
+  size_t scan_bytes = 0, sort_bytes = 0;
+  if (L.buckets > 0 && L.buckets <= INT32_MAX)
+    CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
+                                             static_cast<int32_t*>(nullptr), static_cast<int>(L.buckets)));
+  if (L.entries > 0 && L.entries <= INT32_MAX)
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr),
+                                               static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                               static_cast<int32_t*>(nullptr), static_cast<int>(L.entries), 0,
+                                               L.end_bit));
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  L.rowstat = take(L.rows * sizeof(float2));
+  L.counts = take(L.buckets * sizeof(int32_t));
+  L.starts = take(L.buckets * sizeof(int32_t));
+  L.keys_in = take(L.entries * sizeof(uint32_t));
+  L.keys_out = take(L.entries * sizeof(uint32_t));
+  L.vals_in = take(L.entries * sizeof(int32_t));
+  L.vals_out = take(L.entries * sizeof(int32_t));
+  L.temp_bytes = std::max(scan_bytes, sort_bytes);
+  L.temp = take(L.temp_bytes);
+  L.total = off;
+  return L;
+}
+
+template <typename T, int kD>
+void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
+  const IndexParams& p = bp.fwd;
+  const Layout L = layout(bp);
+  unsigned char* ws = static_cast<unsigned char*>(bp.workspace);
+  float2* rowstat = reinterpret_cast<float2*>(ws + L.rowstat);
+  int32_t* counts = reinterpret_cast<int32_t*>(ws + L.counts);
+  int32_t* starts = reinterpret_cast<int32_t*>(ws + L.starts);
+  uint32_t* keys_in = reinterpret_cast<uint32_t*>(ws + L.keys_in);
+  uint32_t* keys_out = reinterpret_cast<uint32_t*>(ws + L.keys_out);
+  int32_t* vals_in = reinterpret_cast<int32_t*>(ws + L.vals_in);
+  int32_t* vals_out = reinterpret_cast<int32_t*>(ws + L.vals_out);
+  void* temp = ws + L.temp;
+
+  // 1. delta, lse2
+  if (L.rows > 0) {
+    prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
+    CUDA_CHECK(cudaGetLastError());
+  }
+  // 2. dQ
+  {
+    constexpr int kWarps = Config<kD>::kWarps;
+    constexpr int smem = kWarps * warp_smem_bytes<kD>();
+    const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
+    const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
+    if (items > 0) {
+      auto kernel = dq_kernel<T, kD>;
+      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
+          bp, rowstat);
+      CUDA_CHECK(cudaGetLastError());
+    }
+  }
+  // 3. transposed lists
+  if (L.buckets > 0) {
+    CUDA_CHECK(cudaMemsetAsync(counts, 0, L.buckets * sizeof(int32_t), stream));
+    if (L.entries > 0) {
+      csr_keys_kernel<<<static_cast<unsigned>((L.entries + 255) / 256), 256, 0, stream>>>(
+          bp, keys_in, vals_in, counts);
+      CUDA_CHECK(cudaGetLastError());
+      size_t temp_bytes = L.temp_bytes;
+      CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, vals_in, vals_out,
+                                                 static_cast<int>(L.entries), 0, L.end_bit, stream));
+    }
+    size_t temp_bytes = L.temp_bytes;
+    CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, starts,
+                                             static_cast<int>(L.buckets), stream));
+  }
+  // 4. dK, dV
+  {
+    using C = KvConfig<kD>;
+    const int64_t items = p.B * p.Hkv * p.Lk;
+    if (items > 0) {
+      dkdv_kernel<T, kD><<<static_cast<unsigned>((items + C::kWarps - 1) / C::kWarps), C::kWarps * 32, 0,
+                           stream>>>(bp, rowstat, counts, starts, vals_out);
+      CUDA_CHECK(cudaGetLastError());
+    }
+  }
+}
+
+template <int kD>
+void launch_dtype(IndexBackwardParams const& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::kBFloat16)
+    launch<__nv_bfloat16, kD>(p, stream);
+  else
+    launch<__half, kD>(p, stream);
+}
+
+}  // namespace index_bwd
+
+size_t index_bwd_workspace_bytes(IndexBackwardParams const& p) { return index_bwd::layout(p).total; }
+
+std::string index_bwd_unsupported(IndexBackwardParams const& p) {
+  const IndexParams& f = p.fwd;
+  if (f.D != 64 && f.D != 128 && f.D != 256)
+    return "head dim " + std::to_string(f.D) + " (64, 128 or 256)";
+  if (p.Bi * p.Hi * f.Lq * f.W > INT32_MAX)
+    return "Bi*Hi*Lq*W >= 2^31 list entries (the transposed lists use int32 positions)";
+  if (p.Bi * p.Hi * (f.Lk + 1) > INT32_MAX) return "Bi*Hi*(Lk+1) >= 2^31 key buckets";
+  if (f.B * f.Hkv * f.Lk / index_bwd::KvConfig<64>::kWarps >= INT32_MAX ||
+      f.B * f.Hq * f.Lq / 8 >= INT32_MAX)
+    return "too many rows for one grid";
+  return "";
+}
+
+void index_bwd_sm90(IndexBackwardParams const& p, DType dtype, cudaStream_t stream) {
+  switch (p.fwd.D) {
+    case 64: index_bwd::launch_dtype<64>(p, dtype, stream); break;
+    case 128: index_bwd::launch_dtype<128>(p, dtype, stream); break;
+    case 256: index_bwd::launch_dtype<256>(p, dtype, stream); break;
+    default:
+      throw std::invalid_argument("flexsparse CUDA index backward: head dim must be 64, 128 or 256");
+  }
+}
+
+}  // namespace flexsparse

@@ -1,0 +1,228 @@
+"""The mask-build ops (issue 16; flexsparse/build_op.py, csrc/build_masks.cu) on the GPU:
+the CUDA kernels against the CPU kernel (bit for bit) and against the torch builds (same
+column ranges, counts and block grids; FlashMask column ranges: the static build's
+tensors), no host synchronization in a build and in a forward/backward with the built
+descriptor, CUDA-graph capture with the lengths changed in place,
+torch.compile(fullgraph=True, dynamic=True), and the device-side assert for bad lengths
+(in a subprocess: it ends the CUDA context). Skipped without CUDA or without the
+built extension. No hypothesis needed (seeded cases)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+import flexsparse  # noqa: E402
+from flexsparse import build_op  # noqa: E402
+from flexsparse import masks as M  # noqa: E402
+from flexsparse.ops import backends  # noqa: E402
+
+if not build_op.available("cuda"):
+    pytest.skip("flexsparse._C (the mask-build ops) is not built", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from build_checks import LISTS, check_range_rows, grids  # noqa: E402
+
+DEV = "cuda"
+FIELDS = ("col_ranges",) + tuple(f"{n}_{w}" for n in LISTS for w in ("count", "index"))
+
+
+def _lengths(L, n, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        cuts = torch.randint(0, L + 1, (n - 1,), generator=g).sort().values.tolist()
+        out.append([b - a for a, b in zip([0] + cuts, cuts + [L])])
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _cases():
+    """(id, make(device) -> mask, B, Hq, Hkv, Lq, Lk, block)."""
+    out = []
+    for L, n, rows, block in [(8192, 8, 1, 128), (1000, 5, 2, 128), (999, 30, 3, 64),
+                              (200, 1, 1, 32), (300, 300, 1, 16), (5000, 2500, 2, 128),
+                              (4097, 3, 1, 128), (77, 4, 2, 128)]:
+        lens = _lengths(L, n, rows, seed=L + n)
+        for causal in (True, False):
+            out.append((f"doc-L{L}-n{n}-rows{rows}-b{block}-{'c' if causal else 'nc'}",
+                        lambda d, lens=lens, causal=causal: M.document(lens.to(d), causal=causal),
+                        rows, 4, 2, L, L, (block, block)))
+    for Lq, Lk, pre, block in [(8192, 8192, [2048], 128), (1000, 1500, [0, 700, 1499], 128),
+                               (999, 999, [5, 998], 64), (300, 100, [40, 0, 300], 16)]:
+        p = torch.tensor(pre)
+        out.append((f"prefix-{Lq}x{Lk}-B{len(pre)}-b{block}",
+                    lambda d, p=p: M.prefix_lm(p.to(d)), len(pre), 4, 2, Lq, Lk, (block, block)))
+    return out
+
+
+CASES = _cases()
+
+
+def _build(make, device, B, Hq, Hkv, Lq, Lk, block, mode):
+    M.clear_cache()
+    with build_op.use(mode):
+        return make(device).compile(B, Hq, Hkv, Lq, Lk, block_size=block, device=device)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_cuda_equals_cpu_kernel_and_torch_builds(case):
+    _, make, B, Hq, Hkv, Lq, Lk, block = case
+    got = _build(make, DEV, B, Hq, Hkv, Lq, Lk, block, None)
+    assert got.kv_index.dim() == 5 and got.kv_index.is_cuda
+    cpu_op = _build(make, "cpu", B, Hq, Hkv, Lq, Lk, block, True)
+    for name in FIELDS:                       # the two kernels agree bit for bit
+        assert torch.equal(getattr(got, name).cpu(), getattr(cpu_op, name)), name
+    got_cpu = flexsparse.BlockDescriptor(got.seq_lengths, got.block_size, got.num_heads,
+                                         *[t.cpu() if t is not None else None
+                                           for t in got.mask_tensors()])
+    check_range_rows(got_cpu)
+    compact = _build(make, "cpu", B, Hq, Hkv, Lq, Lk, block, False)
+    assert torch.equal(got_cpu.col_ranges, compact.col_ranges)
+    want, have = grids(compact), grids(got_cpu)
+    for name in LISTS:
+        assert torch.equal(have[name][0], want[name][0]), name
+        assert torch.equal(have[name][1], want[name][1]), name
+    if Lq * Lk <= 1 << 22:                    # the static torch build on the GPU
+        static = _build(make, DEV, B, Hq, Hkv, Lq, Lk, block, False)
+        assert torch.equal(got.col_ranges, static.col_ranges)
+        assert torch.equal(got.block_state(), static.block_state())
+
+
+FLASH = [(C, causal, bh, L) for C, causal in [(1, True), (2, True), (4, True), (2, False),
+                                            (4, False)]
+         for bh, L in [((1, 1), 8192), ((2, 2), 1000), ((1, 2), 77)]]
+
+
+@pytest.mark.parametrize("C,causal,bh,L", FLASH)
+def test_column_ranges_equal_cpu_kernel_and_static_build(C, causal, bh, L):
+    """FlashMask column ranges (random, out-of-range row indices): the static build's
+    padded lists, bit for bit, from the CUDA kernels, the CPU kernel and the torch build."""
+    g = torch.Generator().manual_seed(C * 1000 + L)
+    t = torch.randint(-5, L + 6, (*bh, L, C), generator=g)
+    B, Hq, Hkv = 2, 4, 2
+    got = _build(lambda d: M.column_ranges(t.to(d), causal=causal), DEV, B, Hq, Hkv, L, L,
+                 (128, 128), None)
+    cpu_op = _build(lambda d: M.column_ranges(t.to(d), causal=causal), "cpu", B, Hq, Hkv, L, L,
+                    (128, 128), True)
+    static = _build(lambda d: M.column_ranges(t.to(d), causal=causal), DEV, B, Hq, Hkv, L, L,
+                    (128, 128), False)
+    for name in FIELDS:
+        a, b, c = getattr(got, name), getattr(cpu_op, name), getattr(static, name)
+        assert torch.equal(a.cpu(), b) and torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("L", [131072, 1 << 20])
+def test_long_sequences_equal_the_cpu_kernel(L):
+    for make in (lambda d: M.document(_lengths(L, 16, 1, 1).to(d)),
+                 lambda d: M.document(_lengths(L, 4000, 1, 2).to(d), causal=False),
+                 lambda d: M.prefix_lm(torch.tensor([L // 3]).to(d))):
+        got = _build(make, DEV, 1, 16, 16, L, L, (128, 128), None)
+        ref = _build(make, "cpu", 1, 16, 16, L, L, (128, 128), True)
+        for name in FIELDS:
+            assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+
+
+def _qkv(B, Hq, Hkv, L, D=128, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, Hq, L, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, Hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+BACKENDS = [("triton", {"trim_lists": False})] + (
+    [("cuda", None)] if "cuda" in backends.available() else [])
+
+
+@pytest.mark.parametrize("backend,options", BACKENDS, ids=[b for b, _ in BACKENDS])
+@pytest.mark.parametrize("kind", ["document", "document-noncausal", "prefix_lm", "column_ranges"])
+def test_no_host_sync_build_forward_backward(kind, backend, options):
+    """Build + forward + backward under set_sync_debug_mode("error"); the result equals
+    the torch build's."""
+    B, Hq, Hkv, L = 2, 4, 2, 2048
+    lens = torch.tensor([[300, 1000, 748], [2048, 0, 0]], device=DEV)
+    prefix = torch.tensor([100, 1500], device=DEV)
+    cr = torch.randint(0, L + 1, (B, Hkv, L, 2), device=DEV).sort(-1).values
+    make = {"document": lambda: M.document(lens),
+            "document-noncausal": lambda: M.document(lens, causal=False),
+            "prefix_lm": lambda: M.prefix_lm(prefix),
+            "column_ranges": lambda: M.column_ranges(cr, causal=True)}[kind]
+    q, k, v = _qkv(B, Hq, Hkv, L)
+    kw = dict(backend=backend, kernel_options=options) if options else dict(backend=backend)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        desc = make().compile(B, Hq, Hkv, L, L)
+        out = flexsparse.attention(q, k, v, desc, **kw)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert desc.kv_index.dim() == (4 if kind == "column_ranges" else 5)
+    with build_op.use(False):
+        ref = make().compile(B, Hq, Hkv, L, L)
+    want = flexsparse.attention(q, k, v, ref, **kw)
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_cuda_graph_replay_after_lengths_change_in_place():
+    B, H, L = 1, 2, 4096
+    lens = torch.tensor([1000, 3096], device=DEV)
+    static_out = {}
+
+    def step():
+        desc = M.document(lens).compile(B, H, H, L, L)
+        static_out["t"] = desc.mask_tensors()
+
+    step()                                    # warm up (allocator, kernels)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    lens.copy_(torch.tensor([2500, 1596], device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = M.document(lens.clone()).compile(B, H, H, L, L).mask_tensors()
+    for a, b in zip(static_out["t"], want):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
+
+
+def test_inside_torch_compile():
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+
+    def build(lens, q):
+        B, H, L, _ = q.shape
+        return M.document(lens).compile(B, H, H, L, L).mask_tensors()
+
+    f = torch.compile(build, backend=counter, fullgraph=True, dynamic=True)
+    for L in (1024, 3000, 8192):
+        lens = torch.tensor([[L // 2, L - L // 2]], device=DEV)
+        q = torch.zeros(1, 2, L, 8, device=DEV)
+        for a, b in zip(f(lens, q), build(lens, q)):
+            assert (a is None) == (b is None)
+            assert a is None or torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("code", [
+    "M.document(torch.tensor([100, 27], device='cuda')).compile(1, 1, 1, 128, 128)",
+    "M.document(torch.tensor([200, -72], device='cuda')).compile(1, 1, 1, 128, 128)",
+    "M.document(torch.ones(3000, dtype=torch.long, device='cuda')).compile(1, 1, 1, 2999, 2999)",
+    "M.prefix_lm(torch.tensor([-1], device='cuda')).compile(1, 1, 1, 128, 128)",
+], ids=["sum", "negative", "sum-many-docs", "prefix-negative"])
+def test_bad_values_stop_with_a_device_assert(code):
+    src = ("import torch\nfrom flexsparse import masks as M\n" + code
+           + "\ntorch.cuda.synchronize()\nprint('no error')\n")
+    r = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "no error" not in r.stdout, r.stdout + r.stderr
+    assert "lengths" in r.stderr or "prefix_len" in r.stderr or "assert" in r.stderr.lower(), \
+        r.stderr[-2000:]

@@ -1,0 +1,390 @@
+"""The mask-build ops (issue 16; flexsparse/build_op.py, csrc/build_ops.h): their CPU
+kernel against the torch builds of the same masks. FlashMask column ranges: the static
+build's tensors exactly (padded lists). Documents from a lengths tensor (causal and not)
+and prefix-LM from per-sample prefixes: the same column ranges as the static and the
+compact build (exactly), the same block counts, the same blocks in every list (the op
+writes maximal ranges; the compact build may split a run in two), the same block grid,
+mask and attention. Output shapes equal the fake kernel's. Bad values raise the eager
+build's ValueError with the same text. Inside torch.compile(fullgraph=True, dynamic=True)
+the op is one node of the graph, with no recompile across lengths.
+
+Skipped when flexsparse._C is not built (no CPU kernel registered). To run these tests
+against a library built elsewhere, set FLEXSPARSE_TEST_BUILD_LIB to its path (loaded with
+torch.ops.load_library; e.g. csrc/build_masks.cu with a .cpp that includes
+csrc/build_ops.h, built alone).
+"""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import flexsparse
+from flexsparse import build_op
+from flexsparse import masks as M
+from flexsparse.descriptor import Sizes, building_static
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from build_checks import LISTS, check_range_rows, grids
+
+if os.environ.get("FLEXSPARSE_TEST_BUILD_LIB"):
+    torch.ops.load_library(os.environ["FLEXSPARSE_TEST_BUILD_LIB"])
+
+pytestmark = pytest.mark.skipif(not build_op.available("cpu"),
+                                reason="flexsparse._C (the mask-build ops) is not built")
+
+def _sizes(B, Hq, Hkv, Lq, Lk, block):
+    return Sizes(B, Hq, Hkv, Lq, Lk, *block, torch.device("cpu"))
+
+
+def _compare(mask, B, Hq, Hkv, Lq, Lk, block, attention=False):
+    compact = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+    with building_static():
+        static = mask._descriptor(_sizes(B, Hq, Hkv, Lq, Lk, block))
+    M.clear_cache()          # masks of CPU tensors are cached by value
+    with build_op.use(True):
+        got = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+    M.clear_cache()
+    assert compact.kv_index.dim() == 5, "the compact build gave lists: not a range-form mask"
+    check_range_rows(got)
+    assert got.col_ranges.dtype == torch.int32 and got.col_ranges.is_contiguous()
+    assert torch.equal(got.col_ranges, static.col_ranges)
+    assert torch.equal(got.col_ranges, compact.col_ranges)
+    want, want_static, have = grids(compact), grids(static), grids(got)
+    for name in LISTS:
+        assert have[name][0].dtype == torch.int32
+        assert torch.equal(have[name][0], want[name][0]), name
+        assert torch.equal(have[name][0], want_static[name][0]), name
+        assert torch.equal(have[name][1], want[name][1]), name
+        assert torch.equal(have[name][1], want_static[name][1]), name
+    assert torch.equal(got.block_state(), static.block_state())
+    assert torch.equal(got.to_dense(), static.to_dense())
+    for field in ("seq_lengths", "block_size", "num_heads"):
+        assert getattr(got, field) == getattr(static, field)
+    _check_fake_shapes(mask, got, Lq, Lk, block)
+    if attention:
+        g = torch.Generator().manual_seed(Lq)
+        q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
+        k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+        v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+        torch.testing.assert_close(flexsparse.attention(q, k, v, got),
+                                   flexsparse.attention(q, k, v, static), rtol=0, atol=0)
+    return got
+
+
+def _check_fake_shapes(mask, got, Lq, Lk, block):
+    """The fake kernel's outputs have the real outputs' shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    names = ("col_ranges",) + tuple(f"{n}_{w}" for n in LISTS for w in ("count", "index"))
+    real = [getattr(got, n) for n in names]
+    with FakeTensorMode() as mode:
+        if got.col_ranges.shape[-1] == 4:
+            lens = mode.from_tensor(torch.zeros(got.col_ranges.shape[0], 3, dtype=torch.int64))
+            fake = torch.ops.flexsparse.build_document(lens, Lk, *block, True)
+        else:
+            pre = mode.from_tensor(torch.zeros(got.col_ranges.shape[0], dtype=torch.int64))
+            fake = torch.ops.flexsparse.build_prefix_lm(pre, Lq, Lk, *block)
+    for n, r, f in zip(names, real, fake):
+        assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype, n
+
+
+def _random_lengths(draw, L, rows):
+    out = []
+    for _ in range(rows):
+        cuts = sorted(draw(st.lists(st.integers(0, L), min_size=0, max_size=12)))
+        lens = [b - a for a, b in zip([0] + cuts, cuts + [L])]
+        out.append(lens)
+    n = max(len(r) for r in out)
+    return torch.tensor([r + [0] * (n - len(r)) for r in out], dtype=torch.int64)
+
+
+BLOCKS = st.sampled_from([(16, 16), (32, 32), (16, 32), (32, 16), (24, 40), (7, 5), (64, 64)])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data(), st.integers(1, 300), BLOCKS, st.integers(1, 3), st.booleans(),
+       st.booleans())
+def test_document_random_lengths(data, L, block, B, per_row, causal):
+    lens = _random_lengths(data.draw, L, B if per_row else 1)
+    if not per_row and data.draw(st.booleans()):
+        lens = lens[0]                                   # 1-D lengths
+    _compare(M.document(lens, causal=causal), B, 2, 2, L, L, block)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 300), st.integers(0, 80), BLOCKS, st.integers(1, 3), st.booleans(),
+       st.lists(st.integers(0, 320), min_size=3, max_size=3))
+def test_prefix_lm_random(Lq, extra, block, B, per_row, prefixes):
+    Lk = Lq + extra                                      # Lk >= Lq: bottom-right aligned
+    p = torch.tensor(prefixes[:B] if per_row else prefixes[:1])
+    _compare(M.prefix_lm(p), B, 2, 2, Lq, Lk, block)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(100, 60), (1, 1), (5, 300)])
+def test_prefix_lm_other_shapes(Lq, Lk):
+    """Lq > Lk too (rows above the shifted diagonal see only the prefix)."""
+    _compare(M.prefix_lm(torch.tensor([0, 3, 50])), 3, 1, 1, Lq, Lk, (16, 16))
+
+
+@pytest.mark.parametrize("name,lens,L,block", [
+    ("one document", [257], 257, (32, 32)),
+    ("odd L, partial last block", [100, 0, 1, 98], 199, (64, 64)),
+    ("L smaller than a block", [3, 4], 7, (128, 128)),
+    ("many tiny documents", [1] * 301, 301, (16, 16)),
+    ("documents of one block each", [32] * 8, 256, (32, 32)),
+    ("zero-length documents everywhere", [0, 10, 0, 0, 90, 0], 100, (16, 32)),
+])
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_cases(name, lens, L, block, causal):
+    _compare(M.document(torch.tensor(lens), causal=causal), 1, 1, 1, L, L, block)
+
+
+@pytest.mark.parametrize("mask", [
+    M.document(torch.tensor([[50, 90, 60], [120, 0, 80]])),
+    M.document(torch.tensor([[50, 90, 60], [120, 0, 80]]), causal=False),
+    M.document(torch.tensor([100, 100])),
+    M.prefix_lm(torch.tensor([30, 77])),
+    M.prefix_lm(torch.tensor([5])),
+], ids=["doc-rows", "doc-rows-noncausal", "doc-shared", "prefix-rows", "prefix-shared"])
+def test_attention_batch_and_gqa(mask):
+    """B = 2, Hq = 4 query heads on Hkv = 2: the same attention as the static build."""
+    _compare(mask, 2, 4, 2, 200, 200, (32, 32), attention=True)
+
+
+def test_attention_forward_backward_against_the_torch_build():
+    """Gradients too, at the default backend (reference on CPU)."""
+    mask = M.document(torch.tensor([[70, 130], [10, 190]]))
+    q, k, v = (torch.randn(2, 4, 200, 8, dtype=torch.float64, requires_grad=True,
+                           generator=torch.Generator().manual_seed(i)) for i in range(3))
+    k2, v2 = k[:, :2].detach().requires_grad_(), v[:, :2].detach().requires_grad_()
+    outs = []
+    for mode in (True, False):
+        with build_op.use(mode):
+            out = flexsparse.attention(q, k2, v2, mask, block_size=(32, 32))
+        outs.append((out, torch.autograd.grad(out.sum(), (q, k2, v2))))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_not_used_on_cpu_by_default():
+    lens = torch.tensor([100, 100])
+    calls = []
+    real = build_op.document
+    try:
+        build_op.document = lambda *a: calls.append(a) or real(*a)
+        M.clear_cache()
+        M.document(lens).compile(1, 1, 1, 200, 200)
+        assert not calls
+        M.clear_cache()
+        with build_op.use(True):
+            M.document(lens).compile(1, 1, 1, 200, 200)
+        assert len(calls) == 1
+        M.clear_cache()
+        with build_op.use(True), build_op.use(False):
+            M.document(lens).compile(1, 1, 1, 200, 200)
+        assert len(calls) == 1
+    finally:
+        build_op.document = real
+        M.clear_cache()
+    with pytest.raises(TypeError, match="mode"):
+        with build_op.use("yes"):
+            pass
+
+
+# ------------------------------------------------------------------ FlashMask column ranges
+
+def _compare_static(t, causal, B, Hq, Hkv, Lq, Lk, block, attention=False):
+    """Column ranges: the op gives the static build's tensors exactly (padded lists)."""
+    mask = M.column_ranges(t, causal=causal)
+    with building_static():
+        static = mask._descriptor(_sizes(B, Hq, Hkv, Lq, Lk, block))
+    with build_op.use(True):
+        got = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+    for name, a, b in zip(got.mask_tensors()._fields, got.mask_tensors(), static.mask_tensors()):
+        assert (a is None) == (b is None), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+    with FakeTensorMode() as mode:
+        fake = torch.ops.flexsparse.build_column_ranges(
+            mode.from_tensor(t), Lq, Lk, *block, causal)
+    real = [got.col_ranges] + list(got.mask_tensors())[:8]
+    for f, r in zip(fake, real):
+        assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype
+    if attention:
+        g = torch.Generator().manual_seed(Lq)
+        q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
+        k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+        v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+        compact = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+        torch.testing.assert_close(flexsparse.attention(q, k, v, got),
+                                   flexsparse.attention(q, k, v, compact), rtol=0, atol=0)
+    return got
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 200), st.integers(0, 50), BLOCKS, st.sampled_from([1, 2, 4]),
+       st.booleans(), st.sampled_from([(1, 1), (2, 1), (2, 2), (1, 2)]), st.integers(0, 2**31))
+def test_column_ranges_random(Lq, extra, block, C, causal, bh, seed):
+    """Random (unsorted, out-of-range) row indices, every C, head dim 1 or Hkv."""
+    if C == 1 and not causal:
+        C = 2
+    Lk = Lq + extra
+    Bc, Hc = bh
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(-5, Lq + 6, (Bc, Hc, Lk, C), generator=g)
+    _compare_static(t, causal, 2, 4, 2, Lq, Lk, block)
+
+
+@pytest.mark.parametrize("C,causal", [(1, True), (2, True), (4, True), (2, False), (4, False)])
+def test_column_ranges_attention(C, causal):
+    g = torch.Generator().manual_seed(C)
+    t = torch.randint(0, 200, (2, 2, 200, C), generator=g, dtype=torch.int32)
+    _compare_static(t, causal, 2, 4, 2, 200, 200, (32, 32), attention=True)
+
+
+def test_column_ranges_past_static_max_blocks_keep_the_compact_build(monkeypatch):
+    """Past STATIC_MAX_BLOCKS the padded lists would be too large: eager builds keep the
+    compact build (as without the op)."""
+    monkeypatch.setattr(M, "STATIC_MAX_BLOCKS", 4)
+    t = torch.randint(0, 64, (1, 1, 64, 2))
+    with build_op.use(True):
+        desc = M.column_ranges(t, causal=True).compile(1, 1, 1, 64, 64, block_size=(16, 16))
+    compact = M.column_ranges(t, causal=True).compile(1, 1, 1, 64, 64, block_size=(16, 16))
+    for a, b in zip(desc.mask_tensors(), compact.mask_tensors()):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ errors
+
+def _error(make, *args):
+    try:
+        make().compile(*args)
+    except Exception as err:        # noqa: BLE001 - the test compares the exceptions
+        return type(err), str(err)
+    return None
+
+
+@pytest.mark.parametrize("make,args", [
+    (lambda: M.document(torch.tensor([10, 20])), (1, 1, 1, 64, 64)),
+    (lambda: M.document(torch.tensor([[32, 32], [10, 20]])), (2, 1, 1, 64, 64)),
+    (lambda: M.document(torch.tensor([[80, -16], [32, 32]])), (2, 1, 1, 64, 64)),
+    (lambda: M.document(torch.tensor([[32, 32], [-1, 65]]), causal=False), (2, 1, 1, 64, 64)),
+    (lambda: M.document(torch.tensor([[32, 32]] * 3)), (2, 1, 1, 64, 64)),
+    (lambda: M.document(torch.tensor([32, 32])), (1, 1, 1, 64, 48)),
+    (lambda: M.prefix_lm(torch.tensor([3, -2])), (2, 1, 1, 64, 64)),
+    (lambda: M.prefix_lm(torch.tensor([3, 2, 1])), (2, 1, 1, 64, 64)),
+], ids=["sum", "row-sum", "negative", "negative-noncausal", "batch", "lq-lk",
+        "prefix-negative", "prefix-batch"])
+def test_bad_values_raise_the_eager_error(make, args):
+    """The op's CPU kernel raises what the torch build raises eagerly (type and text)."""
+    want = _error(make, *args)
+    assert want is not None and want[0] is ValueError
+    with build_op.use(True):
+        assert _error(make, *args) == want
+
+
+def test_raw_op_refuses_bad_arguments():
+    lens = torch.tensor([[8, 8]])
+    with pytest.raises(ValueError, match="block sizes must be positive"):
+        torch.ops.flexsparse.build_document(lens, 16, 0, 16, True)
+    with pytest.raises(TypeError, match="integer tensor"):
+        torch.ops.flexsparse.build_document(lens.float(), 16, 16, 16, True)
+    with pytest.raises(ValueError, match=r"\(n,\) or \(B, n\)"):
+        torch.ops.flexsparse.build_document(lens[None], 16, 16, 16, True)
+    one_d = torch.ops.flexsparse.build_document(lens[0], 16, 16, 16, True)
+    for a, b in zip(one_d, torch.ops.flexsparse.build_document(lens, 16, 16, 16, True)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        torch.ops.flexsparse.build_prefix_lm(lens, 16, 16, 16, 16)
+    out = torch.ops.flexsparse.build_document(lens.to(torch.int32), 16, 16, 16, True)
+    assert torch.equal(out[0], torch.ops.flexsparse.build_document(lens, 16, 16, 16, True)[0])
+
+
+# ------------------------------------------------------------------ torch.compile
+
+def test_inside_torch_compile_one_graph_over_lengths():
+    """fullgraph=True, dynamic=True: the mask built inside the compiled function is one op
+    node, the descriptor equals the eager one, and a second length does not recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    counter = CompileCounterWithBackend(backend)
+
+    def build(lens, prefix, q):
+        B, H, L, _ = q.shape
+        d = M.document(lens).compile(B, H, H, L, L, block_size=(16, 16))
+        p = M.prefix_lm(prefix).compile(B, H, H, L, L, block_size=(16, 16))
+        return d.mask_tensors(), p.mask_tensors()
+
+    f = torch.compile(build, backend=counter, fullgraph=True, dynamic=True)
+    with build_op.use(True):
+        for L in (64, 96, 130):
+            lens = torch.tensor([[L // 2, L - L // 2], [L, 0]])
+            prefix = torch.tensor([L // 3, 5])
+            q = torch.zeros(2, 2, L, 4)
+            got = f(lens, prefix, q)
+            want = build(lens, prefix, q)
+            for g, w in zip(got, want):
+                for a, b in zip(g, w):
+                    assert (a is None) == (b is None)
+                    assert a is None or torch.equal(a, b)
+    assert counter.frame_count == 1
+    ops = [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
+    assert sorted(ops) == ["flexsparse.build_document", "flexsparse.build_prefix_lm"], seen
+
+
+def test_compiled_first_use_does_not_query_the_dispatcher():
+    """A process whose first build is inside torch.compile: availability is read from the
+    cache (Dynamo cannot trace the dispatcher query); with the cache empty the torch build
+    runs, and an eager call fills it again."""
+    torch._dynamo.reset()
+    saved = dict(build_op._HAVE)
+
+    def build(lens, q):
+        L = q.shape[2]
+        return M.document(lens).compile(1, 1, 1, L, L, block_size=(16, 16)).kv_count
+
+    f = torch.compile(build, backend="aot_eager", fullgraph=True, dynamic=True)
+    try:
+        build_op._HAVE.clear()
+        with build_op.use(True):
+            assert f(torch.tensor([32, 32]), torch.zeros(1, 1, 64, 4)).shape == (1, 1, 4)
+        assert build_op.available("cpu")
+    finally:
+        build_op._HAVE.update(saved)
+        torch._dynamo.reset()
+
+
+def test_compiled_bad_lengths_raise_when_the_graph_runs():
+    """Inside a compiled graph the CPU op raises its ValueError when the graph runs (the
+    torch build raises RuntimeError from torch._assert_async there)."""
+    torch._dynamo.reset()
+
+    def build(lens, q):
+        L = q.shape[2]
+        return M.document(lens).compile(1, 1, 1, L, L, block_size=(16, 16)).kv_count
+
+    f = torch.compile(build, backend="aot_eager", fullgraph=True, dynamic=True)
+    with build_op.use(True):
+        f(torch.tensor([32, 32]), torch.zeros(1, 1, 64, 4))
+        with pytest.raises(ValueError, match="lengths must sum to L=64, got \\[63\\]"):
+            f(torch.tensor([31, 32]), torch.zeros(1, 1, 64, 4))
+
+
+def test_compiled_build_flag_uses_the_op():
+    """mask.compile(compiled_build=True) traces the op too and gives the eager op's tensors."""
+    torch._dynamo.reset()
+    lens = torch.tensor([[50, 150], [200, 0]])
+    with build_op.use(True):
+        got = M.document(lens).compile(2, 2, 2, 200, 200, block_size=(32, 32),
+                                       compiled_build=True)
+        want = M.document(lens).compile(2, 2, 2, 200, 200, block_size=(32, 32))
+    for a, b in zip(got.mask_tensors(), want.mask_tensors()):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
