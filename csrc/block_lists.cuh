@@ -102,6 +102,43 @@ struct TileWalk {
   }
 };
 
+// The rows a key column shows, as one interval, where its hidden ranges leave one. The key
+// hides rows [a.x, a.x + a.y) and [b.x, b.x + b.y) ((start, length) as the kernels stage
+// column ranges; length 0: no range). Rows are 0..R-1. Returns false where the visible rows
+// are not one interval (the caller then tests the ranges themselves), else v = (start,
+// length): row i is visible iff unsigned(i - v.x) < unsigned(v.y), one compare per score
+// instead of one per range. Causal, sliding-window, document and prefix-LM keys all give
+// one interval. Rows >= R come out hidden (the kernels never store them).
+__device__ __forceinline__ bool visible_interval(int2 a, int2 b, int R, int2& v) {
+  auto clip = [R](int2 s, int& lo, int& hi) {          // to [0, R); empty: lo >= hi
+    lo = max(s.x, 0);
+    hi = static_cast<int>(min(static_cast<long long>(s.x) + max(s.y, 0), static_cast<long long>(R)));
+  };
+  int a0, a1, b0, b1;
+  clip(a, a0, a1);
+  clip(b, b0, b1);
+  const bool ea = a0 >= a1, eb = b0 >= b1;
+  if (ea && eb) {
+    v = make_int2(0, R);
+    return true;
+  }
+  if (ea || eb || max(a0, b0) <= min(a1, b1)) {         // one hidden interval [h0, h1)
+    const int h0 = ea ? b0 : eb ? a0 : min(a0, b0);
+    const int h1 = ea ? b1 : eb ? a1 : max(a1, b1);
+    if (h0 == 0) v = make_int2(h1, R - h1);
+    else if (h1 == R) v = make_int2(0, h0);
+    else return false;
+    return true;
+  }
+  // two disjoint hidden intervals: visible between them iff they reach row 0 and row R
+  const bool a_first = a0 < b0;
+  const int f0 = a_first ? a0 : b0, f1 = a_first ? a1 : b1;
+  const int s0 = a_first ? b0 : a0, s1 = a_first ? b1 : a1;
+  if (f0 != 0 || s1 != R) return false;
+  v = make_int2(f1, s0 - f1);
+  return true;
+}
+
 // Element predicate of a partial block at (query i, key j); i < Lq and j < Lk are
 // checked by the caller. block_q/block_k: the descriptor's block sizes (bitmaps).
 __device__ __forceinline__ bool visible(const PredicateParams& p, int b, int h, int i, int j,

@@ -398,6 +398,18 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
       }
+      // With at most 2 ranges per key, this thread's two keys as visible intervals of
+      // queries where they are (visible_interval): one compare per score instead of one per
+      // range slot. FLEXSPARSE_CUDA_DEBUG bit 8: the range tests instead (A/Bs).
+      int2 vis[kRows];
+      bool interval = staged && pr.n_col_ranges <= 2 && !(p.debug & 8);
+      if (interval) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int2* slots = ss.col_ranges[row_base + 8 * r];
+          interval = visible_interval(slots[0], slots[1], p.Lq, vis[r]) && interval;
+        }
+      }
 
       const int n_tiles = walk.n_tiles();
       for (int t = 0; t < n_tiles; ++t) {
@@ -422,7 +434,16 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
         // Element predicates of partial tiles: hidden scores become -inf (raw).
         if (partial) {
-          if (staged) {
+          if (interval) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+                S(r, c) = unsigned(i - vis[r].x) < unsigned(vis[r].y) ? S(r, c) : -INFINITY;
+              }
+            }
+          } else if (staged) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               const int4* slots = reinterpret_cast<const int4*>(ss.col_ranges[row_base + 8 * r]);

@@ -119,6 +119,9 @@ struct FwdTraits {
     // Column ranges of a partial tile, per consumer warpgroup (each stages its own, so the
     // warpgroups never wait for each other), double-buffered: [key][slot].
     alignas(16) int32_t col_ranges[kConsumerWarpgroups][2][kBlockN * 2 * kMaxStagedRanges];
+    // The same tile's visible rows per key as one (start, length) interval, where every key
+    // of the tile has one (visible_interval): one compare per score instead of one per range.
+    alignas(16) int2 col_visible[kConsumerWarpgroups][2][kBlockN];
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
     // Completes when every consumer thread is done with the query tile (its last QK^T),
     // so the producer may load the next work tile's queries over it.
@@ -349,6 +352,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     struct TileExtras {
       int n;
       bool partial, staged;
+      // by_key: staged one key per thread (at most 2 ranges per key); all_interval: every
+      // key of the tile shows one interval of rows (set when staged, by the barrier).
+      bool by_key, all_interval;
       int2 cr_vals[kStagedPerWarpgroup];
       uint32_t bias_pairs[kRows][kCols / 2];
     };
@@ -359,7 +365,32 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // ranges per key: read per score from global memory instead (slow path).
       x.staged = x.partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
                  !(p.debug & 4);
-      if (x.staged) {
+      // At most 2 ranges per key (causal, windows, documents, prefix-LM): one key per
+      // thread, so that the thread can tell the key's visible interval when it stages it.
+      // FLEXSPARSE_CUDA_DEBUG bit 8: the (key, slot) staging and range tests instead (A/Bs).
+      x.by_key = x.staged && p.pred.n_col_ranges <= 2 && !(p.debug & 8);
+      x.all_interval = false;
+      if (x.by_key) {
+        if (wg_tid < kBlockN) {
+          const int j = x.n * kBlockN + wg_tid;
+          int2 s0 = make_int2(0, 0), s1 = make_int2(0, 0);
+          if (j >= p.Lk) {
+            s0 = make_int2(0, 0x7fffffff);
+          } else {
+            const int32_t* cr = cr_base + (int64_t)j * p.pred.cr_sk;
+            if (p.pred.n_col_ranges >= 1) {
+              const int lo = __ldg(cr), hi = __ldg(cr + 1);
+              s0 = make_int2(lo, max(hi - lo, 0));
+            }
+            if (p.pred.n_col_ranges >= 2) {
+              const int lo = __ldg(cr + 2), hi = __ldg(cr + 3);
+              s1 = make_int2(lo, max(hi - lo, 0));
+            }
+          }
+          x.cr_vals[0] = s0;
+          x.cr_vals[1] = s1;
+        }
+      } else if (x.staged) {
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < kStagedPerWarpgroup; ++e) {
           const int pair = wg_tid + e * 128;        // (key, slot) pair, < kBlockN * 4
@@ -385,11 +416,24 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
     };
     // Scores of a finished QK^T: to the log2 domain where needed (softcap, bias), invisible
-    // ones to -inf.
-    auto finish_scores = [&](FragS& tSrS, TileExtras& x) {
+    // ones to -inf. Always inlined: called twice in the overlapped loop, it is past NVVM's
+    // inlining threshold, and a call would put the score fragment in local memory.
+    auto finish_scores = [&](FragS& tSrS, TileExtras& x) __attribute__((always_inline)) {
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       const int j0 = x.n * kBlockN;
-      if (x.staged) {
+      if (x.by_key) {
+        // Key wg_tid's two ranges where hide_ranges<2> reads them, and its visible interval;
+        // the barrier (double-buffered as below) also ANDs whether every key has one.
+        bool interval = true;
+        if (wg_tid < kBlockN) {
+          const int2 s0 = x.cr_vals[0], s1 = x.cr_vals[1];
+          reinterpret_cast<int4*>(ss.col_ranges[wg][buf])[wg_tid * 2] = make_int4(s0.x, s0.y, s1.x, s1.y);
+          int2 vis = make_int2(0, 0);
+          interval = visible_interval(s0, s1, p.Lq, vis);
+          ss.col_visible[wg][buf][wg_tid] = vis;
+        }
+        x.all_interval = bar_sync_and_wg<128, kBarrierColRanges>(wg, interval);
+      } else if (x.staged) {
         // This warpgroup's buffer (double-buffered: the barrier also tells that its
         // threads are done with the buffer of two tiles ago).
         CUTLASS_PRAGMA_UNROLL
@@ -422,7 +466,18 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // Hide invisible scores, each predicate in its own branch-free pass. Rows past Lq
         // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = x.partial && !(p.debug & 1);
-        if (x.staged && preds) {
+        if (x.staged && preds && x.all_interval) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kCols; ++c) {
+            const int jt = col_base + 8 * (c / 2) + (c & 1);
+            const int2 v = ss.col_visible[wg][buf][jt];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              const int i = i0 + row_base + 8 * r;
+              S(r, c) = unsigned(i - v.x) < unsigned(v.y) ? S(r, c) : -INFINITY;
+            }
+          }
+        } else if (x.staged && preds) {
           auto hide_ranges = [&](auto slots) {
             constexpr int kSlots = decltype(slots)::value;
             CUTLASS_PRAGMA_UNROLL

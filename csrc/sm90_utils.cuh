@@ -99,4 +99,22 @@ __device__ __forceinline__ void bar_arrive_wg(int wg) {
   else cutlass::arch::NamedBarrier::arrive(kThreads, kId0 + 1);
 }
 
+// bar_sync_wg that also tells whether `pred` held in every participating thread (PTX
+// bar.red.and: the same barrier, with an AND of one predicate per thread). Ids are offset
+// by CUTLASS's reserved barriers, as NamedBarrier::sync offsets them.
+template <int kThreads, int kId0>
+__device__ __forceinline__ bool bar_sync_and_wg(int wg, bool pred) {
+  constexpr int kHwId = kId0 + static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+  uint32_t all;
+  if (wg == 0)
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
+                 " bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(all) : "r"(uint32_t(pred)), "n"(kHwId), "n"(kThreads) : "memory");
+  else
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
+                 " bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+                 : "=r"(all) : "r"(uint32_t(pred)), "n"(kHwId + 1), "n"(kThreads) : "memory");
+  return all != 0;
+}
+
 }  // namespace flexsparse::sm90

@@ -6,9 +6,8 @@ schemas and fake kernels in Python (schema.py) and their CUDA kernels in C++
 the C++ kernel through the dispatcher with no Python in between.
 
 Index masks (attn_indices): the forward runs csrc/index_fwd.cu; their gradients come from
-the Triton index kernels (ops/triton_indices.py) by default. csrc/index_bwd.cu is a CUDA
-index backward (issue 17; first version, not yet validated on a GPU), chosen by
-FLEXSPARSE_CUDA_INDEX_BWD=1 (index_backward_kernel below).
+the Triton index kernels (ops/triton_indices.py, fp32 atomics), or, with
+deterministic=True, from csrc/index_bwd.cu (no float atomics; index_backward_kernel below).
 """
 import os
 
@@ -120,23 +119,28 @@ def backward_not_supported_reasons(query, block_q: int, block_k: int, determinis
     return reasons
 
 
-# The index backward: the Triton index kernels (ops/triton_indices.py) by default, or
-# csrc/index_bwd.cu (through flexsparse::cuda_attention_backward: no float atomics, bitwise
-# deterministic; FIRST VERSION, NOT YET RUN ON A GPU, hence not the default) when the
-# environment variable FLEXSPARSE_CUDA_INDEX_BWD is "1" or "cuda", read at each backward
-# call (A/B runs and tests). An environment switch like FLEXSPARSE_CUDA_DEBUG, not a kernel
-# option: backend="cuda" calls the CUDA op, whose schema carries no options string.
+# The index backward: the Triton index kernels (ops/triton_indices.py) or csrc/index_bwd.cu
+# (through flexsparse::cuda_attention_backward: no float atomics, bitwise deterministic).
+# Measured on the H100 (B=1, Hq=16, Hkv=4, D=128, L=8K, W=16/64/256; docs/perf-notes.md):
+# the CUDA one takes 0.60-0.70x the time of Triton's deterministic mode and 1.9-2.0x that
+# of Triton's atomic mode, so deterministic calls take CUDA and the others Triton. The
+# environment variable FLEXSPARSE_CUDA_INDEX_BWD ("1"/"cuda" or "0"/"triton"), read at
+# each backward call, overrides that for A/B runs: an environment switch like
+# FLEXSPARSE_CUDA_DEBUG, as backend="cuda" calls the CUDA op, whose schema carries no
+# options string.
 _INDEX_BWD_HEAD_DIMS = (64, 128, 256)
 _INDEX_BWD_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def index_backward_kernel(query, bias, bias_requires_grad: bool) -> str:
-    """Which kernel computes the gradients of an index-mask call: "cuda" when chosen
-    (FLEXSPARSE_CUDA_INDEX_BWD, above) and able to (the C++ op is registered, head dim
-    64/128/256, fp16/bf16, no bias gradient wanted: index_bwd.cu computes no dbias), else
-    "triton"."""
+def index_backward_kernel(query, bias, bias_requires_grad: bool,
+                          deterministic: bool = False) -> str:
+    """Which kernel computes the gradients of an index-mask call: "cuda" when preferred
+    (deterministic, or FLEXSPARSE_CUDA_INDEX_BWD, above) and able to (the C++ op is
+    registered, head dim 64/128/256, fp16/bf16, no bias gradient wanted: index_bwd.cu
+    computes no dbias), else "triton"."""
     env = os.environ.get("FLEXSPARSE_CUDA_INDEX_BWD", "").strip().lower()
-    if env not in ("1", "cuda") or not has_backward():
+    prefer = env in ("1", "cuda") or (deterministic and env not in ("0", "triton"))
+    if not prefer or not has_backward():
         return "triton"
     if query.shape[-1] not in _INDEX_BWD_HEAD_DIMS or query.dtype not in _INDEX_BWD_DTYPES:
         return "triton"
@@ -183,7 +187,7 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
              scale, softcap, deterministic, bias_requires_grad, options=None):
     if mask.attn_indices is not None:
-        if index_backward_kernel(query, bias, bias_requires_grad) == "cuda":
+        if index_backward_kernel(query, bias, bias_requires_grad, deterministic) == "cuda":
             # csrc/index_bwd.cu (C++ op: index_attention_backward); dbias: empty (not wanted)
             return torch.ops.flexsparse.cuda_attention_backward(
                 grad_out, grad_lse, query, key, value, out, lse, bias, *mask, block_q, block_k,

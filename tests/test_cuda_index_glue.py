@@ -119,14 +119,18 @@ def test_index_backward_needs_the_triton_index_kernels(calls, monkeypatch):
 # tests/gpu/test_cuda_index_bwd_gpu.py): which kernel cuda_backend.backward calls.
 
 def test_index_backward_kernel_choice(monkeypatch):
-    """Triton by default; FLEXSPARSE_CUDA_INDEX_BWD=1 picks the CUDA kernel where it can
-    run (fp16/bf16, head dims 64/128/256, no dbias wanted)."""
+    """Triton by default, CUDA for deterministic calls; FLEXSPARSE_CUDA_INDEX_BWD=1 picks
+    the CUDA kernel, =0 the Triton one; CUDA only where it can run (fp16/bf16, head dims
+    64/128/256, no dbias wanted)."""
     monkeypatch.setattr(cuda_backend, "has_backward", lambda: True)
     monkeypatch.delenv("FLEXSPARSE_CUDA_INDEX_BWD", raising=False)
     q = torch.empty(1, 2, 3, 64, dtype=torch.float16)
     bias = torch.empty(1, 1, 3, 5, dtype=torch.float16)
     pick = cuda_backend.index_backward_kernel
     assert pick(q, None, False) == "triton"
+    assert pick(q, None, False, deterministic=True) == "cuda"
+    assert pick(q, bias, True, deterministic=True) == "triton"
+    assert pick(q.float(), None, False, deterministic=True) == "triton"
     for value in ("1", "cuda"):
         monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", value)
         assert pick(q, None, False) == "cuda"
@@ -137,6 +141,7 @@ def test_index_backward_kernel_choice(monkeypatch):
     for value in ("0", "triton", ""):
         monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", value)
         assert pick(q, None, False) == "triton"
+        assert pick(q, None, False, deterministic=True) == ("cuda" if value == "" else "triton")
     monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "1")
     monkeypatch.setattr(cuda_backend, "has_backward", lambda: False)
     assert pick(q, None, False) == "triton"

@@ -293,3 +293,31 @@ def test_no_host_sync():
         cuda_backward(do, None, q, k, v, out, lse, idx)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_deterministic_calls_take_the_cuda_backward(monkeypatch):
+    """deterministic=True with backend="cuda" and no switch set: the CUDA index backward
+    (the Triton one is never called), bitwise the same over two runs, within the
+    FlashAttention rule of float64."""
+    monkeypatch.delenv("FLEXSPARSE_CUDA_INDEX_BWD", raising=False)
+    q, k, v, idx = TI._make(1, 8, 2, 97, 300, 128, 128, 40, torch.bfloat16, seed=21, oob=False)
+    torch.manual_seed(22)
+    do = torch.randn(1, 8, 97, 128, device=DEV, dtype=torch.bfloat16)
+    seen = []
+    real = ti.backward
+
+    def spy(*args, **kw):
+        seen.append("triton")
+        return real(*args, **kw)
+    monkeypatch.setattr(ti, "backward", spy)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flexsparse.attention(*leaves, M.indices(idx), backend="cuda", deterministic=True)
+        runs.append(torch.autograd.grad(out, leaves, do))
+    assert seen == []
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+    _, _, g64 = TI._grads(q, k, v, idx, None, 128 ** -0.5, 0.0, torch.float64, do, None)
+    _, _, glp = TI._grads(q, k, v, idx, None, 128 ** -0.5, 0.0, torch.bfloat16, do, None)
+    TI._rule(list(zip(("dq", "dk", "dv"), runs[0], g64, glp)), torch.bfloat16)
