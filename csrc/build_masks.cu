@@ -58,7 +58,9 @@ __device__ T block_scan(T v, Op op, T& carry, T* buf) {
   if (lane == 31) buf[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    T w = warp_scan(buf[lane < nw ? lane : nw - 1], op);   // lanes >= nw do not matter
+    T x = buf[lane < nw ? lane : nw - 1];                  // lanes >= nw do not matter
+    __syncwarp();            // every lane has read buf before lane nw - 1 writes its entry
+    T w = warp_scan(x, op);
     if (lane < nw) buf[lane] = w;
   }
   __syncthreads();
