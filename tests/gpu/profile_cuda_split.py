@@ -1,0 +1,53 @@
+"""Where a CUDA-backend training step's GPU time goes, per kernel (torch.profiler): the
+forward, the backward's preprocess / main / postprocess kernels and the glue around them,
+for a few benchmark rows. Usage on the device:
+
+    python3 tests/gpu/profile_cuda_split.py [rows]      rows: kind@L[@D],... (bench rows)
+"""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flexsparse
+from benchmarks.bench import make_case
+
+H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
+
+
+def main():
+    spec = sys.argv[1] if len(sys.argv) > 1 else "sliding@8192,document@16384,full@8192"
+    for item in spec.split(","):
+        parts = item.split("@")
+        kind, L = parts[0], int(parts[1])
+        D = int(parts[2]) if len(parts) > 2 else 128
+        B = max(1, TOKENS // L)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=True)
+                   for _ in range(3))
+        fs_mask = make_case(kind, B, L, device=q.device)[0]
+        desc = fs_mask.compile(B, H, H, L, L, device=q.device)
+        do = torch.randn(B, H, L, D, device="cuda", dtype=DTYPE)
+
+        def step():
+            out = flexsparse.attention(q, k, v, desc, backend="cuda")
+            torch.autograd.grad(out, (q, k, v), do)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        reps = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                step()
+            torch.cuda.synchronize()
+        print(f"## {item}: GPU time per step by kernel (us), {reps} steps")
+        rows = [(e.key, e.device_time_total / reps, e.count // reps)
+                for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(t for _, t, _ in rows)
+        for name, t, n in sorted(rows, key=lambda r: -r[1])[:12]:
+            print(f"{t:9.1f} us {100 * t / total:5.1f}%  x{n}  {name[:110]}")
+        print(f"{total:9.1f} us total")
+
+
+if __name__ == "__main__":
+    main()
