@@ -4,13 +4,15 @@ for a few benchmark rows. Usage on the device:
 
     python3 tests/gpu/profile_cuda_split.py [rows]      rows: kind@L[@D],... (bench rows)
 """
+import os
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flexsparse
-from benchmarks.bench import make_case
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks.bench import make_case  # noqa: E402
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 
