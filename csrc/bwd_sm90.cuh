@@ -598,23 +598,55 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
 
     // ------------------------------------------------------------------ epilogue
-    // dK gets the softmax scale here (dQ gets it in the postprocess kernel).
+    // dK gets the softmax scale here (dQ gets it in the postprocess kernel). The tiles go
+    // through shared memory (dK over the query buffers, dV over the dO buffers, free once
+    // both warpgroups are past their last step) so that dk and dv are written in 16-byte
+    // pieces of whole rows; stored from the fragments, each warp store covered 8 rows x
+    // 16 bytes (docs/perf-notes.md C28). FLEXSPARSE_CUDA_DEBUG bit 16: the direct stores.
     Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor tcKV = thr_dkv.partition_C(cKV);
     const int64_t kv_row0 = ((int64_t)b * p.Hkv + hk) * p.Lk;
     Element* dk = static_cast<Element*>(bp.dk) + kv_row0 * kHeadDim;
     Element* dv = static_cast<Element*>(bp.dv) + kv_row0 * kHeadDim;
-    CUTLASS_PRAGMA_UNROLL
-    for (int x = 0; x < size(tdKrdK); x += 2) {
-      // Entries x, x + 1 of the accumulator are adjacent head-dim entries.
-      const int j = j0 + get<0>(tcKV(x)), d = get<1>(tcKV(x));
-      if (j < p.Lk) {
-        using Pair = cutlass::Array<Element, 2>;
-        cutlass::NumericArrayConverter<Element, float, 2> cvt;
-        *reinterpret_cast<Pair*>(dk + (int64_t)j * kHeadDim + d) =
+    using Pair = cutlass::Array<Element, 2>;
+    cutlass::NumericArrayConverter<Element, float, 2> cvt;
+    if (!(p.debug & 16)) {
+      // Row j's 16-byte piece k sits at piece k ^ (j % 8) of the row (an XOR swizzle), so
+      // that a warp's 4-byte stores (8 rows x 4 column pairs) and 16-byte loads (whole
+      // rows) hit different banks.
+      constexpr int kPieces = kHeadDim * sizeof(Element) / 16, kPer = 16 / sizeof(Element);
+      static_assert(kPieces % 8 == 0 && kBlockN * kHeadDim <= cosize_v<typename T::SmemLayoutQ>,
+                    "dK / dV tiles fit the query / dO buffers, in whole 8-piece groups");
+      Element* sdK = ss.q.data();
+      Element* sdV = ss.dout.data();
+      auto at = [&](int j, int d) { return j * kHeadDim + (((d / kPer) ^ (j % 8)) * kPer) + d % kPer; };
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
+      CUTLASS_PRAGMA_UNROLL
+      for (int x = 0; x < size(tdKrdK); x += 2) {
+        const int j = get<0>(tcKV(x)), d = get<1>(tcKV(x));
+        *reinterpret_cast<Pair*>(sdK + at(j, d)) =
             cvt(cutlass::Array<float, 2>{{tdKrdK(x) * p.scale, tdKrdK(x + 1) * p.scale}});
-        *reinterpret_cast<Pair*>(dv + (int64_t)j * kHeadDim + d) =
-            cvt(cutlass::Array<float, 2>{{tdVrdV(x), tdVrdV(x + 1)}});
+        *reinterpret_cast<Pair*>(sdV + at(j, d)) = cvt(cutlass::Array<float, 2>{{tdVrdV(x), tdVrdV(x + 1)}});
+      }
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+      const int rows = min(kBlockN, p.Lk - j0);
+      for (int c = tid; c < rows * kPieces; c += T::kMmaThreads) {
+        const int j = c / kPieces, d = (c % kPieces) * kPer;
+        const int64_t g = (int64_t)(j0 + j) * kHeadDim + d;
+        *reinterpret_cast<uint4*>(dk + g) = *reinterpret_cast<const uint4*>(sdK + at(j, d));
+        *reinterpret_cast<uint4*>(dv + g) = *reinterpret_cast<const uint4*>(sdV + at(j, d));
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int x = 0; x < size(tdKrdK); x += 2) {
+        // Entries x, x + 1 of the accumulator are adjacent head-dim entries.
+        const int j = j0 + get<0>(tcKV(x)), d = get<1>(tcKV(x));
+        if (j < p.Lk) {
+          *reinterpret_cast<Pair*>(dk + (int64_t)j * kHeadDim + d) =
+              cvt(cutlass::Array<float, 2>{{tdKrdK(x) * p.scale, tdKrdK(x + 1) * p.scale}});
+          *reinterpret_cast<Pair*>(dv + (int64_t)j * kHeadDim + d) =
+              cvt(cutlass::Array<float, 2>{{tdVrdV(x), tdVrdV(x + 1)}});
+        }
       }
     }
   }
@@ -632,15 +664,23 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
   const int h = blockIdx.y, b = blockIdx.z;
   if (i >= Lq_pad) return;
   const int64_t row = ((int64_t)b * p.Hq + h) * Lq_pad + i;
+  // Four head-dim entries per lane and access (the backward's head dims are multiples of
+  // 4; out is contiguous and dout TMA-aligned, so the 8-byte loads are aligned).
   float* acc = dq_accum + row * p.D;
-  for (int d = lane; d < p.D; d += 32) acc[d] = 0.f;
+  for (int d = 4 * lane; d < p.D; d += 128) *reinterpret_cast<float4*>(acc + d) = make_float4(0.f, 0.f, 0.f, 0.f);
   if (dq_turn != nullptr && i % 64 == 0 && lane < 2) dq_turn[(row / 64) * 2 + lane] = 0;
   float sum = 0.f;
   float l2 = INFINITY;
   if (i < p.Lq) {
     const Element* o = static_cast<const Element*>(p.out) + (((int64_t)b * p.Hq + h) * p.Lq + i) * p.D;
     const Element* dout = static_cast<const Element*>(bp.dout) + b * bp.do_sb + h * bp.do_sh + i * bp.do_sm;
-    for (int d = lane; d < p.D; d += 32) sum += static_cast<float>(o[d]) * static_cast<float>(dout[d]);
+    using Quad = cutlass::Array<Element, 4>;
+    for (int d = 4 * lane; d < p.D; d += 128) {
+      const Quad x = *reinterpret_cast<const Quad*>(o + d);
+      const Quad y = *reinterpret_cast<const Quad*>(dout + d);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 4; ++e) sum += static_cast<float>(x[e]) * static_cast<float>(y[e]);
+    }
     const float l = p.lse[((int64_t)b * p.Hq + h) * p.Lq + i];
     l2 = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
   }
@@ -654,13 +694,22 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
 }
 
 // dq = scale * dq_accum, one 64-row step per CTA of 256 threads: thread t reads the
-// entries consumer thread t wrote (dq_slot) and finds their (row, column) as the dQ
-// product's thread slice t holds them.
+// entries consumer thread t wrote (dq_slot, coalesced) and finds their (row, column) as the
+// dQ product's thread slice t holds them; the converted tile goes through shared memory so
+// that dq is written in 16-byte pieces of whole rows. (Stored from the fragments directly,
+// each warp store covered 8 rows x 16 bytes, and the kernel moved 1 TB/s: 207 us of a
+// 1.1 ms sliding-window backward; docs/perf-notes.md C28.)
 template <class T>
 __global__ void __launch_bounds__(256)
 bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM, kHeadDim = T::kHeadDim;
+  // Rows padded by 16 bytes: a warp's 4-byte stores (8 rows x 4 column pairs) hit 32
+  // different banks.
+  constexpr int kRowStride = kHeadDim + 16 / sizeof(Element);
+  __shared__ __align__(16) uint16_t tile_raw[kBlockM * kRowStride];   // 16-bit elements
+  static_assert(sizeof(Element) == 2, "fp16 / bf16");
+  Element* tile = reinterpret_cast<Element*>(tile_raw);
   AttentionParams const& p = bp.fwd;
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   typename T::TiledMmadQ mma_dq;
@@ -668,16 +717,23 @@ bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const float* acc = dq_accum + (((int64_t)b * p.Hq + h) * Lq_pad + m * kBlockM) * kHeadDim +
                      (tid / 128) * (kBlockM * kHeadDim / 2);
-  Element* dq = static_cast<Element*>(bp.dq) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
   CUTLASS_PRAGMA_UNROLL
   for (int x = 0; x < size(tdQcdQ); x += 2) {
-    const int i = m * kBlockM + get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
+    const int i = get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
     const float2 v = *reinterpret_cast<const float2*>(acc + dq_slot(x, tid));
-    if (i < p.Lq) {
-      cutlass::NumericArrayConverter<Element, float, 2> cvt;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + (int64_t)i * kHeadDim + d) =
-          cvt(cutlass::Array<float, 2>{{v.x * p.scale, v.y * p.scale}});
-    }
+    cutlass::NumericArrayConverter<Element, float, 2> cvt;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + i * kRowStride + d) =
+        cvt(cutlass::Array<float, 2>{{v.x * p.scale, v.y * p.scale}});
+  }
+  __syncthreads();
+  constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
+  static_assert(kChunksPerRow * 16 == kHeadDim * sizeof(Element), "rows of 16-byte pieces");
+  const int rows = min(kBlockM, p.Lq - m * kBlockM);
+  Element* dq = static_cast<Element*>(bp.dq) + (((int64_t)b * p.Hq + h) * p.Lq + m * kBlockM) * kHeadDim;
+  for (int c = tid; c < rows * kChunksPerRow; c += 256) {
+    const int i = c / kChunksPerRow, k = c % kChunksPerRow;
+    *reinterpret_cast<uint4*>(dq + (int64_t)i * kHeadDim + k * (16 / sizeof(Element))) =
+        *reinterpret_cast<const uint4*>(tile + i * kRowStride + k * (16 / sizeof(Element)));
   }
 }
 
