@@ -122,9 +122,10 @@ def info(args):
         from flexsparse.ops import cuda_backend as C
         print(f"cuda backend: forward hd 64/128/256, backward hd 64/128 "
               f"(backward kernels built: {C.has_backward()})")
-        print(f'"auto" takes cuda for: hd128, no bias or dense mask, <= '
-              f"{C.AUTO_MAX_PARTIAL_SHARE:.0%} partial blocks, and for training only when not "
-              f"deterministic; triton otherwise (measured table: docs/benchmarks.md)")
+        dims = "/".join(map(str, C.AUTO_HEAD_DIMS))
+        print(f'"auto" takes cuda for: block masks at hd {dims}, no bias or dense mask, and '
+              f"for training only when not deterministic; triton otherwise (measured table: "
+              f"docs/benchmarks.md)")
     else:
         print('"auto": triton on a GPU, the reference on CPU')
     return 0

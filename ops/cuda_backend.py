@@ -62,43 +62,32 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     return reasons
 
 
-# Where "auto" picks this backend (H100, same runs as the Triton kernels; docs/benchmarks.md,
-# "CUDA backend"): head dim 128, no bias, no dense mask, and at most this share of partial
-# blocks among the listed ones; with gradients also when the CUDA backward can run them
-# (not deterministic). Measured there: forward and backward ahead of Triton on full,
-# causal, prefix-LM and block-sparse rows (few partial blocks); behind on document and
-# sliding-window rows (22-49% partial), at hd64 and with a bias.
-AUTO_MAX_PARTIAL_SHARE = 0.08
+# Where "auto" picks this backend: head dims 64 and 128, no bias, no dense mask, and with
+# gradients also where the CUDA backward can run them (not deterministic). Measured on the
+# H100 in the same runs as the Triton kernels (docs/benchmarks.md, 2026-11-26, three runs):
+# forward and backward ahead of Triton on every block-mask row, full, causal, prefix-LM,
+# shared-question and block-sparse (1.2-1.4x) and the partial-heavy document and
+# sliding-window rows (1.1-1.3x since the interval test and the backward's stores, C26 and
+# C28), hd64 included (1.02-1.05x forward, 1.07-1.16x backward). Behind with a trainable
+# bias (forward 209 vs 365 TFLOP/s); dense masks and hd256 not measured against Triton.
+AUTO_HEAD_DIMS = (64, 128)
 # The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
 # 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.
 AUTO_DETERMINISTIC = False
 
 
-def _partial_share(mask) -> float:
-    """Partial blocks over all listed blocks (one host sync per descriptor, cached)."""
-    from .triton_block import _cached_fact
-
-    def share():
-        p = mask.kv_count.sum().item()
-        f = mask.kv_full_count.sum().item()
-        return p / max(p + f, 1)
-    value = _cached_fact((mask.kv_count, mask.kv_full_count), share)
-    return 1.0 if value is None else value
-
-
 def preferred_for(query, key, value, bias, mask, needs_grad: bool,
                   deterministic: bool = False) -> bool:
     """Whether "auto" should run these inputs here (call_not_supported_reasons found
-    none). Not inside torch.compile, where the partial-block share would need a host sync
-    in the graph. Not for index masks until bench_indices has measured where the CUDA
-    index forward beats Triton's."""
-    if torch.compiler.is_compiling() or mask.attn_indices is not None:
+    none): the table above, from shapes only (no host sync, so also inside torch.compile).
+    Not for index masks until bench_indices has measured where the CUDA index forward
+    beats Triton's."""
+    if mask.attn_indices is not None:
         return False
     if needs_grad and deterministic and not AUTO_DETERMINISTIC:
         return False
-    return (query.shape[-1] == 128 and bias is None and mask.dense_mask is None
-            and _partial_share(mask) <= AUTO_MAX_PARTIAL_SHARE)
+    return query.shape[-1] in AUTO_HEAD_DIMS and bias is None and mask.dense_mask is None
 
 
 # The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles.
