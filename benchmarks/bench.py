@@ -575,6 +575,16 @@ def profile(cases, log=print, tag="", flex=False):
 
 # ---------------------------------------------------------------- main
 
+def parse_rows(spec):
+    """Rows written as "kind@L[@D],..." -> [(kind, L, D)], D = 128 where not given (the
+    row syntax of cuda_bench, cuda_ab and tests/gpu/profile_cuda_split.py)."""
+    rows = []
+    for item in spec.split(","):
+        kind, L, *rest = item.strip().split("@")
+        rows.append((kind, int(L), int(rest[0]) if rest else 128))
+    return rows
+
+
 def select_rows(spec, quick):
     rows = QUICK if quick else ROWS
     if not spec:

@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 import flexsparse
-from benchmarks.bench import make_case
+from benchmarks.bench import make_case, parse_rows
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 DEFAULT = "full@8192,causal@16384,prefix_lm@16384,document@16384,sliding@8192,full@8192@64,full@8192@256"
@@ -37,10 +37,8 @@ def main():
         head += " | " + " | ".join(f"bwd {v}" for v in variants)
     print(f"| row | {head} | max rel err vs first |")
     print("|---" * (1 + len(variants) * (2 if bwd else 1) + 1) + "|")
-    for item in spec.split(","):
-        parts = item.split("@")
-        kind, L = parts[0], int(parts[1])
-        D = int(parts[2]) if len(parts) > 2 else 128
+    for kind, L, D in parse_rows(spec):
+        item = f"{kind}@{L}" + (f"@{D}" if D != 128 else "")
         B = max(1, TOKENS // L)
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))

@@ -10,7 +10,7 @@ import torch
 import triton.testing
 
 import flexsparse
-from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case
+from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case, parse_rows
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv
@@ -119,12 +119,11 @@ def main():
           "| triton bwd | flex bwd | flash bwd | sdpa bwd | cuda / flash (else flex) fwd / bwd "
           "| rel err vs triton out / grads |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for item in spec.split(","):
-        parts = item.split("@")
+    for kind, L, D in parse_rows(spec):
         try:
-            row(parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else 128)
+            row(kind, L, D)
         except Exception as e:  # report, keep going
-            print(f"| {item} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
+            print(f"| {kind}@{L}@{D} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
 
 
 if __name__ == "__main__":

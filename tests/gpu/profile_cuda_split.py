@@ -12,17 +12,15 @@ from torch.profiler import ProfilerActivity, profile
 
 import flexsparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
-from benchmarks.bench import make_case  # noqa: E402
+from benchmarks.bench import make_case, parse_rows  # noqa: E402
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 
 
 def main():
     spec = sys.argv[1] if len(sys.argv) > 1 else "sliding@8192,document@16384,full@8192"
-    for item in spec.split(","):
-        parts = item.split("@")
-        kind, L = parts[0], int(parts[1])
-        D = int(parts[2]) if len(parts) > 2 else 128
+    for kind, L, D in parse_rows(spec):
+        item = f"{kind}@{L}@{D}"
         B = max(1, TOKENS // L)
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=True)

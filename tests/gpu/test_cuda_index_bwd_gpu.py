@@ -214,13 +214,8 @@ def test_matches_triton_backward():
 
 # ------------------------------------------------------------------ the switch
 
-def test_switch_routes_public_api(monkeypatch):
-    """flexsparse.attention(backend="cuda"): Triton gradients by default,
-    FLEXSPARSE_CUDA_INDEX_BWD=1 the CUDA ones (bitwise those of the op called directly);
-    both against float64."""
-    q, k, v, idx = TI._make(1, 8, 2, 65, 200, 128, 128, 48, torch.bfloat16, seed=8, oob=False)
-    torch.manual_seed(9)
-    do = torch.randn(1, 8, 65, 128, device=DEV, dtype=torch.bfloat16)
+def spy_on_triton_backward(monkeypatch):
+    """A list that gets "triton" each time the Triton index backward runs."""
     seen = []
     real = ti.backward
 
@@ -228,6 +223,17 @@ def test_switch_routes_public_api(monkeypatch):
         seen.append("triton")
         return real(*args, **kw)
     monkeypatch.setattr(ti, "backward", spy)
+    return seen
+
+
+def test_switch_routes_public_api(monkeypatch):
+    """flexsparse.attention(backend="cuda"): Triton gradients by default,
+    FLEXSPARSE_CUDA_INDEX_BWD=1 the CUDA ones (bitwise those of the op called directly);
+    both against float64."""
+    q, k, v, idx = TI._make(1, 8, 2, 65, 200, 128, 128, 48, torch.bfloat16, seed=8, oob=False)
+    torch.manual_seed(9)
+    do = torch.randn(1, 8, 65, 128, device=DEV, dtype=torch.bfloat16)
+    seen = spy_on_triton_backward(monkeypatch)
     grads = {}
     for env in ("0", "1"):
         monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", env)
@@ -303,13 +309,7 @@ def test_deterministic_calls_take_the_cuda_backward(monkeypatch):
     q, k, v, idx = TI._make(1, 8, 2, 97, 300, 128, 128, 40, torch.bfloat16, seed=21, oob=False)
     torch.manual_seed(22)
     do = torch.randn(1, 8, 97, 128, device=DEV, dtype=torch.bfloat16)
-    seen = []
-    real = ti.backward
-
-    def spy(*args, **kw):
-        seen.append("triton")
-        return real(*args, **kw)
-    monkeypatch.setattr(ti, "backward", spy)
+    seen = spy_on_triton_backward(monkeypatch)
     runs = []
     for _ in range(2):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
