@@ -123,7 +123,7 @@ def info(args):
         print(f"cuda backend: forward hd 64/128/256, backward hd 64/128 "
               f"(backward kernels built: {C.has_backward()})")
         dims = "/".join(map(str, C.AUTO_HEAD_DIMS))
-        print(f'"auto" takes cuda for: block masks at hd {dims}, no bias or dense mask, and '
+        print(f'"auto" takes cuda for: block masks at hd {dims}, no bias, dense mask or bitmaps, and '
               f"for training only when not deterministic; triton otherwise (measured table: "
               f"docs/benchmarks.md)")
     else:

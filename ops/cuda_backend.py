@@ -69,7 +69,10 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 # shared-question and block-sparse (1.2-1.4x) and the partial-heavy document and
 # sliding-window rows (1.1-1.3x since the interval test and the backward's stores, C26 and
 # C28), hd64 included (1.02-1.05x forward, 1.07-1.16x backward). Behind with a trainable
-# bias (forward 209 vs 365 TFLOP/s); dense masks and hd256 not measured against Triton.
+# bias (forward 209 vs 365 TFLOP/s); dense masks, partial bitmaps (converted mask_mods,
+# overlapping index lists) and hd256 not measured against Triton, so they stay there too.
+# Partial-block shares beyond the measured rows' (up to about half the listed blocks:
+# windows under 1024, many tiny documents) are not measured either; the rule extends to them.
 AUTO_HEAD_DIMS = (64, 128)
 # The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
@@ -87,7 +90,8 @@ def preferred_for(query, key, value, bias, mask, needs_grad: bool,
         return False
     if needs_grad and deterministic and not AUTO_DETERMINISTIC:
         return False
-    return query.shape[-1] in AUTO_HEAD_DIMS and bias is None and mask.dense_mask is None
+    return (query.shape[-1] in AUTO_HEAD_DIMS and bias is None and mask.dense_mask is None
+            and mask.partial_bits is None)
 
 
 # The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles.
