@@ -84,8 +84,8 @@ def make_case(kind, B, L, device="cuda"):
         return M.full(), None, False, False, False
     if kind in ("causal", "causal_bias"):
         return M.causal(), causal_mod, False, True, kind == "causal_bias"
-    if kind == "sliding":
-        W = 1024
+    if kind.startswith("sliding"):     # "sliding" (window 1024) or "sliding<W>", e.g. sliding256
+        W = int(kind[len("sliding"):] or 1024)
 
         def mod(b, h, q, kv):
             return (q >= kv) & (q - kv <= W)

@@ -102,6 +102,91 @@ struct TileWalk {
   }
 };
 
+// The same tiles as TileWalk, in the same order, read front to back: only the current
+// list's position is held (8 words instead of TileWalk's 26), and a range-form list's
+// ranges are read when the walk reaches them. For loops that never need tile t out of
+// order: the backward's producer (24 registers after setmaxnreg) and consumers (whose
+// 128-row steps hold 192 accumulator registers).
+struct TileCursor {
+  const int32_t* index = nullptr;   // the current list's row: next entry, or next range
+  int left = 0;         // blocks left in the current list
+  int ranges = 0;       // range form: ranges left after the current one; explicit: -1
+  int blk = 0, end = 0; // range form: the current range's next block and its end
+  int n_blocks = 0;
+  int tile = 0, tiles_left = 0;   // the current block's next tile, tiles left in it
+  bool in_partial = true;
+
+  __device__ __forceinline__ TileCursor() {}
+
+  __device__ __forceinline__ void start(const BlockListParams& p, int b, int h, int row) {
+    left = 0;
+    tiles_left = 0;
+    if (p.count == nullptr) return;
+    const int64_t r = b * p.batch_stride + (h / p.head_div) * p.head_stride + row;
+    left = max(__ldg(p.count + r), 0);
+    n_blocks = p.n_blocks;
+    index = p.index + r * p.width;
+    if (p.ranges == 0) {
+      left = min(left, p.width);
+      ranges = -1;
+    } else {
+      int total = 0;     // as ListRow: the count is at most the blocks the ranges hold
+      for (int k = 0; k < p.ranges; ++k) total += max(__ldg(index + 2 * k + 1) - __ldg(index + 2 * k), 0);
+      left = min(left, total);
+      ranges = p.ranges;
+      blk = end = 0;     // the first range is read by next_block
+    }
+  }
+
+  // The list's next block (-1: an entry outside [0, n_blocks)); requires left > 0.
+  __device__ __forceinline__ int next_block() {
+    --left;
+    int e;
+    if (ranges < 0) {
+      e = __ldg(index++);
+    } else {
+      while (blk >= end && ranges > 0) {   // ranges past the count read nothing more
+        blk = __ldg(index);
+        end = __ldg(index + 1);
+        index += 2;
+        --ranges;
+      }
+      e = blk++;
+    }
+    return (e >= 0 && e < n_blocks) ? e : -1;
+  }
+
+  // Starts at row `row` of the partial lists at (b, h).
+  __device__ __forceinline__ TileCursor(const BlockListParams& partial_lists, int b, int h, int row) {
+    start(partial_lists, b, h, row);
+  }
+
+  // The next tile (false: none left): its index along the listed dimension (`sub` kernel
+  // tiles per listed block) and whether it needs element predicates. Blocks outside
+  // [0, n_blocks) are skipped whole. The full lists and (b, h, row) are passed again here
+  // rather than held, to save registers; they must be the same on every call.
+  __device__ __forceinline__ bool next(const BlockListParams& full_lists, int b, int h, int row,
+                                       int sub, int& t, bool& is_partial) {
+    while (tiles_left == 0) {
+      if (left == 0) {
+        if (!in_partial) return false;
+        in_partial = false;
+        start(full_lists, b, h, row);
+        continue;
+      }
+      const int e = next_block();
+      if (e >= 0) {
+        tile = e * sub;
+        tiles_left = sub;
+      }
+    }
+    t = tile++;
+    --tiles_left;
+    is_partial = in_partial;
+    return true;
+  }
+};
+
 // The rows a key column shows, as one interval, where its hidden ranges leave one. The key
 // hides rows [a.x, a.x + a.y) and [b.x, b.x + b.y) ((start, length) as the kernels stage
 // column ranges; length 0: no range). Rows are 0..R-1. Returns false where the visible rows

@@ -7,7 +7,8 @@ namespace flexsparse {
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   const size_t rows = static_cast<size_t>(f.B) * f.Hq * bwd_lq_pad(f);
-  // dq_accum, lse2, delta; deterministic: a turn counter per 64-row step and warpgroup half
+  // dq_accum, lse2, delta; deterministic: a turn counter per 64 rows (one per query step of
+  // either size) and warpgroup half
   return rows * (f.D + 2) * sizeof(float) + (p.deterministic ? rows / 64 * 2 * sizeof(int) : 0);
 }
 
@@ -24,8 +25,13 @@ std::string bwd_sm90_unsupported(BackwardParams const& p) {
 
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
   switch (p.fwd.D) {
-    case 64: bwd_sm90_hd<64>(p, dtype, stream); break;
-    case 128: bwd_sm90_hd<128>(p, dtype, stream); break;
+    // 128-row query steps where the query blocks allow them (BwdTraits);
+    // FLEXSPARSE_CUDA_DEBUG bit 256: 64-row steps, for same-run A/Bs.
+    case 64:
+      if (p.fwd.block_q % 128 == 0 && !(p.fwd.debug & 256)) bwd_sm90_hd<64, 128>(p, dtype, stream);
+      else bwd_sm90_hd<64, 64>(p, dtype, stream);
+      break;
+    case 128: bwd_sm90_hd<128, 64>(p, dtype, stream); break;
     default: throw std::invalid_argument("flexsparse CUDA backward: head dim must be 64 or 128");
   }
 }

@@ -2,7 +2,8 @@
 //
 // One CTA owns a 128-key tile of one (batch, kv head) and walks, for every query head of
 // its group, the query blocks the descriptor lists for its key block (q lists: partial
-// first, then full), 64 query rows at a time. Three warpgroups:
+// first, then full), kBlockM query rows at a time (64; 128 at head dim 64, as
+// FlashAttention-3/4 do, where the descriptor's query blocks allow it). Three warpgroups:
 //   warpgroup 0: the producer (one thread: TMA loads of the key and value tile once, then
 //     of the query and dO tiles of every step through two pipelines) and the dQ writer
 //     (warp 1: adds each step's dQ from shared memory to a float32 accumulator in global
@@ -33,11 +34,17 @@
 
 namespace flexsparse::sm90 {
 
-template <class Element_, int kHeadDim_, int kStages_>
+// kBlockM_: query rows per step, 64 or 128. At head dim 64 a 64-row step is half the
+// tensor-core work of a 128-row one for the same per-step cost (barriers, lse and delta,
+// the dQ hand-off), so head dim 64 takes 128 where the descriptor's query blocks are
+// multiples of 128; the accumulators (S^T, dP^T: 64 + 64, dK, dV: 32 + 32 registers per
+// thread) still fit.
+template <class Element_, int kHeadDim_, int kStages_, int kBlockM_ = 64>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;     // query rows per step
+  static constexpr int kBlockM = kBlockM_;     // query rows per step
+  static_assert(kBlockM == 64 || kBlockM == 128, "query steps of 64 or 128 rows");
   static constexpr int kBlockN = 128;    // keys per CTA
   static constexpr int kStages = kStages_;
   static_assert(kStages % 2 == 0, "the dS^T double buffer follows the stage index's parity");
@@ -115,11 +122,11 @@ struct BwdTraits {
 
   struct KernelParams {
     BackwardParams bp;
-    float* dq_accum;   // (B, Hq, Lq_pad / 64, 2, 64 * D / 2): each 64-row step's dQ, dq_slot order
+    float* dq_accum;   // (B, Hq, Lq_pad / kBlockM, 2, kBlockM * D / 2): each step's dQ, dq_slot order
     const float* lse2;   // (B, Hq, Lq_pad): lse * log2(e); +inf for empty and padding rows
     const float* delta;  // (B, Hq, Lq_pad)
     int Lq_pad;
-    // deterministic: per (b, h, 64-row step, warpgroup half) the number of CTAs that have
+    // deterministic: per (b, h, kBlockM-row step, warpgroup half) the number of CTAs that have
     // added their dQ; CTAs add in the order of their key tiles.
     int* dq_turn;
     TmaQ tma_q;
@@ -134,7 +141,7 @@ struct BwdTraits {
 // stores to shared memory are conflict-free and the postprocess reads coalesced.
 __device__ __forceinline__ int dq_slot(int x, int t) { return (x >> 1) * 256 + 2 * (t % 128) + (x & 1); }
 
-// Deterministic dQ: a CTA's turn for the 64-row step at query block qb is the number of
+// Deterministic dQ: a CTA's turn for the query step at query block qb is the number of
 // key tiles before its own that the descriptor lists for qb (the CTAs that add before it,
 // in key-tile order). One warp counts the kv-list entries of qb.
 __device__ __forceinline__ int dq_turn_of(AttentionParams const& p, int b, int h, int qb,
@@ -194,7 +201,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   constexpr int kBarrierdQEmpty = 2, kBarrierdQFull = 4;
 
   typename T::Pipeline::Params pipe_params;
-  // Each stage: a query (dO) tile and its 64 lse2 (delta) values.
+  // Each stage: a query (dO) tile and its kBlockM lse2 (delta) values.
   pipe_params.transaction_bytes = T::kBytesQ + kBlockM * sizeof(float);
   pipe_params.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer
                                     : T::Pipeline::ThreadCategory::Consumer;
@@ -243,14 +250,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+        TileCursor walk(p.q_partial, b, h, kb);
         Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
         Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
-        const int n_tiles = walk.n_tiles();
-        for (int t = 0; t < n_tiles; ++t) {
-          bool partial;
-          const int m = walk.tile_at(t, partial);
-          if (m < 0 || m * kBlockM >= p.Lq) continue;
+        int m;
+        bool partial;
+        while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+          if (m * kBlockM >= p.Lq) continue;
           const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
           pipe_q.producer_acquire(write);
           auto* bar_q = pipe_q.producer_get_barrier(write);
@@ -269,13 +275,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int lane = threadIdx.x % 32;
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+        TileCursor walk(p.q_partial, b, h, kb);
         const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
-        const int n_tiles = walk.n_tiles();
-        for (int t = 0; t < n_tiles; ++t) {
-          bool partial;
-          const int m = walk.tile_at(t, partial);
-          if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
+        int m;
+        bool partial;
+        while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+          if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
           const int i0 = m * kBlockM;
           const int turn = bp.deterministic
               ? dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN) : 0;
@@ -369,7 +374,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     typename T::PipelineState read;
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
-      const TileWalk walk(p.q_partial, p.q_full, b, h, kb, sub);
+      TileCursor walk(p.q_partial, b, h, kb);
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
@@ -411,11 +416,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
 
-      const int n_tiles = walk.n_tiles();
-      for (int t = 0; t < n_tiles; ++t) {
-        bool partial;
-        const int m = walk.tile_at(t, partial);
-        if (m < 0 || m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
+      int m;
+      bool partial;
+      while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+        if (m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
         const int i0 = m * kBlockM;
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -476,7 +480,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             const int idx = __ldg(bits_head + (int64_t)qblock * pr.bi_sq + kb);
             if (idx >= 0 && idx < pr.bits_count) {
               // Both of this thread's keys sit in one 32-bit word of a bitmap row; the
-              // step's 64 queries sit in one query block.
+              // step's queries sit in one query block (block_q is a multiple of kBlockM).
               const int word = (jr[0] - kb * p.block_k) >> 5;
               const int32_t* bits_rows = pr.bits + idx * pr.bits_sp +
                                          (i0 - qblock * p.block_q + col_base) * pr.bits_sr + word;
@@ -693,7 +697,7 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
   }
 }
 
-// dq = scale * dq_accum, one 64-row step per CTA of 256 threads: thread t reads the
+// dq = scale * dq_accum, one kBlockM-row step per CTA of 256 threads: thread t reads the
 // entries consumer thread t wrote (dq_slot, coalesced) and finds their (row, column) as the
 // dQ product's thread slice t holds them; the converted tile goes through shared memory so
 // that dq is written in 16-byte pieces of whole rows. (Stored from the fragments directly,

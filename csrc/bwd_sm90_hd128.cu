@@ -1,10 +1,11 @@
-// Backward kernels for head dim 128 (one file per head dim so that they build in parallel).
+// Backward kernels for head dim 128 (one file per head dim and step size so that they
+// build in parallel).
 #include "bwd_sm90.cuh"
 
 namespace flexsparse {
 
 template <>
-void bwd_sm90_hd<128>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+void bwd_sm90_hd<128, 64>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 128, 2>>(p, stream);
   else

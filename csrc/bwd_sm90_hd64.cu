@@ -1,10 +1,12 @@
-// Backward kernels for head dim 64 (one file per head dim so that they build in parallel).
+// Backward kernels for head dim 64 with 64-row query steps, for descriptors whose query
+// blocks are not multiples of 128 (one file per head dim and step size so that they build
+// in parallel).
 #include "bwd_sm90.cuh"
 
 namespace flexsparse {
 
 template <>
-void bwd_sm90_hd<64>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+void bwd_sm90_hd<64, 64>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 64, 2>>(p, stream);
   else

@@ -32,10 +32,12 @@ void fwd_sm90_hd(AttentionParams const& p, DType dtype, cudaStream_t stream);
 // Hopper backward (bwd_sm90.cu). The caller allocates bwd_sm90_workspace_bytes(p) bytes of
 // device memory for p.workspace (uninitialised); nothing else is allocated inside.
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p);
-// Query rows of the workspace's per-row arrays: Lq rounded up to the 64-row query step.
-inline int bwd_lq_pad(AttentionParams const& p) { return (p.Lq + 63) / 64 * 64; }
+// Query rows of the workspace's per-row arrays: Lq rounded up to 128, a whole number of
+// query steps of either size (64 or 128 rows).
+inline int bwd_lq_pad(AttentionParams const& p) { return (p.Lq + 127) / 128 * 128; }
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
-template <int kHeadDim>
+// One head dim and query-step size (kBlockM rows per step; bwd_sm90 picks it).
+template <int kHeadDim, int kBlockM>
 void bwd_sm90_hd(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // What the backward does not support (empty string: supported), e.g. a dbias that
 // broadcasts over some dimension.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ibwd|hf|probe ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|ibwd|hf|probe ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -73,6 +73,12 @@ if [[ " $parts " == *" ibwd "* ]]; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
+fi
+# Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":
+#   AB_ROWS=full@8192@64,sliding@8192 AB_ARGS="--variants 0,256 --bwd" bash tests/gpu.sh ab
+if [[ " $parts " == *" ab "* ]]; then
+  timeout "${T_AB:-300}" python3 -m benchmarks.cuda_ab ${AB_ROWS:-} ${AB_ARGS:---bwd} 2>&1 \
+    | grep -v Warning | tee "$OUT/cuda_ab.md"
 fi
 if want cudabench; then
   timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \

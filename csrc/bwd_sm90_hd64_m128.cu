@@ -1,0 +1,14 @@
+// Backward kernels for head dim 64 with 128-row query steps (BwdTraits says why).
+#include "bwd_sm90.cuh"
+
+namespace flexsparse {
+
+template <>
+void bwd_sm90_hd<64, 128>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::kBFloat16)
+    sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 64, 2, 128>>(p, stream);
+  else
+    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 64, 2, 128>>(p, stream);
+}
+
+}  // namespace flexsparse
