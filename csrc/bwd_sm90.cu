@@ -23,15 +23,27 @@ std::string bwd_sm90_unsupported(BackwardParams const& p) {
   return "";
 }
 
+// The calls BwdTraits::kPlain kernels take: no bias, dbias, softcap, dense mask or
+// bitmaps, and column ranges that fit the shared-memory staging.
+static bool plain_call(BackwardParams const& p) {
+  const AttentionParams& f = p.fwd;
+  return f.bias == nullptr && p.dbias == nullptr && f.softcap == 0.f && f.pred.dense == nullptr &&
+         f.pred.bits_index == nullptr && (f.pred.col_ranges == nullptr || f.pred.n_col_ranges <= 4);
+}
+
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+  // FLEXSPARSE_CUDA_DEBUG bit 256: the general kernels for plain calls too (same-run A/Bs).
+  const bool plain = plain_call(p) && !(p.fwd.debug & 256);
   switch (p.fwd.D) {
-    // 128-row query steps where the query blocks allow them (BwdTraits);
-    // FLEXSPARSE_CUDA_DEBUG bit 256: 64-row steps, for same-run A/Bs.
+    // Plain calls take 128-row query steps where the query blocks allow them (BwdTraits).
     case 64:
-      if (p.fwd.block_q % 128 == 0 && !(p.fwd.debug & 256)) bwd_sm90_hd<64, 128>(p, dtype, stream);
-      else bwd_sm90_hd<64, 64>(p, dtype, stream);
+      if (plain && p.fwd.block_q % 128 == 0) bwd_sm90_hd<64, 128, true>(p, dtype, stream);
+      else bwd_sm90_hd<64, 64, false>(p, dtype, stream);
       break;
-    case 128: bwd_sm90_hd<128, 64>(p, dtype, stream); break;
+    case 128:
+      if (plain) bwd_sm90_hd<128, 64, true>(p, dtype, stream);
+      else bwd_sm90_hd<128, 64, false>(p, dtype, stream);
+      break;
     default: throw std::invalid_argument("flexsparse CUDA backward: head dim must be 64 or 128");
   }
 }

@@ -37,14 +37,20 @@ namespace flexsparse::sm90 {
 // kBlockM_: query rows per step, 64 or 128. At head dim 64 a 64-row step is half the
 // tensor-core work of a 128-row one for the same per-step cost (barriers, lse and delta,
 // the dQ hand-off), so head dim 64 takes 128 where the descriptor's query blocks are
-// multiples of 128; the accumulators (S^T, dP^T: 64 + 64, dK, dV: 32 + 32 registers per
-// thread) still fit.
-template <class Element_, int kHeadDim_, int kStages_, int kBlockM_ = 64>
+// multiples of 128, as FlashAttention-3/4 do. The accumulators (S^T, dP^T: 64 + 64, dK,
+// dV: 32 + 32 registers per thread) fit only in the plain kernel: with the general one's
+// pointers and flags live as well, ptxas spilled ~55 words per step (928 B).
+// kPlain_: the kernel for calls without bias, dbias, softcap, dense mask or bitmaps, and
+// with at most kMaxStagedRanges column ranges per key (bwd_sm90 picks it): the code and
+// the live registers of those features are compiled out.
+template <class Element_, int kHeadDim_, int kStages_, int kBlockM_ = 64, bool kPlain_ = false>
 struct BwdTraits {
   using Element = Element_;
+  static constexpr bool kPlain = kPlain_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;     // query rows per step
-  static_assert(kBlockM == 64 || kBlockM == 128, "query steps of 64 or 128 rows");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kPlain_),
+                "query steps of 64 rows, or 128 in the plain kernel (whose registers fit them)");
   static constexpr int kBlockN = 128;    // keys per CTA
   static constexpr int kStages = kStages_;
   static_assert(kStages % 2 == 0, "the dS^T double buffer follows the stage index's parity");
@@ -363,8 +369,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     float* sdQ = ss.dq + wg * (kBlockM * kHeadDim / 2);
 
     const float LOG2E = 1.4426950408889634f;
-    const bool has_bias = p.bias != nullptr;
-    const bool has_softcap = p.softcap > 0.f;
+    constexpr bool kPlain = T::kPlain;
+    const bool has_bias = !kPlain && p.bias != nullptr;
+    const bool has_softcap = !kPlain && p.softcap > 0.f;
     const bool log2_scores = has_bias || has_softcap;
     const int j0 = n_block * kBlockN;
     const int jr[kRows] = {j0 + row_base, j0 + row_base + 8};   // this thread's keys
@@ -378,16 +385,16 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
-      Element* dbias = static_cast<Element*>(bp.dbias);
+      Element* dbias = kPlain ? nullptr : static_cast<Element*>(bp.dbias);
       if (dbias != nullptr) dbias += b * bp.dbias_sb + h * bp.dbias_sh;
       const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
           : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
-      const uint8_t* dense = pr.dense == nullptr ? nullptr
+      const uint8_t* dense = kPlain || pr.dense == nullptr ? nullptr
           : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
-      const int32_t* bits_head = pr.bits_index == nullptr ? nullptr
+      const int32_t* bits_head = kPlain || pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
       // The keys are the CTA's for the whole walk: their column ranges are read once.
-      const bool staged = cr_base != nullptr && pr.n_col_ranges <= T::kMaxStagedRanges;
+      const bool staged = cr_base != nullptr && (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
       if (staged) {
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
         for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
@@ -461,7 +468,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                 S(r, c) = hidden ? -INFINITY : S(r, c);
               }
             }
-          } else if (cr_base != nullptr) {
+          } else if (!kPlain && cr_base != nullptr) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               const int32_t* cr = cr_base + (int64_t)min(jr[r], p.Lk - 1) * pr.cr_sk;

@@ -5,7 +5,7 @@
 namespace flexsparse {
 
 template <>
-void bwd_sm90_hd<128, 64>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+void bwd_sm90_hd<128, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 128, 2>>(p, stream);
   else

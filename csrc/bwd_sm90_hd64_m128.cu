@@ -4,11 +4,11 @@
 namespace flexsparse {
 
 template <>
-void bwd_sm90_hd<64, 128>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+void bwd_sm90_hd<64, 128, true>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
   if (dtype == DType::kBFloat16)
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 64, 2, 128>>(p, stream);
+    sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 64, 2, 128, true>>(p, stream);
   else
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 64, 2, 128>>(p, stream);
+    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 64, 2, 128, true>>(p, stream);
 }
 
 }  // namespace flexsparse
