@@ -32,7 +32,7 @@ static bool plain_call(BackwardParams const& p) {
 }
 
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
-  // FLEXSPARSE_CUDA_DEBUG bit 256: the general kernels for plain calls too (same-run A/Bs).
+  // FLEXSPARSE_CUDA_DEBUG bit 256: the general kernel for plain calls too (same-run A/Bs).
   const bool plain = plain_call(p) && !(p.fwd.debug & 256);
   switch (p.fwd.D) {
     // Plain calls take 128-row query steps where the query blocks allow them (BwdTraits).
@@ -40,10 +40,10 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
       if (plain && p.fwd.block_q % 128 == 0) bwd_sm90_hd<64, 128, true>(p, dtype, stream);
       else bwd_sm90_hd<64, 64, false>(p, dtype, stream);
       break;
-    case 128:
-      if (plain) bwd_sm90_hd<128, 64, true>(p, dtype, stream);
-      else bwd_sm90_hd<128, 64, false>(p, dtype, stream);
-      break;
+    // (A plain hd128 kernel measured the same as the general one: 537 / 556 / 358 / 387
+    // against 538 / 568 / 359 / 390 TFLOP/s on full, causal, sliding and document rows;
+    // docs/perf-notes.md C29.)
+    case 128: bwd_sm90_hd<128, 64, false>(p, dtype, stream); break;
     default: throw std::invalid_argument("flexsparse CUDA backward: head dim must be 64 or 128");
   }
 }
