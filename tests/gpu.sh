@@ -167,7 +167,7 @@ if [[ " $parts " == *" ncuhist "* ]]; then
     ncu --import "$OUT/src.ncu-rep" -k "regex:$k" --page source --csv --print-source sass > "$OUT/$k.csv" 2>&1
   done
   rm -f "$OUT/src.ncu-rep"
-  L="${NCU_ROW##*@}"; tiles=$(( (16384 / L) * 16 * (L / 128) * (L / 128) ))
+  L=$(echo "${NCU_ROW:-full@8192}" | cut -d@ -f2); tiles=$(( (16384 / L) * 16 * (L / 128) * (L / 128) ))
   python3 tests/gpu/ncu_opcode_hist.py "$OUT/fwd_kernel.csv" "$OUT/FlashAttentionForwardSm90.csv" --per "$tiles" --top 40
   python3 tests/gpu/ncu_opcode_hist.py "$OUT/bwd_kernel.csv" "$OUT/FlashAttentionBackwardSm90.csv" --per $(( tiles * 2 )) --top 45
   gzip -f "$OUT"/*.csv

@@ -3,7 +3,7 @@ a warm-up outside the profiled range: the workload for an Nsight Compute compari
 the two backward kernels (tests/gpu.sh ncu runs it under ncu).
 
     ncu --clock-control none --profile-from-start off -k regex:"..." \
-        python3 tests/gpu/ncu_row.py full@8192 [--d 128]
+        python3 tests/gpu/ncu_row.py full@8192[@64]
 
 Warm-up (compiles, autotune-free) runs before cudaProfilerStart, so ncu sees only the
 measured launches.
@@ -21,15 +21,13 @@ from benchmarks import bench
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("row", help="kind@L, e.g. full@8192")
-    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("row", help="kind@L[@D], e.g. full@8192 or full@8192@64")
     ap.add_argument("--backend", default="triton", help="ours: triton or cuda")
     ap.add_argument("--no-flex", action="store_true", help="ours only")
     ap.add_argument("--flash", action="store_true",
                     help="FlexAttention with its FLASH backend (FA4 wheels installed) in place of Triton")
     args = ap.parse_args()
-    kind, L = args.row.split("@")
-    L, D = int(L), args.d
+    [(kind, L, D)] = bench.parse_rows(args.row)
     dev = torch.device("cuda")
     B = max(1, bench.TOKENS // L)
     H = bench.H
