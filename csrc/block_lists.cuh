@@ -61,52 +61,13 @@ struct ListRow {
   }
 };
 
-// The tiles one program visits: the partial list's blocks, then the full list's, each
-// block split into `sub` tiles of the kernel's tile size. Warpgroups that must agree on
-// the tiles (producer and consumers) build the same walk.
-struct TileWalk {
-  ListRow partial, full;
-  int sub = 1;
-  int sub_shift = 0;   // log2(sub) when sub is a power of two, else -1 (divide)
-
-  __device__ __forceinline__ TileWalk() {}
-
-  // Row `row` of the lists at (b, h), `sub` kernel tiles per listed block.
-  __device__ __forceinline__ TileWalk(const BlockListParams& partial_lists,
-                                      const BlockListParams& full_lists, int b, int h, int row,
-                                      int sub_)
-      : partial(partial_lists, b, h, row), full(full_lists, b, h, row), sub(sub_) {
-    sub_shift = (sub > 0 && (sub & (sub - 1)) == 0) ? __ffs(sub) - 1 : -1;
-  }
-
-  __device__ __forceinline__ int n_tiles() const { return (partial.count + full.count) * sub; }
-
-  // Tile t: its tile index along the listed dimension (-1: skip), and whether it needs
-  // element predicates. Called once per tile by every thread of a kernel's main loop, so it
-  // avoids integer division (shifts when sub is a power of two, as it is for every block
-  // size the kernels see in practice).
-  __device__ __forceinline__ int tile_at(int t, bool& is_partial) const {
-    int np = partial.count * sub;
-    is_partial = t < np;
-    int u = is_partial ? t : t - np;
-    int q, r;
-    if (sub_shift >= 0) {
-      q = u >> sub_shift;
-      r = u & ((1 << sub_shift) - 1);
-    } else {
-      q = u / sub;
-      r = u - q * sub;
-    }
-    int blk = is_partial ? partial.block_at(q) : full.block_at(q);
-    return blk < 0 ? -1 : blk * sub + r;
-  }
-};
-
-// The same tiles as TileWalk, in the same order, read front to back: only the current
-// list's position is held (8 words instead of TileWalk's 26), and a range-form list's
-// ranges are read when the walk reaches them. For loops that never need tile t out of
-// order: the backward's producer (24 registers after setmaxnreg) and consumers (whose
-// 128-row steps hold 192 accumulator registers).
+// The tiles one program visits, front to back: the partial list's blocks, then the full
+// list's, each block split into `sub` tiles of the kernel's tile size. Warpgroups that must
+// agree on the tiles (producer and consumers) each run their own cursor over the same
+// lists. Only the current list's position is held (8 words; an indexed walk that could
+// return tile t on demand held both lists' ranges, 26 words, and cost ~45 instructions
+// per tile: docs/perf-notes.md C29, C30), and a range-form list's ranges are read when the
+// cursor reaches them.
 struct TileCursor {
   const int32_t* index = nullptr;   // the current list's row: next entry, or next range
   int left = 0;         // blocks left in the current list

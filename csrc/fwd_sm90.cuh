@@ -160,8 +160,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   // reverse_tiles the heaviest query tiles of a head come first.
   const int n_m = (p.Lq + kBlockM - 1) / kBlockM;
   const int n_work = n_m * p.Hq * p.B;
-  int m_block = 0, h = 0, b = 0, hk = 0, qb = 0, n_tiles = 0;
-  TileWalk walk;
+  // Kernel tiles per descriptor key block; the tiles of a work tile are read front to
+  // back (TileCursor: a tile_at(t) lookup per tile cost ~45 instructions per warp,
+  // docs/perf-notes.md C30).
+  const int sub = p.block_k / kBlockN;
+  int m_block = 0, h = 0, b = 0, hk = 0, qb = 0;
+  TileCursor walk;
+  auto next_tile = [&](int& n, bool& partial) { return walk.next(p.kv_full, b, h, qb, sub, n, partial); };
   auto set_work_tile = [&](int w) {
     const int m = w % n_m;
     m_block = p.reverse_tiles ? n_m - 1 - m : m;
@@ -169,8 +174,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     b = w / n_m / p.Hq;
     hk = h / (p.Hq / p.Hkv);
     qb = m_block * kBlockM / p.block_q;
-    walk = TileWalk(p.kv_partial, p.kv_full, b, h, qb, p.block_k / kBlockN);
-    n_tiles = walk.n_tiles();
+    walk = TileCursor(p.kv_partial, b, h, qb);
   };
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
@@ -228,7 +232,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         auto take_next = [&] {
           w = p.tile_counter != nullptr ? gridDim.x + atomicAdd(p.tile_counter, 1) : w + gridDim.x;
         };
-        if (n_tiles == 0) {               // nothing listed: the consumers write 0 / -inf
+        int n;
+        bool partial;
+        if (!next_tile(n, partial)) {     // nothing listed: the consumers write 0 / -inf
           Barrier::arrive(&ss.barrier_q);
           take_next();
           continue;
@@ -243,10 +249,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                make_coord(_, 0));
         Tensor tKgK = cta_k.partition_S(gK);
         Tensor tVgV = cta_v.partition_S(gV);
-        for (int t = 0; t < n_tiles; ++t) {
-          bool partial;
-          const int n = walk.tile_at(t, partial);
-          if (n < 0) continue;
+        do {
           pipe_k.producer_acquire(write);
           copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
                tKsK(_, _, _, write.index()));
@@ -254,7 +257,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
                tVsV(_, _, _, write.index()));
           ++write;
-        }
+        } while (next_tile(n, partial));
         take_next();
       }
     }
@@ -307,6 +310,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const Element* bias = nullptr;
     bool bias_pairs_ok = false;
     const int32_t* cr_base = nullptr;
+    // Whether this work tile's partial tiles stage their column ranges, and one key per
+    // thread (see load_extras): set per work tile, not recomputed per tile.
+    bool stage_ranges = false, stage_by_key = false;
     const uint8_t* dense = nullptr;
     const int32_t* bits_row = nullptr;
     auto set_tile_inputs = [&] {
@@ -320,6 +326,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const PredicateParams& pr = p.pred;
       cr_base = pr.col_ranges == nullptr ? nullptr
           : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
+      stage_ranges = cr_base != nullptr && pr.n_col_ranges <= kMaxStagedRanges && !(p.debug & 4);
+      stage_by_key = stage_ranges && pr.n_col_ranges <= 2 && !(p.debug & 8);
       dense = pr.dense == nullptr ? nullptr
           : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
       bits_row = pr.bits_index == nullptr ? nullptr
@@ -363,12 +371,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // key: row i is hidden by a slot iff unsigned(i - start) < length. Unused slots are
       // (0, 0) and hide nothing; keys past Lk get a slot that hides every row. More than 4
       // ranges per key: read per score from global memory instead (slow path).
-      x.staged = x.partial && cr_base != nullptr && p.pred.n_col_ranges <= kMaxStagedRanges &&
-                 !(p.debug & 4);
+      x.staged = x.partial && stage_ranges;
       // At most 2 ranges per key (causal, windows, documents, prefix-LM): one key per
       // thread, so that the thread can tell the key's visible interval when it stages it.
       // FLEXSPARSE_CUDA_DEBUG bit 8: the (key, slot) staging and range tests instead (A/Bs).
-      x.by_key = x.staged && p.pred.n_col_ranges <= 2 && !(p.debug & 8);
+      x.by_key = x.partial && stage_by_key;
       x.all_interval = false;
       if (x.by_key) {
         if (wg_tid < kBlockN) {
@@ -590,14 +597,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha[r];
       }
     };
-    // The next listed tile from t on, skipping entries a bad descriptor put out of range.
-    auto next_tile = [&](int t, int& n, bool& partial) {
-      for (; t < n_tiles; ++t) {
-        n = walk.tile_at(t, partial);
-        if (n >= 0) break;
-      }
-      return t;
-    };
 
     // Every consumer thread has read the query tile (its last QK^T is complete).
     auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty); };
@@ -612,12 +611,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     clear(tOrO);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+    // (Nothing listed: no tile, and the epilogue writes 0 and -inf.)
     int n;
     bool partial;
-    if (n_tiles == 0) {
-      release_q();                          // nothing listed: the epilogue writes 0 and -inf
-    } else if constexpr (!T::kOverlap) {
-      for (int t = next_tile(0, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
+    if constexpr (!T::kOverlap) {
+      while (next_tile(n, partial)) {
         TileExtras x;
         x.n = n;
         x.partial = partial;
@@ -663,8 +661,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
       };
-      int t = next_tile(0, n, partial);
-      if (t < n_tiles) {
+      if (next_tile(n, partial)) {
         if (wg == 1) issue_end();
         {
           TileExtras x;
@@ -679,7 +676,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           softmax(tSrS, alpha);
           keep_p(tSrS);
         }
-        for (t = next_tile(t + 1, n, partial); t < n_tiles; t = next_tile(t + 1, n, partial)) {
+        while (next_tile(n, partial)) {
           TileExtras x;
           x.n = n;
           x.partial = partial;
