@@ -567,39 +567,26 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if (x.staged) buf ^= 1;
     };
     // Online softmax: the new row max, P = exp2(s - max) in place of the scores, the running
-    // sums, and alpha = exp2(m_old - m_new), the factor for the running output. The row's
-    // max and sum are taken in kChains independent chains (as FlashAttention-4's
-    // fmax_reduce): one serial chain of kCols dependent FMNMX / FADD per row sat on the
-    // softmax's critical path, which the ping-pong schedule exposes (docs/perf-notes.md C31).
-    constexpr int kChains = 4;
-    static_assert(kCols % kChains == 0, "columns in whole chains");
+    // sums, and alpha = exp2(m_old - m_new), the factor for the running output.
     auto softmax = [&](FragS& tSrS, float (&alpha)[kRows]) {
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        float mc[kChains];
+        float m = row_max[r];
         CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < kChains; ++k) mc[k] = S(r, k);
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = kChains; c < kCols; c += kChains) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int k = 0; k < kChains; ++k) mc[k] = fmaxf(mc[k], S(r, c + k));
-        }
-        float m = fmaxf(fmaxf(mc[0], mc[1]), fmaxf(mc[2], mc[3]));
-        m = quad_max(fmaxf(m, row_max[r]));
+        for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
+        m = quad_max(m);
         const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
         alpha[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
         row_max[r] = m;
-        float sc[kChains];
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < kChains; ++k) sc[k] = 0.f;
+        float sum = 0.f;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
           const float e = exp2f(S(r, c) * exp_scale - m_scaled);
           S(r, c) = e;
-          sc[c % kChains] += e;
+          sum += e;
         }
-        row_sum[r] = row_sum[r] * alpha[r] + ((sc[0] + sc[1]) + (sc[2] + sc[3]));
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
       }
     };
     auto rescale_o = [&](float const (&alpha)[kRows]) {
