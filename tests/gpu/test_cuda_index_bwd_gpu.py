@@ -266,28 +266,6 @@ def test_switch_keeps_dbias_on_triton(monkeypatch):
             bias.detach(), *MaskTensors(attn_indices=idx), 128, 128, 0.125, 0.0, False, True)
 
 
-def test_compiled_with_switch(monkeypatch):
-    """torch.compile(fullgraph=True) with the switch on: one frame, the eager gradients."""
-    monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "1")
-    torch._dynamo.reset()
-    from torch._dynamo.testing import CompileCounterWithBackend
-    counter = CompileCounterWithBackend("inductor")
-
-    def loss(q, k, v, desc):
-        return flexsparse.attention(q, k, v, desc, backend="cuda").float().square().sum()
-    compiled = torch.compile(loss, backend=counter, fullgraph=True)
-    q, k, v, idx = TI._make(1, 8, 2, 64, 256, 128, 128, 32, torch.bfloat16, seed=10, oob=False)
-    desc = M.indices(idx).compile(1, 8, 2, 64, 256, device=DEV)
-    grads = []
-    for fn in (compiled, loss):
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        fn(*leaves, desc).backward()
-        grads.append([t.grad for t in leaves])
-    assert counter.frame_count == 1
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
-
-
 def test_no_host_sync():
     """The backward (CSR build included) runs with no device-to-host sync."""
     q, k, v, idx = TI._make(1, 8, 2, 128, 512, 128, 128, 64, torch.bfloat16, seed=16)

@@ -216,9 +216,13 @@ def test_public_api_forward_backward(D):
     TI._rule(list(zip(("dq", "dk", "dv", "dbias"), grads, g64, glp)), torch.bfloat16)
 
 
-def test_compiled_forward_backward_one_frame():
+@pytest.mark.parametrize("index_bwd", ["default", "1"])
+def test_compiled_forward_backward_one_frame(index_bwd, monkeypatch):
     """torch.compile(fullgraph=True) over backend="cuda" with an index mask, forward and
-    backward: one frame, the gradients of the eager call."""
+    backward: one frame, the gradients of the eager call; with the default backward and
+    with the CUDA index backward forced (FLEXSPARSE_CUDA_INDEX_BWD=1, csrc/index_bwd.cu)."""
+    if index_bwd == "1":
+        monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "1")
     torch._dynamo.reset()
     from torch._dynamo.testing import CompileCounterWithBackend
     counter = CompileCounterWithBackend("inductor")
