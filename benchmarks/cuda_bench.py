@@ -3,6 +3,9 @@ path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible
 4*D each forward, 2.5x that backward).
 
     python -m benchmarks.cuda_bench [rows] [--no-bwd]   rows: kind@L[@D],... (default: a quick set)
+
+Kinds as in benchmarks.bench.make_case; "sliding<W>" is a sliding window of W tokens (the
+default rows include W = 64, 256 and 4096 besides 1024: issue 16's small windows).
 """
 import sys
 
@@ -24,7 +27,9 @@ try:
     HAS_FLASH = True
 except Exception:  # not installed: the column stays empty
     HAS_FLASH = False
-DEFAULT = "full@8192,causal@8192,causal@16384,document@8192,document@16384,sliding@8192,prefix_lm@16384,shared_question@16384,block_sparse@8192,full@8192@64,causal@8192@64"
+DEFAULT = ("full@8192,causal@8192,causal@16384,document@8192,document@16384,sliding@8192,prefix_lm@16384,"
+           "shared_question@16384,block_sparse@8192,full@8192@64,causal@8192@64,"
+           "sliding64@8192,sliding256@8192,sliding4096@8192,sliding256@8192@64")
 
 
 def bench(fn):
