@@ -572,12 +572,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        // The row max in four independent chains (the serial chain's FMNMX were 12.5% of
-        // the hd64 forward's stall samples; docs/perf-notes.md C31, C32).
-        float mc[4] = {fmaxf(row_max[r], S(r, 0)), S(r, 1), S(r, 2), S(r, 3)};
+        float m = row_max[r];
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 4; c < kCols; ++c) mc[c % 4] = fmaxf(mc[c % 4], S(r, c));
-        float m = quad_max(fmaxf(fmaxf(mc[0], mc[1]), fmaxf(mc[2], mc[3])));
+        for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
+        m = quad_max(m);
         const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
         alpha[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
         row_max[r] = m;
