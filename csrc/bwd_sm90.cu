@@ -28,7 +28,7 @@ std::string bwd_sm90_unsupported(BackwardParams const& p) {
 static bool plain_call(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   return f.bias == nullptr && p.dbias == nullptr && f.softcap == 0.f && f.pred.dense == nullptr &&
-         f.pred.bits_index == nullptr && (f.pred.col_ranges == nullptr || f.pred.n_col_ranges <= 4);
+         f.pred.bits_index == nullptr && (f.pred.col_ranges == nullptr || f.pred.n_col_ranges <= kBwdMaxStagedRanges);
 }
 
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {

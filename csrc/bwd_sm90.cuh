@@ -58,7 +58,7 @@ struct BwdTraits {
   static constexpr int kThreads = kMmaThreads + 128;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
-  static constexpr int kMaxStagedRanges = 4;
+  static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
 
   using Wg2x1 = Layout<Shape<_2, _1, _1>>;
   // S^T, dP^T: (keys, queries) over the head dim.

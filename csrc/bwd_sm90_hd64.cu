@@ -1,6 +1,7 @@
-// Backward kernels for head dim 64 with 64-row query steps, for descriptors whose query
-// blocks are not multiples of 128 (one file per head dim and step size so that they build
-// in parallel).
+// Backward kernels for head dim 64 with 64-row query steps: the general kernel, for the
+// calls the plain one does not take (bias, softcap, dense mask, bitmaps, more staged column
+// ranges than it holds) and for query blocks that are not multiples of 128 (one file per
+// head dim and variant so that they build in parallel).
 #include "bwd_sm90.cuh"
 
 namespace flexsparse {

@@ -36,6 +36,9 @@ size_t bwd_sm90_workspace_bytes(BackwardParams const& p);
 // query steps of either size (64 or 128 rows).
 inline int bwd_lq_pad(AttentionParams const& p) { return (p.Lq + 127) / 128 * 128; }
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
+// Column ranges per key the backward stages in shared memory. The plain kernels
+// (BwdTraits::kPlain) have no path for more, so bwd_sm90 and BwdTraits read this one value.
+constexpr int kBwdMaxStagedRanges = 4;
 // One head dim, query-step size (kBlockM rows per step) and feature set (kPlain: no bias,
 // softcap, dense mask or bitmaps; see BwdTraits). bwd_sm90 picks among them.
 template <int kHeadDim, int kBlockM, bool kPlain>
