@@ -59,8 +59,11 @@ def cuda_extensions():
                             # NDEBUG: CUTLASS/CuTe's device-side asserts compiled out (they put
                             # a compare, a branch and a trap three times in every tile of the
                             # forward's main loop), as FlashAttention-3 builds.
+                            # FLEXSPARSE_NVCC_FLAGS: extra nvcc flags for probe builds
+                            # (tests/gpu.sh trace: -DFLEXSPARSE_FWD_TRACE).
                             "nvcc": ["-O3", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
-                                     "-gencode=arch=compute_90a,code=sm_90a"]})
+                                     "-gencode=arch=compute_90a,code=sm_90a"]
+                                    + os.environ.get("FLEXSPARSE_NVCC_FLAGS", "").split()})
     return [ext], {"build_ext": BuildExtension}
 
 

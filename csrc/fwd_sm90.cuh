@@ -29,6 +29,56 @@
 #include "kernels.h"
 #include "sm90_utils.cuh"
 
+// Timeline probe, compiled in only with -DFLEXSPARSE_FWD_TRACE (tests/gpu.sh trace, which
+// builds a separate copy): one thread of each role stamps the SM clock at fixed points of
+// each key tile of one work tile (the CTA's (FLEXSPARSE_CUDA_DEBUG >> 16)-th) in CTAs 0, 1
+// and gridDim / 2, into a global buffer that those CTAs print at exit
+// (tests/gpu/fwd_trace.py reads it). Roles: 0, 1 the consumer warpgroups, 2 the producer.
+// Stamps go to global memory, not shared: a shared-memory store after a wgmma issue waited
+// for the wgmma's operand reads and slowed the traced loop by a third.
+#ifdef FLEXSPARSE_FWD_TRACE
+constexpr int kTraceCtas = 3, kTraceTiles = 130, kTraceEvents = 8;
+static __device__ uint32_t fwd_trace_buf[kTraceCtas][kTraceTiles][4][kTraceEvents];
+// Where the other threads' stamps go: one 32-byte row per warp of the first 256 CTAs, so
+// that they do not all store to one address.
+static __device__ uint32_t fwd_trace_sink[256 * 12][kTraceEvents];
+__device__ __forceinline__ int fwd_trace_cta() {
+  return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
+}
+#define FWD_TRACE(e)                                                                    \
+  asm volatile("{\n .reg .u32 c;\n mov.u32 c, %%clock;\n st.global.u32 [%0], c;\n}" \
+               ::"l"(trace_slot + (e)))
+// The next tile's slot (threads that do not record stay on their sink).
+#define FWD_TRACE_NEXT() trace_slot += trace_step
+#define FWD_TRACE_START(role, on)                                                          \
+  const bool trace_rec = (on) && fwd_trace_cta() >= 0 && (role) < 3;                        \
+  uint32_t* trace_slot = trace_rec ? &fwd_trace_buf[fwd_trace_cta()][0][role][0]            \
+                                   : fwd_trace_sink[(blockIdx.x % 256) * 12 + threadIdx.x / 32]; \
+  const int trace_step = trace_rec ? 4 * kTraceEvents : 0
+// Clock and global timer (ns) side by side at the traced work tile's start (i = 0) and end
+// (i = 1), to convert cycles to time: sink row kTraceTiles - 1 of the CTA's slot.
+#define FWD_TRACE_CALIBRATE(on, i)                                                          \
+  if ((on) && fwd_trace_cta() >= 0) {                                                       \
+    uint32_t c, g;                                                                          \
+    asm volatile("mov.u32 %0, %%clock;\n mov.u32 %1, %%globaltimer_lo;" : "=r"(c), "=r"(g)); \
+    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][2 * (i)] = c;                        \
+    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][2 * (i) + 1] = g;                    \
+  }
+#else
+#define FWD_TRACE(e) \
+  do {               \
+  } while (0)
+#define FWD_TRACE_NEXT() \
+  do {                   \
+  } while (0)
+#define FWD_TRACE_START(role, on) \
+  do {                            \
+  } while (0)
+#define FWD_TRACE_CALIBRATE(on, i) \
+  do {                             \
+  } while (0)
+#endif
+
 namespace flexsparse::sm90 {
 
 // kOverlap: FlashAttention-3's consumer schedule. Within a warpgroup the softmax of tile t
@@ -249,14 +299,20 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                make_coord(_, 0));
         Tensor tKgK = cta_k.partition_S(gK);
         Tensor tVgV = cta_v.partition_S(gV);
+        FWD_TRACE_START(2, k == (p.debug >> 16));
         do {
+          FWD_TRACE(0);
           pipe_k.producer_acquire(write);
+          FWD_TRACE(1);
           copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
                tKsK(_, _, _, write.index()));
           pipe_v.producer_acquire(write);
+          FWD_TRACE(2);
           copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
                tVsV(_, _, _, write.index()));
+          FWD_TRACE(3);
           ++write;
+          FWD_TRACE_NEXT();
         } while (next_tile(n, partial));
         take_next();
       }
@@ -608,6 +664,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     if (w < 0) break;
     set_work_tile(w);
     set_tile_inputs();
+    FWD_TRACE_START(wg, k == (p.debug >> 16) && wg_tid == 0);
+    FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 0);
     clear(tOrO);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
@@ -647,10 +705,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       float alpha[kRows];
       // Issue S = Q K^T of the tile, holding this warpgroup's turn at the tensor cores.
       auto issue_qk = [&](TileExtras& x, FragS& tSrS) {
+        FWD_TRACE(0);
         load_extras(x);
         pipe_k.consumer_wait(read_k);
+        FWD_TRACE(1);
         issue_begin();
+        FWD_TRACE(2);
         gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        FWD_TRACE(3);
       };
       auto release_k = [&] {
         pipe_k.consumer_release(read_k);
@@ -670,11 +732,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
           issue_qk(x, tSrS);
           issue_end();
+          FWD_TRACE(4);
           warpgroup_wait<0>();
+          FWD_TRACE(5);
           release_k();
           finish_scores(tSrS, x);
           softmax(tSrS, alpha);
+          FWD_TRACE(6);
           keep_p(tSrS);
+          FWD_TRACE_NEXT();
         }
         while (next_tile(n, partial)) {
           TileExtras x;
@@ -685,19 +751,25 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           pipe_v.consumer_wait(read_v);
           gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           issue_end();
+          FWD_TRACE(4);
           warpgroup_wait<1>();
+          FWD_TRACE(5);
           release_k();
           finish_scores(tSrS, x);
           softmax(tSrS, alpha);
+          FWD_TRACE(6);
           warpgroup_wait<0>();
+          FWD_TRACE(7);
           pipe_v.consumer_release(read_v);
           ++read_v;
           // O (which now holds P(t-1) V(t-1)) takes tile t's alpha here, outside this
           // warpgroup's turn at the tensor cores, not just before the next O += P V.
           rescale_o(alpha);
           keep_p(tSrS);
+          FWD_TRACE_NEXT();
         }
         release_q();
+        FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 1);
         pipe_v.consumer_wait(read_v);
         issue_begin();
         gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -771,7 +843,25 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     if constexpr (T::kTmaStore) {
       if (wg_tid == 0) tma_store_wait<0>();   // shared memory outlives the last store
     }
+#ifdef FLEXSPARSE_FWD_TRACE
+    // Printed by a consumer thread: the producer's warps run at 24 registers after
+    // setmaxnreg, too few for printf (an illegal instruction). The producer's last stamp
+    // precedes the consumers' last tile.
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 7);
+    const int trace_cta = fwd_trace_cta();
+    if (tid == 0 && trace_cta >= 0) {
+      __threadfence_block();
+      for (int role = 0; role < 4; ++role)
+        for (int t = role == 3 ? kTraceTiles - 1 : 0; t < kTraceTiles; ++t) {
+          const uint32_t* e = fwd_trace_buf[trace_cta][t][role];
+          if (role < 3 && e[0] == 0) continue;
+          printf("FWDTRACE %d %d %d %u %u %u %u %u %u %u %u\n", blockIdx.x, role, t, e[0], e[1], e[2],
+                 e[3], e[4], e[5], e[6], e[7]);
+        }
+    }
+#endif
   }
+
 #endif
 }
 

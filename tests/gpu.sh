@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|ibwd|hf|probe ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|trace|ibwd|hf|probe ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -79,6 +79,20 @@ fi
 if [[ " $parts " == *" ab "* ]]; then
   timeout "${T_AB:-300}" python3 -m benchmarks.cuda_ab ${AB_ROWS:-} ${AB_ARGS:---bwd} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_ab.md"
+fi
+# The CUDA forward's timeline per key tile (a second build, with -DFLEXSPARSE_FWD_TRACE, in
+# a copy of the tree; not part of "all"): TRACE_ROWS="full@8192@128 full@8192@64" bash tests/gpu.sh trace
+if [[ " $parts " == *" trace "* ]]; then
+  timeout 120 python3 tests/gpu/fwd_trace.py ${TRACE_ROWS:-} --plain-time 2>&1 | grep TIME | tee "$OUT/fwd_trace_plain.txt"
+  tr=/tmp/flexsparse_trace; rm -rf "$tr"; mkdir -p "$tr"
+  cp -a setup.py pyproject.toml README.md csrc flexsparse ops benchmarks "$tr"/
+  t0=$(date +%s)
+  (cd "$tr" && FLEXSPARSE_NVCC_FLAGS=-DFLEXSPARSE_FWD_TRACE FLEXSPARSE_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" \
+     python3 setup.py -q build_ext --inplace > "$OUT/trace_build.log" 2>&1) \
+    || { echo "trace build failed"; grep -E "error" "$OUT/trace_build.log" | head; }
+  echo "trace build: $(( $(date +%s) - t0 )) s"
+  PYTHONPATH="$tr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
+    ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
 fi
 if want cudabench; then
   timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \

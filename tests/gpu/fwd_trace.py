@@ -1,0 +1,149 @@
+"""The CUDA forward's timeline, tile by tile, from a build with -DFLEXSPARSE_FWD_TRACE
+(tests/gpu.sh trace builds one in a copy of the tree): one thread of each consumer
+warpgroup and the producer stamp the SM clock at fixed points of each key tile of one work
+tile, and CTAs 0, 1 and gridDim/2 print the stamps (csrc/fwd_sm90.cuh, FWD_TRACE).
+
+    PYTHONPATH=<trace build> python3 tests/gpu/fwd_trace.py full@8192@128 full@8192@64 ...
+
+Per row it prints the median cycles of each phase of the overlapped loop over the steady
+tiles, beside the tensor cores' floor for the same work. Events per consumer tile:
+0 top, 1 key tile ready, 2 turn taken (scheduler barrier), 3 QK^T wgmmas issued, 4 P V
+wgmmas issued and the turn handed on, 5 S ready, 6 softmax done, 7 P V done. The clock is
+calibrated against the global timer over the traced work tile (cycles per ns). Producer: 0 top, 1 key stage free,
+2 value stage free, 3 value load issued.
+"""
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+
+PHASES = [("top: extras, K wait", 0, 1), ("turn wait", 1, 2), ("QK^T issue", 2, 3),
+          ("V wait, PV issue, turn handed on", 3, 4), ("S wait", 4, 5), ("mask + softmax", 5, 6),
+          ("PV wait", 6, 7)]
+
+
+def run_one(row, work_tile, plain=False):
+    import torch
+    import flexsparse
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    from benchmarks import bench
+    assert plain or "trace" in os.path.dirname(flexsparse.__file__), flexsparse.__file__
+    [(kind, L, D)] = bench.parse_rows(row)
+    dev = torch.device("cuda")
+    B, H = max(1, bench.TOKENS // L), bench.H
+    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=bench.DTYPE) for _ in range(3))
+    fs_mask = bench.make_case(kind, B, L, device=dev)[0]
+    desc = fs_mask.compile(B, H, H, L, L, device=dev)
+    libc = ctypes.CDLL(None)
+    for rep in range(2):      # the second launch is the one read (the first warms up)
+        flexsparse.attention(q, k, v, desc, backend="cuda")
+        torch.cuda.synchronize()
+        libc.fflush(None)
+        os.write(1, f"=== launch {rep} done\n".encode())
+    # this build's own speed (the stamps cost something; compare with the plain build)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flexsparse.attention(q, k, v, desc, backend="cuda")
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / 5
+    libc.fflush(None)
+    os.write(1, f"TIME {row}: {ms:.4f} ms per forward in the {'plain' if plain else 'trace'} build\n".encode())
+
+
+def parse(text):
+    """{(cta, role): {tile: [8 stamps]}} of the last launch."""
+    last = text.split("=== launch 0 done")[-1].split("=== launch 1 done")[0]
+    out = {}
+    for line in last.splitlines():
+        if not line.startswith("FWDTRACE"):
+            continue
+        cta, role, t, *e = map(int, line.split()[1:])
+        if any(e):
+            out.setdefault((cta, role), {})[t] = e
+    return out
+
+
+def dt(a, b):
+    return (b - a) % (1 << 32)
+
+
+def summarize(row, trace):
+    D = int(row.split("@")[2]) if row.count("@") >= 2 else 128
+    floor = 2 * 2 * 64 * 128 * D * 2 // 4096      # both warpgroups' QK^T + PV at 4096 flop/clk/SM
+    lines = [f"### {row}: tensor-core floor per tile (both warpgroups) {floor} cycles"]
+    for (cta, role), tiles in sorted(trace.items()):
+        if role == 3 and 129 in tiles:
+            c0, g0, c1, g1 = tiles[129][:4]
+            if g1 != g0:
+                lines.append(f"CTA {cta}: clock {dt(c0, c1) / dt(g0, g1):.3f} cycles per ns over the work tile")
+    trace = {key: val for key, val in trace.items() if key[1] != 3}
+    for cta in sorted({c for c, _ in trace}):
+        lines.append(f"CTA {cta}:")
+        for role in (0, 1):
+            tiles = trace.get((cta, role), {})
+            ts = sorted(tiles)
+            steady = [t for t in ts if 2 <= t and t + 1 in tiles and t + 2 <= max(ts)]
+            if not steady:
+                lines.append(f"  wg{role}: {len(ts)} tiles, too few")
+                continue
+            med = lambda xs: int(statistics.median(xs)) if xs else -1  # noqa
+            period = med([dt(tiles[t][0], tiles[t + 1][0]) for t in steady])
+            parts = [f"{name} {med([dt(tiles[t][a], tiles[t][b]) for t in steady])}" for name, a, b in PHASES]
+            parts.append(f"rescale, keep P, next tile {med([dt(tiles[t][7], tiles[t + 1][0]) for t in steady])}")
+            lines.append(f"  wg{role}: {len(ts)} tiles, period {period} ({floor / max(period, 1):.0%} of floor); "
+                         + ", ".join(parts))
+        if (cta, 0) in trace and (cta, 1) in trace:
+            a, b = trace[(cta, 0)], trace[(cta, 1)]
+            common = [t for t in sorted(a) if t in b and t >= 2]
+            gap = [dt(a[t][4], b[t][2]) for t in common]   # wg0 hands on -> wg1 turn taken
+            gap2 = [dt(b[t][4], a[t + 1][2]) for t in common if t + 1 in a]
+            if gap and gap2:
+                lines.append(f"  turns: wg0 issued -> wg1 takes turn {int(statistics.median(gap))}, "
+                             f"wg1 issued -> wg0 takes next {int(statistics.median(gap2))}")
+        prod = trace.get((cta, 2), {})
+        if prod:
+            ts = sorted(prod)[2:-1]
+            med = lambda xs: int(statistics.median(xs)) if xs else -1  # noqa
+            lines.append(f"  producer: {len(prod)} tiles, wait K stage {med([dt(prod[t][0], prod[t][1]) for t in ts])}, "
+                         f"wait V stage {med([dt(prod[t][1], prod[t][2]) for t in ts])}")
+            # when K(t) was issued against when wg0 found it ready
+            c0 = trace.get((cta, 0), {})
+            lead = [dt(prod[t][1], c0[t][1]) for t in ts if t in c0]
+            if lead:
+                lines.append(f"  K(t) issued -> wg0 sees it ready: median {int(statistics.median(lead))} cycles")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rows", nargs="*", default=["full@8192@128", "full@8192@64", "causal@16384@128"])
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--work-tile", type=int, default=2, help="which of a CTA's work tiles to trace")
+    ap.add_argument("--raw", help="also write the raw stamps to this directory")
+    ap.add_argument("--plain-time", action="store_true", help="only time the rows (any build)")
+    args = ap.parse_args()
+    if args.run:
+        return run_one(args.run, args.work_tile)
+    if args.plain_time:
+        for row in args.rows:
+            run_one(row, 0, plain=True)
+        return
+    env = dict(os.environ, FLEXSPARSE_CUDA_DEBUG=str(args.work_tile << 16))
+    for row in args.rows:
+        res = subprocess.run([sys.executable, __file__, "--run", row], env=env, capture_output=True, text=True)
+        if res.returncode != 0:
+            print(f"### {row}: failed\n{res.stderr[-2000:]}")
+            continue
+        if args.raw:
+            with open(os.path.join(args.raw, f"trace_{row.replace('@', '_')}.txt"), "w") as f:
+                f.write(res.stdout)
+        print(summarize(row, parse(res.stdout)), flush=True)
+        print([ln for ln in res.stdout.splitlines() if ln.startswith("TIME")], flush=True)
+
+
+if __name__ == "__main__":
+    main()
