@@ -75,8 +75,9 @@ void check_qkv(const Inputs& in) {
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
 }
 
-// Query, key and value (copied where the kernels' alignment needs it), their pointers,
-// strides and sizes; the same fields in AttentionParams and IndexParams.
+// Query, key and value (copied where the kernels' alignment needs it), their pointers and
+// strides (AttentionTensors), and the sizes, which AttentionParams holds as int and
+// IndexParams as int64.
 template <class Params>
 void set_qkv(Params& p, Inputs& in, double scale, double softcap) {
   in.q = tma_ready(in.q);

@@ -42,26 +42,35 @@ struct PredicateParams {
   int bits_count = 0;             // P: an index outside [0, P) reads no bitmap, as -1
 };
 
-struct AttentionParams {
-  // query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, D): last dim contiguous.
+// What every attention kernel reads and writes besides its mask: query, key, value, the
+// optional bias, out and lse, and the score's scale and softcap. The block kernels
+// (AttentionParams) and the index kernels (IndexParams) extend it with their sizes and mask.
+struct AttentionTensors {
+  // query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, D): last dim contiguous,
+  // 16-byte aligned base and row strides (the host copies what is not).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
   int64_t q_sb = 0, q_sh = 0, q_sm = 0;
   int64_t k_sb = 0, k_sh = 0, k_sn = 0;
   int64_t v_sb = 0, v_sh = 0, v_sn = 0;
-  // out (B, Hq, Lq, D) contiguous; lse (B, Hq, Lq) float32 contiguous.
+  // out (B, Hq, Lq, D) contiguous, the query's dtype; lse (B, Hq, Lq) float32 contiguous.
   void* out = nullptr;
   float* lse = nullptr;
-  // bias broadcastable to (B, Hq, Lq, Lk), the query's dtype; strides 0 where broadcast.
+  // bias broadcastable to (B, Hq, Lq, Lk), the query's dtype; strides 0 where broadcast;
+  // query head hq reads bias head hq / bias_head_div. nullptr: none.
   const void* bias = nullptr;
   int64_t bias_sb = 0, bias_sh = 0, bias_sq = 0, bias_sk = 0;
   int bias_head_div = 1;
+  float scale = 1.f;        // softmax scale
+  float softcap = 0.f;      // 0: none
+};
 
+// The block kernels (fwd_sm90, bwd_sm90): sizes as int (what their index arithmetic uses)
+// and the block descriptor.
+struct AttentionParams : AttentionTensors {
   int B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0;
   int block_q = 128, block_k = 128;   // descriptor block sizes
-  float scale = 1.f;                  // softmax scale
-  float softcap = 0.f;                // 0: none
   bool reverse_tiles = false;         // heaviest query tiles first (causal-like masks)
   // Persistent forward: a zeroed int that the CTAs take work tiles from (atomicAdd), in
   // work-tile order; nullptr: a static round-robin over the grid.
@@ -93,33 +102,15 @@ struct BackwardParams {
 // head a list of W key positions; entries < 0 or >= Lk are inactive and read nothing, a
 // position listed twice counts twice. The G = Hq / Hkv query heads of a kv head share the
 // list.
-struct IndexParams {
-  // query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, D): last dim contiguous,
-  // 16-byte aligned base and row strides (the host copies what is not).
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  int64_t q_sb = 0, q_sh = 0, q_sm = 0;
-  int64_t k_sb = 0, k_sh = 0, k_sn = 0;
-  int64_t v_sb = 0, v_sh = 0, v_sn = 0;
+struct IndexParams : AttentionTensors {
   // attn_indices (Bi, Hi, Lq, W), int32 or int64, any strides; 0 where broadcast.
   const void* idx = nullptr;
   bool idx_int64 = false;
   int64_t idx_sb = 0, idx_sh = 0, idx_sq = 0, idx_sw = 0;
-  // out (B, Hq, Lq, D) contiguous, the query's dtype; lse (B, Hq, Lq) float32 contiguous.
-  void* out = nullptr;
-  float* lse = nullptr;
-  // bias broadcastable to (B, Hq, Lq, Lk), the query's dtype; strides 0 where broadcast;
-  // query head hq reads bias head hq / bias_head_div. nullptr: none.
-  const void* bias = nullptr;
-  int64_t bias_sb = 0, bias_sh = 0, bias_sq = 0, bias_sk = 0;
-  int bias_head_div = 1;
 
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, W = 0;
   int D = 0;
   int G = 1;                // Hq / Hkv
-  float scale = 1.f;        // softmax scale
-  float softcap = 0.f;      // 0: none
 };
 
 // The index backward (index_bwd.cu): gradients of out (and optionally lse) to dq, dk, dv
