@@ -572,7 +572,9 @@ def test_column_range_ranges_match_dense_state(case):
         assert torch.equal(cnt.long(), (ref == value).sum(-1).expand_as(cnt))
 
 
-@settings(max_examples=60, **SETTINGS)
+# 25 examples: 122 s of CI's 22 minutes at 60 under the interpreter (the torch builder's own
+# property test above keeps 200).
+@settings(max_examples=25, **SETTINGS)
 @given(col_range_mask())
 def test_triton_range_builder_matches_torch(case):
     """flexsparse/triton_ranges.py (the GPU builder; here under TRITON_INTERPRET) gives the same

@@ -312,7 +312,7 @@ def test_reference_random(Lq, Lk, W, Bi, Hi, causal, seed):
 
 
 @needs_interpreter
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 10), st.sampled_from([1, 2]),
        st.sampled_from([(16, 16), (16, 32), (32, 16)]), st.booleans(), st.integers(0, 2 ** 16))
 def test_triton_random(Lq, Lk, W, Hi, block, causal, seed):
