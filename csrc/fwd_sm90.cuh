@@ -91,11 +91,15 @@ namespace flexsparse::sm90 {
 // more than the pool holds makes a consumer's setmaxnreg wait forever.
 // kTmaStore: the epilogue writes O through shared memory (stmatrix) and one TMA store per
 // warpgroup instead of 4-byte global stores from registers.
+// kPlain: built without the dense mask, the partial bitmaps and the per-score read of
+// more than kMaxStagedRanges column ranges (launch_fwd_schedule picks it for calls that
+// have none of them), so that their per-work-tile pointers hold no registers.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
-          int kConsumerRegs_ = 232, bool kTmaStore_ = true>
+          int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kPlain = kPlain_;
   static constexpr bool kTmaStore = kTmaStore_;
   static constexpr int kConsumerRegs = kConsumerRegs_;
   static constexpr int kProducerRegs = 504 - 2 * kConsumerRegs_;
@@ -384,9 +388,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
       stage_ranges = cr_base != nullptr && pr.n_col_ranges <= kMaxStagedRanges && !(p.debug & 4);
       stage_by_key = stage_ranges && pr.n_col_ranges <= 2 && !(p.debug & 8);
-      dense = pr.dense == nullptr ? nullptr
+      dense = T::kPlain || pr.dense == nullptr ? nullptr
           : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
-      bits_row = pr.bits_index == nullptr ? nullptr
+      bits_row = T::kPlain || pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh + qb * pr.bi_sq;
     };
     const int wg = warpgroup - 1;                  // consumer warpgroup: 0 or 1
@@ -574,7 +578,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             for (int r = 0; r < kRows; ++r) S(r, c) = col_ok ? S(r, c) : -INFINITY;
           }
         }
-        if (preds && cr_base != nullptr && !x.staged) {   // more than 4 ranges per key
+        if (!T::kPlain && preds && cr_base != nullptr && !x.staged) {   // more than 4 ranges per key
           for (int c = 0; c < kCols; ++c) {
             const int j = min(j0 + col_base + 8 * (c / 2) + (c & 1), p.Lk - 1);
             const int32_t* cr = cr_base + (int64_t)j * p.pred.cr_sk;
@@ -588,7 +592,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
         }
-        if (preds && bits_row != nullptr) {
+        if (!T::kPlain && preds && bits_row != nullptr) {
           const int idx = __ldg(bits_row + j0 / p.block_k);
           if (idx >= 0 && idx < p.pred.bits_count) {
             CUTLASS_PRAGMA_UNROLL
@@ -607,7 +611,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
         }
-        if (preds && dense != nullptr) {
+        if (!T::kPlain && preds && dense != nullptr) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; ++c) {
             const int j = min(j0 + col_base + 8 * (c / 2) + (c & 1), p.Lk - 1);
@@ -908,6 +912,18 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
 template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
   constexpr bool kTma = kHeadDim <= 128;
+  // The plain overlapped kernel where the call has no dense mask, no bitmaps and staged
+  // column ranges; FLEXSPARSE_CUDA_DEBUG bit 1024: the general one (A/Bs).
+  const PredicateParams& pr = p.pred;
+  const bool plain = pr.dense == nullptr && pr.bits_index == nullptr &&
+                     pr.n_col_ranges <= FwdTraits<Element, kHeadDim, kBlockN, kStages>::kMaxStagedRanges &&
+                     !(p.debug & (4 | 1024));
+  if constexpr (kHeadDim <= 128) {   // (hd256 runs the serial schedule; no plain copy)
+    if (overlap && p.bias == nullptr && plain) {
+      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
+      return;
+    }
+  }
   if (overlap && p.bias == nullptr)
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma>>(p, stream);
   else
