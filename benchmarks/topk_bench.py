@@ -2,7 +2,7 @@
 (scores, k) on the GPU without an (Lq, Lk) tensor, chunked, <= 1.2x torch.topk time").
 
     python -m benchmarks.topk_bench [--lengths 8192,32768] [--ks 64,256] [--dtype bf16]
-                                    [--chunk-elements 4194304,67108864,268435456] [--out PATH]
+                                    [--chunk-elements 4194304,16777216,268435456] [--out PATH]
 
 Scores (B=1, H=8, L, L) are made once per L on the GPU; sizes whose scores and torch.topk
 outputs do not fit in 90% of the free GPU memory are skipped. Timed with
@@ -10,10 +10,10 @@ triton.testing.do_bench medians, in one process:
   torch.topk           torch.topk(scores, k, dim=-1) (sorted=True, its default), all rows
                        at once; also sorted=False;
   masks.topk           flexsparse.masks.topk(scores, k): row chunks of about
-                       topk.CHUNK_ELEMENTS score elements (NaN -> -inf copy of the chunk,
+                       topk.CHUNK_ELEMENTS (2^26) score elements (NaN -> -inf copy of the chunk,
                        torch.topk, positions sorted ascending, -1 padding), int32 lists;
                        also with chunks of about --chunk-elements elements each
-                       (default 2^22, 2^26, 2^28; "" for none);
+                       (default 2^22, 2^24, 2^28; "" for none);
   masks.topk causal    the same with causal=True (only the columns a chunk's rows may see).
 "ratio" = masks.topk ms / torch.topk ms (sorted=True); issue 17 asks <= 1.2. "extra MB" =
 peak memory allocated during the call above what was allocated before it (torch.topk's
@@ -33,7 +33,7 @@ from benchmarks.build_bench import host_syncs
 B, H = 1, 8
 LENGTHS = (8192, 32768)
 KS = (64, 256)
-CHUNK_SWEEP = (1 << 22, 1 << 26, 1 << 28)   # besides topk.CHUNK_ELEMENTS (1 << 24)
+CHUNK_SWEEP = (1 << 22, 1 << 24, 1 << 28)   # besides topk.CHUNK_ELEMENTS (1 << 26)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
