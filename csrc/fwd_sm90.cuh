@@ -34,8 +34,8 @@
 // each key tile of one work tile (the CTA's (FLEXSPARSE_CUDA_DEBUG >> 16)-th) in CTAs 0, 1
 // and gridDim / 2, into a global buffer that those CTAs print at exit
 // (tests/gpu/fwd_trace.py reads it). Roles: 0, 1 the consumer warpgroups, 2 the producer.
-// Stamps go to global memory, not shared: a shared-memory store after a wgmma issue waited
-// for the wgmma's operand reads and slowed the traced loop by a third.
+// The probe itself slows the loop by about a third, whether the stamps go to shared or
+// global memory (docs/perf-notes.md C33): read its durations as relative.
 #ifdef FLEXSPARSE_FWD_TRACE
 constexpr int kTraceCtas = 3, kTraceTiles = 130, kTraceEvents = 8;
 static __device__ uint32_t fwd_trace_buf[kTraceCtas][kTraceTiles][4][kTraceEvents];
