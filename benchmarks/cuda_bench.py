@@ -72,7 +72,7 @@ def row(kind, L, D):
     if sdpa_causal is not None and not CUDA_ONLY and bias is None:
         res["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal))
     gerr = float("nan")
-    if BWD and D in (64, 128):
+    if BWD:
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         bg = None if bias is None else bias.detach().requires_grad_()
         leaves = (qg, kg, vg) if bg is None else (qg, kg, vg, bg)

@@ -14,10 +14,13 @@ size_t bwd_sm90_workspace_bytes(BackwardParams const& p) {
 
 std::string bwd_sm90_unsupported(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
-  if (f.D != 64 && f.D != 128) return "head dim " + std::to_string(f.D) + " (backward: 64 or 128)";
-  if (f.block_k % 128 != 0 || f.block_q % 64 != 0)
+  if (f.D != 64 && f.D != 128 && f.D != 256)
+    return "head dim " + std::to_string(f.D) + " (backward: 64, 128 or 256)";
+  const int keys = f.D == 256 ? 64 : 128;   // keys per CTA (BwdTraits::kBlockN)
+  if (f.block_k % keys != 0 || f.block_q % 64 != 0)
     return "descriptor block size (" + std::to_string(f.block_q) + ", " + std::to_string(f.block_k) +
-           ") must be multiples of (64, 128) for the backward";
+           ") must be multiples of (64, " + std::to_string(keys) + ") for the backward at head dim " +
+           std::to_string(f.D);
   if (p.dbias != nullptr && (p.dbias_sb == 0 || p.dbias_sh == 0 || p.dbias_sq == 0 || p.dbias_sk == 0))
     return "dbias must be a full (B, Hq, Lq, Lk) tensor (the op reduces it to the bias's shape)";
   return "";
@@ -44,7 +47,11 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
     // against 538 / 568 / 359 / 390 TFLOP/s on full, causal, sliding and document rows;
     // docs/perf-notes.md C29.)
     case 128: bwd_sm90_hd<128, 64, false>(p, dtype, stream); break;
-    default: throw std::invalid_argument("flexsparse CUDA backward: head dim must be 64 or 128");
+    case 256:
+      if (plain) bwd_sm90_hd<256, 64, true>(p, dtype, stream);
+      else bwd_sm90_hd<256, 64, false>(p, dtype, stream);
+      break;
+    default: throw std::invalid_argument("flexsparse CUDA backward: head dim must be 64, 128 or 256");
   }
 }
 

@@ -1,9 +1,10 @@
 // Backward attention over a block descriptor on Hopper (sm_90a).
 //
-// One CTA owns a 128-key tile of one (batch, kv head) and walks, for every query head of
-// its group, the query blocks the descriptor lists for its key block (q lists: partial
-// first, then full), kBlockM query rows at a time (64; 128 at head dim 64, as
-// FlashAttention-3/4 do, where the descriptor's query blocks allow it). Three warpgroups:
+// One CTA owns a 128-key tile (64 at head dim 256) of one (batch, kv head) and walks, for
+// every query head of its group, the query blocks the descriptor lists for its key block
+// (q lists: partial first, then full), kBlockM query rows at a time (64; 128 at head dim
+// 64, as FlashAttention-3/4 do, where the descriptor's query blocks allow it). Three
+// warpgroups:
 //   warpgroup 0: the producer (one thread: TMA loads of the key and value tile once, then
 //     of the query and dO tiles of every step through two pipelines) and the dQ writer
 //     (warp 1: adds each step's dQ from shared memory to a float32 accumulator in global
@@ -21,6 +22,11 @@
 // the dQ accumulator; a postprocess kernel scales it into dq.
 // Scores are transposed (keys are the wgmma M dimension) so that P^T and dS^T are
 // already the A operands of the dV and dK products: FlashAttention-2/3's layout.
+// Head dim 256 (kSplitQueries): dK and dV of 128 keys would not fit the registers, nor K
+// and V of 128 keys the shared memory, so a CTA owns 64 keys; the consumer warpgroups take
+// half of the step's queries each for S^T and dP^T and half of the head dim each for dK,
+// dV and dQ, so P^T and dS^T go through shared memory (FlashAttention-3/4's hd256 layout),
+// with a single query and dO stage.
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -51,9 +57,14 @@ struct BwdTraits {
   static constexpr int kBlockM = kBlockM_;     // query rows per step
   static_assert(kBlockM == 64 || (kBlockM == 128 && kPlain_),
                 "query steps of 64 rows, or 128 in the plain kernel (whose registers fit them)");
-  static constexpr int kBlockN = 128;    // keys per CTA
+  // Head dim 256: 64 keys per CTA, the warpgroups split queries and head dim (see above).
+  static constexpr bool kSplitQueries = kHeadDim == 256;
+  static_assert(!kSplitQueries || kBlockM == 64, "head dim 256 takes 64-row query steps");
+  static constexpr int kBlockN = kSplitQueries ? 64 : 128;    // keys per CTA
   static constexpr int kStages = kStages_;
-  static_assert(kStages % 2 == 0, "the dS^T double buffer follows the stage index's parity");
+  // The dS^T double buffer follows the stage index's parity, or a step counter's with one
+  // stage.
+  static_assert(kStages % 2 == 0 || (kSplitQueries && kStages == 1), "stages: even, or 1 at head dim 256");
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
   // Column ranges per key staged in shared memory once per head; masks with more are read
@@ -61,15 +72,23 @@ struct BwdTraits {
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
 
   using Wg2x1 = Layout<Shape<_2, _1, _1>>;
-  // S^T, dP^T: (keys, queries) over the head dim.
+  using Wg1x2 = Layout<Shape<_1, _2, _1>>;
+  // S^T, dP^T: (keys, queries) over the head dim; split queries: a warpgroup's half.
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>>(),
-      Wg2x1{}));
-  // dV, dK: (keys, head dim) over the queries, A from registers.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Wg2x1{}));
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kSplitQueries ? kBlockM / 2 : kBlockM>, Int<kHeadDim>>>(),
+      conditional_t<kSplitQueries, Wg1x2, Wg2x1>{}));
+  // dV, dK: (keys, head dim) over the queries, A from registers; split queries: A (P^T,
+  // dS^T) from shared memory, each warpgroup half of the head dim.
+  using TiledMmadKV = conditional_t<kSplitQueries,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          Wg1x2{})),
+      decltype(make_tiled_mma(
+          GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
+                               GMMA::Major::K, GMMA::Major::MN>(),
+          Wg2x1{}))>;
   // dQ: (queries, head dim) over the keys; each warpgroup takes half of the head dim.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
@@ -113,6 +132,8 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
     array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    // P^T of the step (split queries; else a placeholder: P^T stays in registers)
+    array_aligned<Element, kSplitQueries ? cosize_v<SmemLayoutdS> : 8, 1024> p;
     // dQ of one step in each consumer thread's register order (dq_slot), one half per
     // warpgroup: what the bulk reduction adds to the accumulator.
     alignas(128) float dq[kBlockM * kHeadDim];
@@ -228,6 +249,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKt{});
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdSt{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename T::SmemLayoutdSt{});   // split queries
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -342,11 +364,21 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
     Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);
     Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
+    // Split queries: P^T and dS^T as the A operands of dV and dK, from shared memory.
+    auto tdVrPt = [&] {
+      if constexpr (T::kSplitQueries) return wg_dkv.partition_fragment_A(sPt);
+      else return 0;
+    }();
+    auto tdKrdSt = [&] {
+      if constexpr (T::kSplitQueries) return wg_dkv.partition_fragment_A(sdSt);
+      else return 0;
+    }();
     // dS^T to shared memory with stmatrix: a key row's adjacent queries are contiguous in
     // the MN-major dS layout, so the untransposed 8x8 matrices of the accumulator fit.
     auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(tid);
     Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);   // where this thread's dS^T goes
+    Tensor tPsP = thr_copy_ds.partition_D(sPt);      // and its P^T (split queries)
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     clear(tdVrdV);
@@ -358,7 +390,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Tensor coord = make_tensor(tScS.data(), rowcol(tScS.layout()));
     constexpr int kRows = decltype(size<0>(coord))::value;
     constexpr int kCols = decltype(size<1>(coord))::value;
-    static_assert(kRows == 2 && kCols == kBlockM / 4, "GMMA C fragment: 2 rows, N / 4 columns");
+    static_assert(kRows == 2 && kCols == (T::kSplitQueries ? kBlockM / 2 : kBlockM) / 4,
+                  "GMMA C fragment: 2 rows, N / 4 columns");
     // Rows (keys) row_base + 8 r, columns (queries) col_base + 8 (c / 2) + c % 2.
     const int row_base = get<0>(coord(0, 0));
     const int col_base = get<1>(coord(0, 0));
@@ -379,6 +412,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
     Barrier::wait(&ss.barrier_kv, 0);
     typename T::PipelineState read;
+    int step = 0;   // steps done: the P^T / dS^T buffer's parity with one stage
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
       TileCursor walk(p.q_partial, b, h, kb);
@@ -577,21 +611,37 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
         }
         Tensor tdVrP_ = convert_type<Element>(tSrS);
-        Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
-        gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
-        Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
         // dS^T buffer: the step's parity, read from the pipeline state (uniform registers)
-        // rather than a toggled variable ptxas cannot prove warp-uniform.
-        const int buf = read.index() & 1;
-        copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-        // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
+        // rather than a toggled variable ptxas cannot prove warp-uniform; with one stage,
+        // the step count's.
+        const int buf = T::kStages == 1 ? step & 1 : read.index() & 1;
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-        gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
-        pipe_do.consumer_release(read);
-        gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+        if constexpr (T::kSplitQueries) {
+          // Both warpgroups' halves of P^T and dS^T to shared memory, then dV, dQ and dK
+          // over all of the step's queries. (The buffer written here was last read by the
+          // wgmmas of two steps ago, which both warpgroups waited for before the last step's
+          // barrier.)
+          copy(smem_copy_ds, thr_copy_ds.retile_S(tdVrP_), tPsP(_, _, _, buf));
+          copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdO(_, _, _, read.index()), tdVrdV);
+          gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+          pipe_do.consumer_release(read);
+          gemm<false, 1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+        } else {
+          Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
+          gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
+          Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
+          copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
+          gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+          pipe_do.consumer_release(read);
+          gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+        }
         warpgroup_fence_operand(tdQrdQ);
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
         cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
@@ -605,6 +655,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         warpgroup_fence_operand(tdKrdK);
         pipe_q.consumer_release(read);
         ++read;
+        ++step;
       }
     }
 
@@ -780,6 +831,7 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
                     typename T::SmemLayoutK{}, tile_k, _1{})};
   auto kernel = bwd_kernel<T>;
+  static_assert(sizeof(typename T::SharedStorage) <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = sizeof(typename T::SharedStorage);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);

@@ -94,8 +94,13 @@ def preferred_for(query, key, value, bias, mask, needs_grad: bool,
             and mask.partial_bits is None)
 
 
-# The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles.
-_BWD_HEAD_DIMS = (64, 128)
+# The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles (64-key
+# tiles at head dim 256).
+_BWD_HEAD_DIMS = (64, 128, 256)
+
+
+def _bwd_tile_n(head_dim: int) -> int:
+    return 64 if head_dim == 256 else 128
 
 
 def backward_not_supported_reasons(query, block_q: int, block_k: int, deterministic: bool = False) -> list:
@@ -106,8 +111,9 @@ def backward_not_supported_reasons(query, block_q: int, block_k: int, determinis
         reasons.append("cuda: this build of flexsparse._C has forward kernels only")
     if query.shape[-1] not in _BWD_HEAD_DIMS:
         reasons.append(f"cuda: backward head dim {query.shape[-1]} (backward: {_BWD_HEAD_DIMS})")
-    if block_q % 64 or block_k % 128:
-        reasons.append(f"cuda: backward needs block sizes that are multiples of (64, 128), got "
+    tn = _bwd_tile_n(query.shape[-1])
+    if block_q % 64 or block_k % tn:
+        reasons.append(f"cuda: backward needs block sizes that are multiples of (64, {tn}), got "
                        f"({block_q}, {block_k})")
     return reasons
 

@@ -57,40 +57,54 @@ def test_error_inside_the_op_reaches_python():
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_head_dims(D):
     torch.manual_seed(D)
-    backward = BACKWARD and D != 256          # the backward kernels: hd 64 and 128
-    check(1, 4, 2, 700, 700, D, M.causal(), torch.bfloat16, backward=backward)
-    check(1, 2, 2, 389, 389, D, M.document([100, 200, 89]), torch.float16, backward=backward)
+    check(1, 4, 2, 700, 700, D, M.causal(), torch.bfloat16)
+    check(1, 2, 2, 389, 389, D, M.document([100, 200, 89]), torch.float16)
+
+
+@pytest.mark.parametrize("kind", T.KINDS)
+def test_mask_kinds_hd256(kind):
+    """Head dim 256 has its own backward layout (64-key CTAs, P^T and dS^T through shared
+    memory): every mask kind, with GQA and a length that is no multiple of the tiles."""
+    B, Hq, Hkv, L = 1, 4, 2, 700
+    torch.manual_seed(hash(kind) % 1000 + 256)
+    check(B, Hq, Hkv, L, L, 256, T.mask_kinds(B, Hkv, L)[kind], torch.bfloat16)
+
+
+def test_hd256_bias_softcap_and_64_key_blocks():
+    """Head dim 256 through the general backward kernel (trainable bias, softcap), and a
+    descriptor of 64-key blocks, which the hd256 kernels take (64 keys per CTA)."""
+    torch.manual_seed(2560)
+    check(1, 2, 2, 500, 500, 256, M.document([200, 300]), torch.float16, softcap=20.0,
+          bias_shape=(1, 2, 500, 500))
+    desc = M.sliding_window(150).compile(1, 2, 1, 600, 600, device=T.DEV, block_size=(128, 64))
+    check(1, 2, 1, 600, 600, 256, None, torch.bfloat16, desc=desc)
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
-@pytest.mark.parametrize("what", ["hd256", "block64"])
-def test_unsupported_backward_refused_before_running(what):
-    """With grad wanted, what the CUDA backward cannot do is a ValueError naming the
-    backend before the forward runs, not a failure in backward()."""
-    D = 256 if what == "hd256" else 128
-    q = torch.randn(1, 2, 256, D, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
-    kw = {"block_size": (128, 64)} if what == "block64" else {}
+def test_unsupported_backward_refused_before_running():
+    """With grad wanted, what the CUDA backward cannot do (here 64-key blocks at head dim
+    128) is a ValueError naming the backend before the forward runs, not a failure in
+    backward()."""
+    q = torch.randn(1, 2, 256, 128, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match="backend: 'cuda'"):
-        flexsparse.attention(q, q, q, M.causal(), backend="cuda", **kw)
-    with torch.no_grad():          # the forward alone runs
-        if what != "block64":
-            flexsparse.attention(q, q, q, M.causal(), backend="cuda", **kw)
+        flexsparse.attention(q, q, q, M.causal(), backend="cuda", block_size=(128, 64))
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
-@pytest.mark.parametrize("kind", ["causal", "document", "block_sparse"])
+@pytest.mark.parametrize("kind", ["causal", "document", "block_sparse", "causal_hd256"])
 def test_deterministic_backward_bitwise(kind):
     """deterministic=True: dQ is added in key-tile order, so two runs agree bit for bit
     (GQA: several query heads per CTA; block 256 keys: two key tiles per block); and the
     gradients pass the float64 check."""
     torch.manual_seed(5)
     B, Hq, Hkv, L = 2, 4, 2, 1500
-    mask = T.mask_kinds(B, Hkv, L)[kind]
-    check(B, Hq, Hkv, L, L, 128, mask, torch.bfloat16, deterministic=True)
+    D = 256 if kind.endswith("hd256") else 128
+    mask = T.mask_kinds(B, Hkv, L)[kind.removesuffix("_hd256")]
+    check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, deterministic=True)
     desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=(128, 256)) \
         if kind != "block_sparse" else mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
-    q = torch.randn(B, Hq, L, 128, device=T.DEV, dtype=torch.bfloat16)
-    k, v = (torch.randn(B, Hkv, L, 128, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     runs = []
     for _ in range(3):
@@ -108,7 +122,7 @@ def test_backward_matches_triton_on_random_descriptors():
     """Random block layouts with random partial bitmaps and column ranges: CUDA gradients
     agree with Triton's (both against float64 in check())."""
     g = torch.Generator(device="cpu").manual_seed(11)
-    for trial in range(4):
+    for trial in range(6):
         L = int(torch.randint(200, 900, (1,), generator=g))
         nb = -(-L // 128)
         layout = torch.rand(1, 2, nb, nb, generator=g) < 0.5
@@ -117,7 +131,7 @@ def test_backward_matches_triton_on_random_descriptors():
         mask = M.and_(M.block_sparse(layout.to(T.DEV), 128),
                       M.column_ranges(cr.to(T.DEV), causal=bool(trial % 2)))
         torch.manual_seed(trial)
-        check(1, 4, 2, L, L, 128 if trial < 2 else 64, mask,
+        check(1, 4, 2, L, L, (128, 128, 64, 64, 256, 256)[trial], mask,
               torch.bfloat16 if trial % 2 else torch.float16)
 
 

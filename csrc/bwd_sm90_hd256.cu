@@ -1,0 +1,17 @@
+// Backward kernels for head dim 256, general: the calls the plain kernel does not take
+// (bias, dbias, softcap, dense mask, bitmaps, more column ranges per key than it stages).
+// 64 keys per CTA, queries and head dim split between the consumer warpgroups, one query /
+// dO stage (BwdTraits::kSplitQueries says why).
+#include "bwd_sm90.cuh"
+
+namespace flexsparse {
+
+template <>
+void bwd_sm90_hd<256, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+  if (dtype == DType::kBFloat16)
+    sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 256, 1, 64, false>>(p, stream);
+  else
+    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 256, 1, 64, false>>(p, stream);
+}
+
+}  // namespace flexsparse
