@@ -120,7 +120,7 @@ def info(args):
           f"{usable_backends(device)}")
     if "cuda" in backends.available():
         from flexsparse.ops import cuda_backend as C
-        print(f"cuda backend: forward hd 64/128/256, backward hd 64/128 "
+        print(f"cuda backend: forward and backward hd 64/128/256 "
               f"(backward kernels built: {C.has_backward()})")
         dims = "/".join(map(str, C.AUTO_HEAD_DIMS))
         print(f'"auto" takes cuda for: block masks at hd {dims}, no bias, dense mask or bitmaps, and '

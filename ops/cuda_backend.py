@@ -62,18 +62,20 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     return reasons
 
 
-# Where "auto" picks this backend: head dims 64 and 128, no bias, no dense mask, and with
+# Where "auto" picks this backend: head dims 64, 128 and 256, no bias, no dense mask, and with
 # gradients also where the CUDA backward can run them (not deterministic). Measured on the
 # H100 in the same runs as the Triton kernels (docs/benchmarks.md, 2026-11-26, three runs):
 # forward and backward ahead of Triton on every block-mask row, full, causal, prefix-LM,
 # shared-question and block-sparse (1.2-1.4x) and the partial-heavy document and
 # sliding-window rows (1.1-1.3x since the interval test and the backward's stores, C26 and
 # C28), hd64 included (1.02-1.05x forward, 1.07-1.16x backward). Behind with a trainable
-# bias (forward 209 vs 365 TFLOP/s); dense masks, partial bitmaps (converted mask_mods,
-# overlapping index lists) and hd256 not measured against Triton, so they stay there too.
+# bias (forward 209 vs 365 TFLOP/s); dense masks and partial bitmaps (converted mask_mods,
+# overlapping index lists) not measured against Triton, so they stay there too. hd256 (H200,
+# 2026-11-26, causal/full 8K, document 16K, sliding 8K): forward 1.5-1.6x Triton (566 vs
+# 346 TFLOP/s causal), backward 2.9-3.6x (306 vs 84).
 # Partial-block shares beyond the measured rows' (up to about half the listed blocks:
 # windows under 1024, many tiny documents) are not measured either; the rule extends to them.
-AUTO_HEAD_DIMS = (64, 128)
+AUTO_HEAD_DIMS = (64, 128, 256)
 # The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
 # 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.

@@ -18,7 +18,8 @@ def test_preferred_for():
     pick = C.preferred_for
     assert pick(q, q, q, None, blocks, needs_grad=True)
     assert pick(q[..., :64], q, q, None, blocks, needs_grad=False)
-    assert not pick(torch.empty(1, 2, 256, 256), q, q, None, blocks, needs_grad=False)
+    assert pick(torch.empty(1, 2, 256, 256), q, q, None, blocks, needs_grad=True)
+    assert not pick(torch.empty(1, 2, 256, 96), q, q, None, blocks, needs_grad=False)
     assert not pick(q, q, q, torch.empty(1, 2, 256, 256), blocks, needs_grad=False)
     assert not pick(q, q, q, None, blocks, needs_grad=True, deterministic=True)
     assert pick(q, q, q, None, blocks, needs_grad=False, deterministic=True)
