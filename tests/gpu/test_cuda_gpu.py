@@ -252,7 +252,7 @@ def test_opcheck_forward():
 
 
 def test_auto_picks_cuda_where_measured_faster():
-    """backend="auto": cuda for block masks at hd 64 and 128 without bias (measured faster
+    """backend="auto": cuda for block masks at hd 64, 128 and 256 without bias (measured faster
     forward and backward, partial-heavy documents included), with grad too when the
     backward kernels are built and the call is not deterministic; triton with a bias."""
     from flexsparse.ops import backends as B
@@ -268,6 +268,8 @@ def test_auto_picks_cuda_where_measured_faster():
     assert B.choose(q, q, q, None, doc.mask_tensors(), False, doc.block_size) == "cuda"
     q64 = q[..., :64].contiguous()
     assert B.choose(q64, q64, q64, None, mt, False, bs) == "cuda"
+    q256 = torch.randn(1, 2, L, 256, device=T.DEV, dtype=torch.bfloat16)
+    assert B.choose(q256, q256, q256, None, mt, True, bs) == ("cuda" if BACKWARD else "triton")
     bias = torch.zeros(1, 2, L, L, device=T.DEV, dtype=torch.bfloat16)
     assert B.choose(q, q, q, bias, mt, False, bs) == "triton"
     with torch.no_grad():
