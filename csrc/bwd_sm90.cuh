@@ -8,7 +8,7 @@
 //   warpgroup 0: the producer (one thread: TMA loads of the key and value tile once, then
 //     of the query and dO tiles of every step through two pipelines) and the dQ writer
 //     (warp 1: adds each step's dQ from shared memory to a float32 accumulator in global
-//     memory with one bulk asynchronous reduction per half, cp.reduce.async.bulk, and
+//     memory with bulk asynchronous reductions, cp.reduce.async.bulk, per half, and
 //     takes the deterministic turns), as FlashAttention-3/4 do;
 //   warpgroups 1, 2 (consumers, 64 keys each), per step:
 //     S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory),
@@ -70,6 +70,11 @@ struct BwdTraits {
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
+  // The dQ writer adds each warpgroup half of a step's dQ to the accumulator in this many
+  // bulk reductions: at head dim 256 (64 KB of dQ per step, twice hd128's per unit of work)
+  // one 32 KB reduction per half kept the consumers waiting for the staging buffer; eight
+  // smaller ones in flight together drain it faster (docs/perf-notes.md C37).
+  static constexpr int kDqReducePieces = kSplitQueries ? 8 : 1;
 
   using Wg2x1 = Layout<Shape<_2, _1, _1>>;
   using Wg1x2 = Layout<Shape<_1, _2, _1>>;
@@ -323,8 +328,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             if (lane == 0) {
               int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + w : nullptr;
               if (flag != nullptr) wait_turn(flag, turn);
-              bulk_reduce_add(kp.dq_accum + (row0 + i0) * kHeadDim + w * (kBlockM * kHeadDim / 2),
-                              ss.dq + w * (kBlockM * kHeadDim / 2), kBlockM * kHeadDim / 2 * sizeof(float));
+              // FLEXSPARSE_CUDA_DEBUG bit 2048: no dQ reduction (wrong dq; timing probes only).
+              float* acc = kp.dq_accum + (row0 + i0) * kHeadDim + w * (kBlockM * kHeadDim / 2);
+              const float* half = ss.dq + w * (kBlockM * kHeadDim / 2);
+              constexpr int kPiece = kBlockM * kHeadDim / 2 / T::kDqReducePieces;   // floats
+              if (!(p.debug & 2048)) {
+                CUTLASS_PRAGMA_UNROLL
+                for (int e = 0; e < T::kDqReducePieces; ++e)
+                  bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
+              }
               tma_store_arrive();
               if (flag != nullptr) {
                 // The addition is complete (not only its shared-memory read) before the

@@ -1,7 +1,7 @@
 """Small calls of the CUDA backend for compute-sanitizer's racecheck and synccheck (too slow
 for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_DEBUG=32
 runs the serial one), head dims 64/128/256, column ranges, a dense mask with fully masked
-rows, bias, odd lengths, GQA, and the backward where it is built. Prints one line per case;
+rows, bias, odd lengths, GQA, and the backward where it is built (every head dim). Prints one line per case;
 the tool's summary says whether any hazard was seen."""
 import os
 import sys
@@ -19,7 +19,7 @@ from flexsparse.ops import cuda_backend  # noqa: E402
 def run(name, B, Hq, Hkv, Lq, Lk, D, mask, *, bias=False, backward=True):
     torch.manual_seed(len(name))
     dt = torch.bfloat16
-    grad = backward and cuda_backend.has_backward() and D != 256   # backward: hd 64, 128
+    grad = backward and cuda_backend.has_backward()
     q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dt, requires_grad=grad)
     k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=grad)
     v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=grad)
@@ -43,6 +43,7 @@ def main():
         ("sliding hd64 gqa", 1, 4, 1, 333, 333, 64, M.sliding_window(90)),
         ("prefix hd64 odd", 1, 2, 2, 129, 517, 64, M.prefix_lm(60)),
         ("causal hd256", 1, 2, 2, 257, 257, 256, M.causal()),
+        ("document hd256 gqa", 1, 4, 2, 330, 330, 256, M.document([100, 230])),
         ("dense fully masked rows", 1, 2, 2, L, L, 128, M.dense(dm)),
     ]
     for schedule in ("0", "32"):
@@ -50,6 +51,7 @@ def main():
         for c in cases:
             run(f"[debug {schedule}] {c[0]}", *c[1:])
         run(f"[debug {schedule}] bias hd64", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
+        run(f"[debug {schedule}] bias hd256", 1, 2, 2, 200, 200, 256, M.causal(), bias=True)
 
 
 if __name__ == "__main__":
