@@ -71,8 +71,8 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 # C28), hd64 included (1.02-1.05x forward, 1.07-1.16x backward). Behind with a trainable
 # bias (forward 209 vs 365 TFLOP/s); dense masks and partial bitmaps (converted mask_mods,
 # overlapping index lists) not measured against Triton, so they stay there too. hd256 (H200,
-# 2026-11-26, causal/full 8K, document 16K, sliding 8K): forward 1.5-1.6x Triton (566 vs
-# 346 TFLOP/s causal), backward 2.9-3.6x (306 vs 84).
+# 2026-11-26, full/causal 8K, document 16K, sliding 8K): forward 1.5-1.8x Triton (613 vs
+# 343 TFLOP/s causal), backward 3.6-4.8x (395 vs 82).
 # Partial-block shares beyond the measured rows' (up to about half the listed blocks:
 # windows under 1024, many tiny documents) are not measured either; the rule extends to them.
 AUTO_HEAD_DIMS = (64, 128, 256)
