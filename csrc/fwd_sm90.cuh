@@ -907,8 +907,9 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-// The overlapped schedule where asked for and applicable (no bias), else the serial one.
-// The TMA-store epilogue's staging buffer fits beside the pipeline up to head dim 128.
+// The overlapped schedule where asked for and applicable (no bias), else the serial one;
+// overlapped, the plain kernel where the call allows. The TMA-store epilogue's staging
+// buffer fits beside the pipeline up to head dim 128.
 template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
   constexpr bool kTma = kHeadDim <= 128;
@@ -918,11 +919,9 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
   const bool plain = pr.dense == nullptr && pr.bits_index == nullptr &&
                      pr.n_col_ranges <= FwdTraits<Element, kHeadDim, kBlockN, kStages>::kMaxStagedRanges &&
                      !(p.debug & (4 | 1024));
-  if constexpr (kHeadDim <= 128) {   // (hd256 runs the serial schedule; no plain copy)
-    if (overlap && p.bias == nullptr && plain) {
-      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
-      return;
-    }
+  if (overlap && p.bias == nullptr && plain) {
+    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
+    return;
   }
   if (overlap && p.bias == nullptr)
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma>>(p, stream);
