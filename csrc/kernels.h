@@ -28,6 +28,11 @@ int fwd_tile_m();
 int fwd_tile_n(int head_dim);
 template <int kHeadDim>
 void fwd_sm90_hd(AttentionParams const& p, DType dtype, cudaStream_t stream);
+// Defined in fwd_sm90_hd{64,128,256}.cu (declared here, before fwd_sm90 uses them, as C++
+// asks of explicit specializations).
+template <> void fwd_sm90_hd<64>(AttentionParams const& p, DType dtype, cudaStream_t stream);
+template <> void fwd_sm90_hd<128>(AttentionParams const& p, DType dtype, cudaStream_t stream);
+template <> void fwd_sm90_hd<256>(AttentionParams const& p, DType dtype, cudaStream_t stream);
 
 // Hopper backward (bwd_sm90.cu). The caller allocates bwd_sm90_workspace_bytes(p) bytes of
 // device memory for p.workspace (uninitialised); nothing else is allocated inside.
@@ -43,6 +48,12 @@ constexpr int kBwdMaxStagedRanges = 4;
 // softcap, dense mask or bitmaps; see BwdTraits). bwd_sm90 picks among them.
 template <int kHeadDim, int kBlockM, bool kPlain>
 void bwd_sm90_hd(BackwardParams const& p, DType dtype, cudaStream_t stream);
+// Defined in bwd_sm90_hd*.cu.
+template <> void bwd_sm90_hd<64, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<64, 128, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<128, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<256, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<256, 64, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // What the backward does not support (empty string: supported), e.g. a dbias that
 // broadcasts over some dimension.
 std::string bwd_sm90_unsupported(BackwardParams const& p);
