@@ -15,21 +15,27 @@ B, H, L = 2, 2, 200
 BLOCK = (32, 32)
 
 
-def _cases():
+def _cases(L=L):
+    """The tensor-holding mask kinds at length L (lengths written for L = 200, scaled)."""
+    def s(n):
+        return n * L // 200
     g = torch.Generator().manual_seed(0)
     cr = torch.randint(0, L + 1, (B, H, L, 2), generator=g).sort(-1).values
     layout = torch.rand(1, H, -(-L // 32), -(-L // 32), generator=g) < 0.5
     dense = torch.rand(B, 1, L, L, generator=g) < 0.6
     idx = torch.randint(-1, L, (B, H, L, 9), generator=g, dtype=torch.int32)
     return {
-        "document(tensor)": M.document(torch.tensor([[50, 90, 60], [120, 0, 80]])),
-        "prefix_lm(tensor)": M.prefix_lm(torch.tensor([30, 77])),
+        "document(tensor)": M.document(torch.tensor([[s(50), s(90), L - s(50) - s(90)],
+                                                     [s(120), 0, L - s(120)]])),
+        "prefix_lm(tensor)": M.prefix_lm(torch.tensor([s(30), s(77)])),
         "column_ranges": M.column_ranges(cr, causal=True),
         "block_sparse": M.block_sparse(layout, 32),
         "dense": M.dense(dense),
         "indices": M.indices(idx),
-        "and(dense, document)": M.and_(M.dense(dense), M.document(torch.tensor([100, 100]))),
-        "or(prefix, sliding)": M.or_(M.prefix_lm(torch.tensor([40, 9])), M.sliding_window(20)),
+        "and(dense, document)": M.and_(M.dense(dense),
+                                       M.document(torch.tensor([s(100), L - s(100)]))),
+        "or(prefix, sliding)": M.or_(M.prefix_lm(torch.tensor([s(40), s(9)])),
+                                     M.sliding_window(20)),
     }
 
 
@@ -59,7 +65,7 @@ def test_static_build_equals_compact_build(name, monkeypatch):
                                flexsparse.attention(q, k, v, compact))
 
 
-def _sizes(mask):
+def _sizes(mask, L=L):
     from flexsparse.descriptor import Sizes
     return Sizes(B, H, H, L, L, *BLOCK, torch.device("cpu"))
 
@@ -106,10 +112,12 @@ def test_triton_without_host_facts_reads_no_mask_data(name, monkeypatch):
     """kernel_options={"trim_lists": False}: the Triton block kernels run a static-built
     descriptor forward and backward without reading mask data on the host (no list
     trimming, general column-range slot kinds, no short-row plan), and give the
-    reference's output and gradients."""
-    mask = _cases()[name]
+    reference's output and gradients. (At L = 100, four 32-blocks each way with a partial
+    last one: the interpreter took ~3x as long at L = 200.)"""
+    L = 100
+    mask = _cases(L)[name]
     with building_static():
-        desc = mask._descriptor(_sizes(mask))
+        desc = mask._descriptor(_sizes(mask, L))
     q, k, v = (torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(i),
                            requires_grad=True) for i in range(3))
     do = torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(9))
