@@ -49,10 +49,21 @@ def _doc_lengths(B, L, n, rows):
 
 # ------------------------------------------------------------------ documents
 
+# Bad document lengths at L = 64: 1-D (batched False) and (B, n) (batched True).
+BAD_LENGTHS = {
+    False: [torch.tensor([10, 20])],                 # sums to 30, L = 64
+    True: [torch.tensor([[32, 32], [10, 20]]),       # second row wrong
+           torch.tensor([[80, -16], [32, 32]])],     # sums to 64 but negative
+}
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_document_lengths_one_frame_over_lengths(batched):
     """Good lengths: one frame over three lengths, equal to eager (1-D and (B, n); the
-    (B, n) case is the `lens.shape[0] in (1, B)` bug with a symbolic B)."""
+    (B, n) case is the `lens.shape[0] in (1, B)` bug with a symbolic B). Then BAD_LENGTHS
+    into the same compiled function (compiled once: compiles are the slow part): refused
+    when the graph runs, a RuntimeError with the message, as eager refuses them
+    (ValueError)."""
     f, counter = _compiled(_doc_attention)
     B = 2
     for L in (32, 48, 64):
@@ -60,6 +71,12 @@ def test_document_lengths_one_frame_over_lengths(batched):
         lens = _doc_lengths(B, L, 3, rows=True) if batched else torch.tensor([L // 4, L - L // 4])
         torch.testing.assert_close(f(q, lens), _doc_attention(q, lens))
     assert counter.frame_count == 1
+    for bad in BAD_LENGTHS[batched]:
+        with pytest.raises(ValueError, match="lengths"):
+            _doc_attention(q, bad)
+        with pytest.raises(RuntimeError,
+                           match="lengths must be non-negative and each row must sum"):
+            f(q, bad)
 
 
 def test_document_batched_lengths_inductor():
@@ -69,22 +86,6 @@ def test_document_batched_lengths_inductor():
         lens = _doc_lengths(2, L, 3, rows=True)
         torch.testing.assert_close(f(q, lens), _doc_attention(q, lens), atol=1e-5, rtol=1e-5)
     assert counter.frame_count == 1
-
-
-@pytest.mark.parametrize("lens", [
-    torch.tensor([10, 20]),                     # sums to 30, L = 64
-    torch.tensor([[32, 32], [10, 20]]),         # second row wrong
-    torch.tensor([[80, -16], [32, 32]]),        # sums to 64 but negative
-])
-def test_document_bad_lengths_raise_eager_and_compiled(lens):
-    q = _q(2, 64)
-    with pytest.raises(ValueError, match="lengths"):
-        _doc_attention(q, lens)
-    f, _ = _compiled(_doc_attention)
-    good = torch.tensor([[32, 32], [16, 48]])
-    f(q, good)                                   # compiled once with good lengths
-    with pytest.raises(RuntimeError, match="lengths must be non-negative and each row must sum"):
-        f(q, lens)
 
 
 def test_document_batch_dim_mismatch_raises_compiled():
