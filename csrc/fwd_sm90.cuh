@@ -699,14 +699,21 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
       release_q();
     } else {
-      // Per tile t: issue S(t) = Q K(t)^T; scale O by tile t-1's alpha; issue
-      // O += P(t-1) V(t-1); wait for S(t) only; mask and softmax of tile t while the PV
-      // wgmma runs; wait for it; P(t) from S(t). Scheduler barriers make the two
-      // warpgroups issue their pairs of wgmmas in turn (warpgroup 0 first).
+      // Per tile t: [scale O by alpha(t-1) once O += P(t-2) V(t-2) is done]; issue
+      // S(t) = Q K(t)^T and O += P(t-1) V(t-1) in this warpgroup's turn at the tensor cores;
+      // wait for S(t) only; mask and softmax of tile t while P(t-1) V(t-1) runs. P(t) goes
+      // to the other of two register buffers (the loop is unrolled by two), so nothing in
+      // the softmax touches a register that the running wgmma reads or writes, and ptxas
+      // has no reason to put the wait for it before the softmax (docs/perf-notes.md, C39).
+      // Scheduler barriers make the two warpgroups issue their pairs of wgmmas in turn
+      // (warpgroup 0 first).
       auto issue_begin = [&] { bar_sync_wg<2 * 128, kBarrierSchedule>(wg); };
       auto issue_end = [&] { bar_arrive_wg<2 * 128, kBarrierSchedule>(1 - wg); };
-      Tensor tOrP = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
+      using FragP = decltype(make_tensor<Element>(accumulator_as_a(FragS{}.layout())));
+      FragP tOrP0 = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
+      FragP tOrP1 = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
       float alpha[kRows];
+      bool v_in_flight = false;   // an O += P V is issued and its V stage not yet released
       // Issue S = Q K^T of the tile, holding this warpgroup's turn at the tensor cores.
       auto issue_qk = [&](TileExtras& x, FragS& tSrS) {
         FWD_TRACE(0);
@@ -722,10 +729,61 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_k.consumer_release(read_k);
         ++read_k;
       };
-      auto keep_p = [&](FragS const& tSrS) {
+      auto release_v = [&] {
+        pipe_v.consumer_release(read_v);
+        ++read_v;
+      };
+      auto keep_p = [&](FragS const& tSrS, FragP& tOrP) {
         Tensor P = convert_type<Element>(tSrS);
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
+      };
+      // Tile t >= 1. In flight on entry: O += P(t-2) V(t-2) (t >= 2), which read p_next.
+      auto step = [&](FragP& p_prev, FragP& p_next) __attribute__((always_inline)) {
+        TileExtras x;
+        x.n = n;
+        x.partial = partial;
+        FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        if (v_in_flight) release_v();
+        // O (which holds P(t-2) V(t-2)) takes alpha(t-1) here, outside the turn.
+        rescale_o(alpha);
+        issue_qk(x, tSrS);
+        pipe_v.consumer_wait(read_v);
+        gemm<false, -1>(mma_pv, p_prev, tOrV(_, _, _, read_v.index()), tOrO);
+        v_in_flight = true;
+        issue_end();
+        FWD_TRACE(4);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        FWD_TRACE(5);
+        release_k();
+        finish_scores(tSrS, x);
+        softmax(tSrS, alpha);
+        FWD_TRACE(6);
+        keep_p(tSrS, p_next);
+        FWD_TRACE(7);
+        FWD_TRACE_NEXT();
+      };
+      // The last tile's O += P V, from the buffer that holds its P.
+      auto finish = [&](FragP& p_last) __attribute__((always_inline)) {
+        release_q();
+        FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 1);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        if (v_in_flight) release_v();
+        rescale_o(alpha);
+        pipe_v.consumer_wait(read_v);
+        issue_begin();
+        gemm<false, -1>(mma_pv, p_last, tOrV(_, _, _, read_v.index()), tOrO);
+        issue_end();
+        // Warpgroup 0 takes the last turn that warpgroup 1 handed it, so that every arrival
+        // at a scheduler barrier is matched when the CTA exits.
+        if (wg == 0) issue_begin();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        release_v();
       };
       if (next_tile(n, partial)) {
         if (wg == 1) issue_end();
@@ -738,52 +796,21 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           issue_end();
           FWD_TRACE(4);
           warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrS);
           FWD_TRACE(5);
           release_k();
           finish_scores(tSrS, x);
           softmax(tSrS, alpha);
           FWD_TRACE(6);
-          keep_p(tSrS);
+          keep_p(tSrS, tOrP0);
           FWD_TRACE_NEXT();
         }
-        while (next_tile(n, partial)) {
-          TileExtras x;
-          x.n = n;
-          x.partial = partial;
-          FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          issue_qk(x, tSrS);
-          pipe_v.consumer_wait(read_v);
-          gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-          issue_end();
-          FWD_TRACE(4);
-          warpgroup_wait<1>();
-          FWD_TRACE(5);
-          release_k();
-          finish_scores(tSrS, x);
-          softmax(tSrS, alpha);
-          FWD_TRACE(6);
-          warpgroup_wait<0>();
-          FWD_TRACE(7);
-          pipe_v.consumer_release(read_v);
-          ++read_v;
-          // O (which now holds P(t-1) V(t-1)) takes tile t's alpha here, outside this
-          // warpgroup's turn at the tensor cores, not just before the next O += P V.
-          rescale_o(alpha);
-          keep_p(tSrS);
-          FWD_TRACE_NEXT();
+        while (true) {
+          if (!next_tile(n, partial)) { finish(tOrP0); break; }
+          step(tOrP0, tOrP1);
+          if (!next_tile(n, partial)) { finish(tOrP1); break; }
+          step(tOrP1, tOrP0);
         }
-        release_q();
-        FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 1);
-        pipe_v.consumer_wait(read_v);
-        issue_begin();
-        gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-        issue_end();
-        // Warpgroup 0 takes the last turn that warpgroup 1 handed it, so that every arrival
-        // at a scheduler barrier is matched when the CTA exits.
-        if (wg == 0) issue_begin();
-        warpgroup_wait<0>();
-        pipe_v.consumer_release(read_v);
-        ++read_v;
       } else {
         release_q();
       }
