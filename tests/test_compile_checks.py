@@ -309,14 +309,9 @@ def test_scale_and_softcap_arguments_compiled():
 
 # ------------------------------------------------------------------ int arguments of masks
 
-@pytest.mark.parametrize("make", [
-    lambda n: M.prefix_lm(n), lambda n: M.sliding_window(n), lambda n: M.global_tokens(n),
-    lambda n: M.shared_question(n, [32 - n]), lambda n: M.sliding_window(3) | M.prefix_lm(n),
-], ids=["prefix_lm", "sliding_window", "global_tokens", "shared_question", "or_"])
-def test_int_mask_arguments_compiled(make):
-    """A Python int passed into a compiled function is symbolic under dynamic=True: masks
-    taking one traced into Dynamo's "BUILD_STRING type error" (their repr text was an
-    f-string of the value, built at construction). Now it is built when first asked for."""
+def _int_mask_arguments_compiled(make):
+    """The good values of test_int_mask_arguments_compiled; returns the compiled function,
+    the eager one and q."""
     def fn(q, n):
         return flexsparse.attention(q, q, q, make(n), block_size=BLOCK)
     f, _ = _compiled(fn)
@@ -324,16 +319,27 @@ def test_int_mask_arguments_compiled(make):
     for n in (5, 7):
         torch.testing.assert_close(f(q, n), fn(q, n))
     assert repr(make(5)) == repr(make(5)) and "5" in repr(make(5))
+    return f, fn, q
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: M.prefix_lm(n), lambda n: M.global_tokens(n),
+    lambda n: M.shared_question(n, [32 - n]), lambda n: M.sliding_window(3) | M.prefix_lm(n),
+], ids=["prefix_lm", "global_tokens", "shared_question", "or_"])
+def test_int_mask_arguments_compiled(make):
+    """A Python int passed into a compiled function is symbolic under dynamic=True: masks
+    taking one traced into Dynamo's "BUILD_STRING type error" (their repr text was an
+    f-string of the value, built at construction). Now it is built when first asked for.
+    (sliding_window: in test_bad_int_mask_argument_compiled_names_it, on the same compile.)"""
+    _int_mask_arguments_compiled(make)
 
 
 def test_bad_int_mask_argument_compiled_names_it():
-    """A bad symbolic int argument: refused while tracing, the message naming the
-    argument (its value cannot be formatted there: masks.shown)."""
-    def fn(q, n):
-        return flexsparse.attention(q, q, q, M.sliding_window(n), block_size=BLOCK)
-    f, _ = _compiled(fn)
-    q = _q(1, 32)
-    f(q, 5)
+    """sliding_window's good values as in test_int_mask_arguments_compiled, then a bad
+    symbolic int argument into the same compiled function (a compile fewer than a function
+    of its own): refused while tracing, the message naming the argument (its value cannot
+    be formatted there: masks.shown)."""
+    f, fn, q = _int_mask_arguments_compiled(lambda n: M.sliding_window(n))
     with pytest.raises(ValueError, match=r"left: must be a non-negative int or None, got -3"):
         fn(q, -3)
     with pytest.raises(torch._dynamo.exc.Unsupported,
