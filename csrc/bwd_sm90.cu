@@ -45,7 +45,8 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
       break;
     // (A plain hd128 kernel measured the same as the general one: 537 / 556 / 358 / 387
     // against 538 / 568 / 359 / 390 TFLOP/s on full, causal, sliding and document rows;
-    // docs/perf-notes.md C29.)
+    // docs/perf-notes.md C29; again 567 / 561 / 392 / 366 against 567 / 575 / 390 / 365 on
+    // full, causal 16K, document and sliding, C40.)
     case 128: bwd_sm90_hd<128, 64, false>(p, dtype, stream); break;
     case 256:
       if (plain) bwd_sm90_hd<256, 64, true>(p, dtype, stream);
