@@ -738,6 +738,19 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < size(P); ++e) tOrP(e) = P(e);
       };
+      // S(t) done: its K stage released, invisible scores hidden, the online softmax, P(t)
+      // into p_next.
+      auto scores_to_p = [&](FragS& tSrS, TileExtras& x, FragP& p_next) __attribute__((always_inline)) {
+        warpgroup_fence_operand(tSrS);
+        FWD_TRACE(5);
+        release_k();
+        finish_scores(tSrS, x);
+        softmax(tSrS, alpha);
+        FWD_TRACE(6);
+        keep_p(tSrS, p_next);
+        FWD_TRACE(7);
+        FWD_TRACE_NEXT();
+      };
       // Tile t >= 1. In flight on entry: O += P(t-2) V(t-2) (t >= 2), which read p_next.
       auto step = [&](FragP& p_prev, FragP& p_next) __attribute__((always_inline)) {
         TileExtras x;
@@ -756,15 +769,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         issue_end();
         FWD_TRACE(4);
         warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        FWD_TRACE(5);
-        release_k();
-        finish_scores(tSrS, x);
-        softmax(tSrS, alpha);
-        FWD_TRACE(6);
-        keep_p(tSrS, p_next);
-        FWD_TRACE(7);
-        FWD_TRACE_NEXT();
+        scores_to_p(tSrS, x, p_next);
       };
       // The last tile's O += P V, from the buffer that holds its P.
       auto finish = [&](FragP& p_last) __attribute__((always_inline)) {
@@ -796,14 +801,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           issue_end();
           FWD_TRACE(4);
           warpgroup_wait<0>();
-          warpgroup_fence_operand(tSrS);
-          FWD_TRACE(5);
-          release_k();
-          finish_scores(tSrS, x);
-          softmax(tSrS, alpha);
-          FWD_TRACE(6);
-          keep_p(tSrS, tOrP0);
-          FWD_TRACE_NEXT();
+          scores_to_p(tSrS, x, tOrP0);
         }
         while (true) {
           if (!next_tile(n, partial)) { finish(tOrP0); break; }

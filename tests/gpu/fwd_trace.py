@@ -21,7 +21,7 @@ import sys
 
 PHASES = [("top: extras, K wait", 0, 1), ("turn wait", 1, 2), ("QK^T issue", 2, 3),
           ("V wait, PV issue, turn handed on", 3, 4), ("S wait", 4, 5), ("mask + softmax", 5, 6),
-          ("PV wait", 6, 7)]
+          ("P conversion", 6, 7)]
 
 
 def run_one(row, work_tile, plain=False):
@@ -93,7 +93,7 @@ def summarize(row, trace):
             med = lambda xs: int(statistics.median(xs)) if xs else -1  # noqa
             period = med([dt(tiles[t][0], tiles[t + 1][0]) for t in steady])
             parts = [f"{name} {med([dt(tiles[t][a], tiles[t][b]) for t in steady])}" for name, a, b in PHASES]
-            parts.append(f"rescale, keep P, next tile {med([dt(tiles[t][7], tiles[t + 1][0]) for t in steady])}")
+            parts.append(f"next tile, wait for the previous P V, rescale O {med([dt(tiles[t][7], tiles[t + 1][0]) for t in steady])}")
             lines.append(f"  wg{role}: {len(ts)} tiles, period {period} ({floor / max(period, 1):.0%} of floor); "
                          + ", ".join(parts))
         if (cta, 0) in trace and (cta, 1) in trace:
