@@ -43,10 +43,8 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
       if (plain && p.fwd.block_q % 128 == 0) bwd_sm90_hd<64, 128, true>(p, dtype, stream);
       else bwd_sm90_hd<64, 64, false>(p, dtype, stream);
       break;
-    // (A plain hd128 kernel measured the same as the general one: 537 / 556 / 358 / 387
-    // against 538 / 568 / 359 / 390 TFLOP/s on full, causal, sliding and document rows;
-    // docs/perf-notes.md C29; again 567 / 561 / 392 / 366 against 567 / 575 / 390 / 365 on
-    // full, causal 16K, document and sliding, C40.)
+    // (hd128 has no plain kernel: one without spills measured the same as the general
+    // kernel twice, docs/perf-notes.md C29 and C40.)
     case 128: bwd_sm90_hd<128, 64, false>(p, dtype, stream); break;
     case 256:
       if (plain) bwd_sm90_hd<256, 64, true>(p, dtype, stream);
