@@ -4,8 +4,13 @@ cProfile of 2,000 builds (docs/perf-notes.md, "Where the build op's host time go
 
     PYTHONPATH=/tmp/site:$PWD python3 tests/gpu/profile_build_host.py
 """
-import cProfile, pstats, time, statistics, torch
-from flexsparse import masks as M, build_op
+import cProfile
+import pstats
+import time
+
+import torch
+
+from flexsparse import build_op
 from benchmarks.build_bench import cases, time_us
 L, H = 8192, 16
 cs = cases(L)
