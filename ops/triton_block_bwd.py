@@ -41,11 +41,11 @@ DB_NONE, DB_STORE, DB_ATOMIC, DB_ROWSUM = 0, 1, 2, 3
 # =================================================================================== preprocess
 
 @triton.jit
-def _bwd_preprocess(O, DO, LSE, GLSE, DEL, LSE2,
-                    sob, soh, som, sod, sdob, sdoh, sdom, sdod,
-                    Hq, Lq, D,
+def _bwd_preprocess(O, DO, LSE, GLSE, DEL, LSE2, o_strides, do_strides, Hq, Lq, D,
                     HAS_GLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """delta = rowsum(dO * O) - grad_lse; lse2 = lse * log2(e), with -inf -> +inf (p = 0)."""
+    sob, soh, som, sod = o_strides
+    sdob, sdoh, sdom, sdod = do_strides
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -168,15 +168,8 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
 
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
-                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                   sdob, sdoh, sdom, sdod,
-                   sbb, sbh, sbq, sbk, b_hdiv,
-                   sdbb, sdbh, sdbq, sdbk, db_hdiv,
-                   Q_COUNT, Q_INDEX, qp_sb, qp_sh, qp_hdiv, qp_W,
-                   Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W,
-                   DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                   CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                   PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
+                   q_strides, k_strides, v_strides, do_strides, bias_strides, db_strides,
+                   q_partial, q_full, preds,
                    Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr,
                    block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale, cap_log2,
                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
@@ -187,16 +180,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    Q_PARTIAL_RANGES: tl.constexpr, Q_FULL_RANGES: tl.constexpr,
                    DQ_ATOMIC: tl.constexpr):
-    """The dK/dV pass (two_pass, atomic_dq): one program per key tile."""
-    # the descriptor's arguments as tuples (triton_block_mask: BlockListArgs, PredicateArgs)
-    q_partial = (Q_COUNT, Q_INDEX, qp_sb, qp_sh, qp_hdiv, qp_W)
-    q_full = (Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W)
-    preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
+    """The dK/dV pass (two_pass, atomic_dq): one program per key tile. Arguments as in
+    _bwd_dkdv_program."""
     _bwd_dkdv_program(
         tl.program_id(0), tl.program_id(1), Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-        sbb, sbh, sbq, sbk, b_hdiv, sdbb, sdbh, sdbq, sdbk, db_hdiv, q_partial, q_full, preds,
+        q_strides, k_strides, v_strides, do_strides, bias_strides, db_strides,
+        q_partial, q_full, preds,
         Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB, nQB, scale, qk_scale, cap_log2,
         HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
         EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, Q_PARTIAL_RANGES, Q_FULL_RANGES,
@@ -205,10 +194,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
 
 @triton.jit
 def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQA,
-                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                      sdob, sdoh, sdom, sdod,
-                      sbb, sbh, sbq, sbk, b_hdiv,
-                      sdbb, sdbh, sdbq, sdbk, db_hdiv,
+                      q_strides, k_strides, v_strides, do_strides, bias_strides, db_strides,
                       q_partial, q_full, preds,
                       Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr,
                       block_k: tl.constexpr, SUB: tl.constexpr, nQB, scale, qk_scale,
@@ -222,7 +208,15 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
                       Q_PARTIAL_RANGES: tl.constexpr, Q_FULL_RANGES: tl.constexpr,
                       DQ_ATOMIC: tl.constexpr):
     """One dK/dV program: key tile pid_n of (b, kv head) pid_bh = b * Hkv + kv head.
-    q_partial, q_full: BlockListArgs tuples; preds: the PredicateArgs tuple."""
+    q/k/v/do_strides: (batch, head, row, column); bias_strides, db_strides: (batch, head,
+    query, key, head divisor); q_partial, q_full: BlockListArgs tuples; preds: the
+    PredicateArgs tuple (triton_block_mask)."""
+    sqb, sqh, sqm, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+    sdob, sdoh, sdom, sdod = do_strides
+    sbb, sbh, sbq, sbk, b_hdiv = bias_strides
+    sdbb, sdbh, sdbq, sdbk, db_hdiv = db_strides
     Q_COUNT, Q_INDEX, qp_sb, qp_sh, qp_hdiv, qp_W = q_partial
     Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W = q_full
     b = pid_bh // Hkv
@@ -368,15 +362,8 @@ def _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
 
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
-                 sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                 sdob, sdoh, sdom, sdod,
-                 sbb, sbh, sbq, sbk, b_hdiv,
-                 sdsb, sdsh, sdsq, sdsk,
-                 KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W,
-                 KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W,
-                 DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                 CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                 PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
+                 q_strides, k_strides, v_strides, do_strides, bias_strides, ds_strides,
+                 kv_partial, kv_full, preds,
                  Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
                  SUB: tl.constexpr, scale, qk_scale, cap_log2, rev_q,
                  HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
@@ -386,17 +373,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                  EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  KV_PARTIAL_RANGES: tl.constexpr, KV_FULL_RANGES: tl.constexpr):
-    """The dQ pass (two_pass): one program per query tile."""
-    # the descriptor's arguments as tuples (triton_block_mask: BlockListArgs, PredicateArgs)
-    kv_partial = (KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W)
-    kv_full = (KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W)
-    preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
+    """The dQ pass (two_pass): one program per query tile. Arguments as in
+    _bwd_dq_program."""
     _bwd_dq_program(
         _tile_order(tl.program_id(0), tl.num_programs(0), rev_q), tl.program_id(1), Q, K, V,
         DO, LSE2, DEL, Bias, DBQ, DQ, DS,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-        sbb, sbh, sbq, sbk, b_hdiv, sdsb, sdsh, sdsq, sdsk, kv_partial, kv_full, preds,
+        q_strides, k_strides, v_strides, do_strides, bias_strides, ds_strides,
+        kv_partial, kv_full, preds,
         Hq, G, Lq, Lk, D, block_q, block_k, SUB, scale, qk_scale, cap_log2,
         HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, DQ_FROM_DS,
         EVEN_M, EVEN_N, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_D, KV_PARTIAL_RANGES, KV_FULL_RANGES)
@@ -404,10 +387,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
 
 @triton.jit
 def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
-                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                    sdob, sdoh, sdom, sdod,
-                    sbb, sbh, sbq, sbk, b_hdiv,
-                    sdsb, sdsh, sdsq, sdsk,
+                    q_strides, k_strides, v_strides, do_strides, bias_strides, ds_strides,
                     kv_partial, kv_full, preds,
                     Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
                     SUB: tl.constexpr, scale, qk_scale, cap_log2,
@@ -419,7 +399,11 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     KV_PARTIAL_RANGES: tl.constexpr, KV_FULL_RANGES: tl.constexpr):
     """One dQ program: query tile pid_m of (b, query head) pid_bh = b * Hq + query head.
-    kv_partial, kv_full: BlockListArgs tuples; preds: the PredicateArgs tuple."""
+    q/k/v/do_strides, ds_strides: (batch, head, row, column); bias_strides: (batch, head,
+    query, key, head divisor); kv_partial, kv_full: BlockListArgs tuples; preds: the
+    PredicateArgs tuple (triton_block_mask)."""
+    skb, skh, skn, skd = k_strides
+    sdsb, sdsh, sdsq, sdsk = ds_strides
     KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W = kv_partial
     KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W = kv_full
     b = pid_bh // Hq
@@ -457,8 +441,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
         dq = _bwd_dq_recompute(
             dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, h64, hk64, i, i_ok, qb,
             offs_n, offs_d, d_ok,
-            sqb, sqh, sqm, sqd, svb, svh, svn, svd, skn, skd, sdob, sdoh, sdom, sdod,
-            sbb, sbh, sbq, sbk, b_hdiv, kv_partial, kv_full, preds,
+            q_strides, k_strides, v_strides, do_strides, bias_strides, kv_partial, kv_full, preds,
             Lq, Lk, D, block_q, block_k, SUB, qk_scale, cap_log2,
             HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, EVEN_M, EVEN_N,
             EVEN_D, BLOCK_M, BLOCK_N, KV_PARTIAL_RANGES, KV_FULL_RANGES)
@@ -473,8 +456,7 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
 @triton.jit
 def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, h64, hk64, i,
                       i_ok, qb, offs_n, offs_d, d_ok,
-                      sqb, sqh, sqm, sqd, svb, svh, svn, svd, skn, skd,
-                      sdob, sdoh, sdom, sdod, sbb, sbh, sbq, sbk, b_hdiv,
+                      q_strides, k_strides, v_strides, do_strides, bias_strides,
                       kv_partial, kv_full, preds,
                       Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr, SUB: tl.constexpr,
                       qk_scale, cap_log2,
@@ -485,6 +467,11 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       KV_PARTIAL_RANGES: tl.constexpr, KV_FULL_RANGES: tl.constexpr):
     """The dQ pass proper: recompute P and dS per key tile (and the key-summed dbias)."""
+    sqb, sqh, sqm, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+    sdob, sdoh, sdom, sdod = do_strides
+    sbb, sbh, sbq, sbk, b_hdiv = bias_strides
     KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W = kv_partial
     KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W = kv_full
     q = _load_tile(Q + b64 * sqb + h64 * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
@@ -528,17 +515,8 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
 
 @triton.jit
 def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
-                         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                         sdob, sdoh, sdom, sdod,
-                         sbb, sbh, sbq, sbk, b_hdiv,
-                         sdbb, sdbh, sdbq, sdbk, db_hdiv,
-                         Q_COUNT, Q_INDEX, qp_sb, qp_sh, qp_hdiv, qp_W,
-                         Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W,
-                         KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W,
-                         KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W,
-                         DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-                         CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-                         PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
+                         q_strides, k_strides, v_strides, do_strides, bias_strides, db_strides,
+                         q_partial, q_full, kv_partial, kv_full, preds,
                          Hq, Hkv, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr,
                          block_k: tl.constexpr, SUB1: tl.constexpr, SUB2: tl.constexpr, nQB,
                          n_kv_tiles, n_q_tiles, scale, qk_scale, cap_log2, rev_q,
@@ -557,21 +535,13 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
     BLOCK_M1 x BLOCK_N1), the rest dQ programs of the G query heads of that kv head
     (BLOCK_M2 x BLOCK_N2). The dQ half recomputes P and dS, so it needs nothing from the
     dK/dV half."""
-    # the descriptor's arguments as tuples (triton_block_mask: BlockListArgs, PredicateArgs)
-    q_partial = (Q_COUNT, Q_INDEX, qp_sb, qp_sh, qp_hdiv, qp_W)
-    q_full = (Q_FULL_COUNT, Q_FULL_INDEX, qf_sb, qf_sh, qf_hdiv, qf_W)
-    kv_partial = (KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W)
-    kv_full = (KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W)
-    preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if pid < n_kv_tiles:
         _bwd_dkdv_program(
             pid, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQ,
-            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
-            sbb, sbh, sbq, sbk, b_hdiv, sdbb, sdbh, sdbq, sdbk, db_hdiv, q_partial, q_full,
-            preds, Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
+            q_strides, k_strides, v_strides, do_strides, bias_strides, db_strides,
+            q_partial, q_full, preds, Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
             HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
             EVEN_M1, EVEN_N1, EVEN_D, BLOCK_M1, BLOCK_N1, BLOCK_D, Q_PARTIAL_RANGES,
             Q_FULL_RANGES, False)
@@ -581,8 +551,7 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
         _bwd_dq_program(
             _tile_order(p % n_q_tiles, n_q_tiles, rev_q), pid_bh * G + p // n_q_tiles, Q, K, V,
             DO, LSE2, DEL, Bias, DBQ, DQ,
-            DQ, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-            sdob, sdoh, sdom, sdod, sbb, sbh, sbq, sbk, b_hdiv, 0, 0, 0, 0,
+            DQ, q_strides, k_strides, v_strides, do_strides, bias_strides, (0, 0, 0, 0),
             kv_partial, kv_full, preds,
             Hq, G, Lq, Lk, D, block_q, block_k, SUB2, scale, qk_scale, cap_log2,
             HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_COLSUM, False,
@@ -606,7 +575,8 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     # dbias plan (module docstring): which pass produces it, and where.
     # scratch: name -> (shape, dtype, zeroed) allocated per call; finish_db: tensors -> dbias.
     db_mode, db_colsum, zero_skipped = DB_NONE, False, False
-    db_ptr, db_strides, db_hdiv = m.dummy, (0, 0, 0, 0), 1
+    db_ptr, db_strides = m.dummy, (0, 0, 0, 0)
+    db_hdiv = 1
     dbq_ptr = m.dummy
     scratch = {}
     finish_db = None
@@ -658,8 +628,9 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     if mode == "atomic_dq" and (deterministic or db_colsum or dq_from_ds):
         mode = "two_pass"
 
-    common_args = (*_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-                   *c.bias[1:])
+    # (batch, head, row, column) strides of Q, K, V and dO; the bias's (triton_block_common)
+    strides = (_strides(query), _strides(key), _strides(value), _strides(grad_out),
+               c.bias.strides)
     # Short per-tile work: explicit block lists (not the range form), or column ranges that
     # also hide rows below the keys (windows, documents); not full, causal or prefix-LM.
     list_form = m.ranges.q_full == 0 and m.ranges.kv_full == 0
@@ -674,14 +645,14 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     PRE_M = 64
     glse = _GLSE if grad_lse is not None else m.dummy
     launches = [(_bwd_preprocess, (_cdiv(Lq, PRE_M), B * Hq), (
-        _OUT, _DO, _LSE, glse, _DELTA, _LSE2, *_strides(out), *_strides(grad_out), Hq, Lq, D),
+        _OUT, _DO, _LSE, glse, _DELTA, _LSE2, _strides(out), _strides(grad_out), Hq, Lq, D),
         dict(HAS_GLSE=grad_lse is not None, BLOCK_M=PRE_M, BLOCK_D=c.BLOCK_D), 4, 3)]
     dq_atomic = mode == "atomic_dq"
     if mode == "one_launch":
         launches.append((_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (
             _Q, _K, _V, _DO, _LSE2, _DELTA, c.bias.pointer, db_ptr, _DK, _DV, dbq_ptr,
-            _DQ, *common_args, *db_strides, db_hdiv, *m.q_partial, *m.q_full, *m.kv_partial,
-            *m.kv_full, *m.predicates, Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM,
+            _DQ, *strides, (*db_strides, db_hdiv), tuple(m.q_partial), tuple(m.q_full),
+            tuple(m.kv_partial), tuple(m.kv_full), tuple(m.predicates), Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM,
             block_k // BN2, -(-Lq // block_q), n_kv_tiles, n_q_tiles, scale, c.qk_scale,
             c.cap_log2, m.reverse_query_tiles),
             dict(**dkdv_constexprs, **m.ranges.q_constexprs(), **m.ranges.kv_constexprs(),
@@ -696,8 +667,8 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
         launches.append((_attn_bwd_dkdv, (n_kv_tiles, B * Hkv), (
             _Q, _K, _V, _DO, _LSE2, _DELTA, c.bias.pointer, db_ptr, _DK, _DV,
             _DQA if dq_atomic else m.dummy,
-            *common_args, *db_strides, db_hdiv, *m.q_partial, *m.q_full, *m.predicates,
-            Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
+            *strides, (*db_strides, db_hdiv), tuple(m.q_partial), tuple(m.q_full),
+            tuple(m.predicates), Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
             c.qk_scale, c.cap_log2),
             dict(**dkdv_constexprs, **m.ranges.q_constexprs(), DQ_ATOMIC=dq_atomic,
                  EVEN_M=_even(Lq, BM, block_q), EVEN_N=_even(Lk, BN, block_k), BLOCK_M=BM,
@@ -707,8 +678,8 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
             ds_ptr, ds_strides = (db_ptr, db_strides) if dq_from_ds else (m.dummy, (0,) * 4)
             launches.append((_attn_bwd_dq, (n_q_tiles, B * Hq), (
                 _Q, _K, _V, _DO, _LSE2, _DELTA, c.bias.pointer, dbq_ptr, _DQ, ds_ptr,
-                *common_args, *ds_strides, *m.kv_partial, *m.kv_full, *m.predicates,
-                Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c.qk_scale,
+                *strides, ds_strides, tuple(m.kv_partial), tuple(m.kv_full),
+                tuple(m.predicates), Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c.qk_scale,
                 c.cap_log2, m.reverse_query_tiles),
                 dict(**c.constexprs, **m.ranges.kv_constexprs(), DB_COLSUM=db_colsum,
                      DQ_FROM_DS=dq_from_ds, EVEN_M=_even(Lq, BM2, block_q),

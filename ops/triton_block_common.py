@@ -171,13 +171,10 @@ _BIAS = Slot("bias")
 
 
 class BiasArgs(NamedTuple):
-    """The bias as kernel arguments (Bias, sbb, sbh, sbq, sbk, b_hdiv in the kernels)."""
+    """The bias as kernel arguments: Bias, and bias_strides = (sbb, sbh, sbq, sbk, b_hdiv)
+    in the kernels."""
     pointer: object             # the _BIAS slot, or a dummy tensor without a bias
-    sb: int
-    sh: int
-    sq: int
-    sk: int
-    head_div: int
+    strides: tuple              # (batch, head, query, key) strides and the head divisor
 
 
 class CallArgs(NamedTuple):
@@ -200,10 +197,10 @@ class CallArgs(NamedTuple):
 
 def _bias_args(bias, Hq, Hkv, dummy):
     if bias is None:
-        return BiasArgs(dummy, 0, 0, 0, 0, 1)
+        return BiasArgs(dummy, (0, 0, 0, 0, 1))
     # the tensor itself is a per-call argument (a Slot); its layout keys the call
-    return BiasArgs(_BIAS, _bstride(bias, 0), _bstride(bias, 1), _bstride(bias, 2),
-                    _bstride(bias, 3), _head_div(bias.shape[1], Hq, Hkv, "bias"))
+    return BiasArgs(_BIAS, (_bstride(bias, 0), _bstride(bias, 1), _bstride(bias, 2),
+                            _bstride(bias, 3), _head_div(bias.shape[1], Hq, Hkv, "bias")))
 
 
 def call_args(query, key, value, bias, mask, block_q, block_k, scale, softcap,

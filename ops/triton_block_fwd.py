@@ -65,15 +65,8 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse, Bias,
-              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-              sob, soh, som, sod,
-              sbb, sbh, sbq, sbk, b_hdiv,
-              KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W,
-              KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W,
-              DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv,
-              CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-              PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n,
+def _attn_fwd(Q, K, V, Out, Lse, Bias, q_strides, k_strides, v_strides, o_strides,
+              bias_strides, kv_partial, kv_full, preds,
               Hq, G: tl.constexpr, Lq, Lk, D, block_q: tl.constexpr, block_k: tl.constexpr,
               SUB: tl.constexpr, qk_scale, cap_log2, rev_q,
               HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DM: tl.constexpr,
@@ -81,9 +74,16 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias,
               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               KV_PARTIAL_RANGES: tl.constexpr, KV_FULL_RANGES: tl.constexpr):
-    # the element predicates as one tuple (triton_block_mask.PredicateArgs)
-    preds = (DM, dm_sb, dm_sh, dm_sq, dm_sk, dm_hdiv, CR, cr_sb, cr_sh, cr_sk, cr_hdiv,
-             PBI, pbi_sb, pbi_sh, pbi_sq, pbi_hdiv, PB, pb_sp, pb_sr, pb_n)
+    """One program per query tile. *_strides: (batch, head, row, column) of Q, K, V and Out;
+    bias_strides: (batch, head, query, key, head divisor); kv_partial, kv_full:
+    BlockListArgs tuples; preds: the PredicateArgs tuple (triton_block_mask)."""
+    sqb, sqh, sqm, sqd = q_strides
+    skb, skh, skn, skd = k_strides
+    svb, svh, svn, svd = v_strides
+    sob, soh, som, sod = o_strides
+    sbb, sbh, sbq, sbk, b_hdiv = bias_strides
+    KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W = kv_partial
+    KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W = kv_full
     pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), rev_q)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -174,8 +174,8 @@ def forward_plan(query, key, value, bias, mask, block_q, block_k, scale, softcap
     o_strides = (Hq * Lq * value.shape[-1], Lq * value.shape[-1], value.shape[-1], 1)
     launch = (_attn_fwd, (_cdiv(Lq, BM), B * Hq), (
         _Q, _K, _V, _OUT, _LSE, c.bias.pointer,
-        *_strides(query), *_strides(key), *_strides(value), *o_strides,
-        *c.bias[1:], *m.kv_partial, *m.kv_full, *m.predicates,
+        _strides(query), _strides(key), _strides(value), o_strides, c.bias.strides,
+        tuple(m.kv_partial), tuple(m.kv_full), tuple(m.predicates),
         Hq, c.G, Lq, Lk, D, block_q, block_k, block_k // BN, c.qk_scale, c.cap_log2,
         m.reverse_query_tiles),
         dict(**c.constexprs, **m.ranges.kv_constexprs(), EVEN_M=_even(Lq, BM, block_q),

@@ -5,20 +5,21 @@ here, next to each other.
 Block lists. The descriptor has four (docs/design.md): per query block, the key blocks with
 element predicates (`kv_partial` = kv_count / kv_index) and without (`kv_full` =
 kv_full_count / kv_full_index); per key block, the transposed lists (`q_partial` = q_count /
-q_index, `q_full` = q_full_count / q_full_index). Each reaches a kernel as six arguments,
-`BlockListArgs` (count, index, batch stride, head stride, head divisor, row width), plus a
-RANGES constexpr: 0 for explicit indices, R for the range form with R range slots read,
-`EMPTY_LIST` when no row has a block (the loop is compiled out). Kernels bundle the six into
-one tuple for the program functions they call; a row starts at `row = b * batch_stride +
-(h // head_div) * head_stride + block`, `_list_count` clamps its count, and `_ranges_load` /
-`_block_at` give its blocks.
+q_index, `q_full` = q_full_count / q_full_index). Each reaches a kernel as one tuple argument
+of six, `BlockListArgs` (count, index, batch stride, head stride, head divisor, row width),
+plus a RANGES constexpr: 0 for explicit indices, R for the range form with R range slots
+read, `EMPTY_LIST` when no row has a block (the loop is compiled out). A row starts at
+`row = b * batch_stride + (h // head_div) * head_stride + block`, `_list_count` clamps its
+count, and `_ranges_load` / `_block_at` give its blocks.
 
 Element predicates (applied in partial blocks only). Dense mask, column ranges and the
-partial-block bitmaps reach every attention kernel as the 19 arguments of `PredicateArgs`
-plus the constexprs of `PredicateFlags`. Kernels take them flat (so that Triton specializes
-each as before) and bundle the 19 into one tuple, `preds`, at entry; only `_visible` unpacks
-it. Up to four column-range slots per key are read ahead of the tile as `_cr_prefetch`'s
-tuple of (start, end) vectors; `CR_KINDS` says per slot which bounds are needed.
+partial-block bitmaps reach every attention kernel as one tuple of 20, `preds` (the fields of
+`PredicateArgs`), plus the constexprs of `PredicateFlags`; only `_visible` unpacks it.
+Triton specializes each element of a tuple argument as it would a separate argument, so the
+kernels compile to the same code as with the 20 passed one by one (the PTX of 36 launches
+compared equal, docs/design.md). Up to four column-range slots per key are read ahead of the
+tile as `_cr_prefetch`'s tuple of (start, end) vectors; `CR_KINDS` says per slot which bounds
+are needed.
 
 Head broadcast for every per-head tensor: a head dim of size 1, Hkv or Hq is read at head
 `h // head_div` with head_div = Hq, G or 1. Batch dims of size 1 get stride 0.

@@ -52,6 +52,18 @@ def param_names(kernel):
     return names
 
 
+def _spec_and_pointer(a):
+    """(key entry, launcher argument) of one kernel argument; tuple arguments (the kernels
+    take grouped strides and the descriptor's tensors as tuples) element by element."""
+    if isinstance(a, torch.Tensor):
+        p = a.data_ptr()
+        return (a.dtype, a.is_cuda, p % 16 == 0), p
+    if isinstance(a, tuple):
+        pairs = [_spec_and_pointer(x) for x in a]
+        return tuple(s for s, _ in pairs), tuple(p for _, p in pairs)
+    return a, a
+
+
 def key_and_pointers(kernel, device, args, kwargs, warps, stages):
     """(cache key, launcher arguments) of one launch, in one pass over the arguments:
     tensors go in as raw pointers, which spares the launcher a data_ptr() call and a
@@ -60,13 +72,9 @@ def key_and_pointers(kernel, device, args, kwargs, warps, stages):
     spec = []
     flat = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            p = a.data_ptr()
-            spec.append((a.dtype, a.is_cuda, p % 16 == 0))
-            flat.append(p)
-        else:
-            spec.append(a)
-            flat.append(a)
+        s, p = _spec_and_pointer(a)
+        spec.append(s)
+        flat.append(p)
     return (kernel, device, warps, stages, tuple(kwargs.items()), tuple(spec)), flat
 
 
@@ -144,10 +152,8 @@ def make_plan(compiled, kernel, grid, args, kwargs, tensors):
         if type(a) is Slot:
             slots.append((pos, a.name))
             flat.append(0)
-        elif isinstance(a, torch.Tensor):
-            flat.append(a.data_ptr())
         else:
-            flat.append(a)
+            flat.append(_spec_and_pointer(a)[1])
     flat += [kwargs[name] for name in names[len(args):]]
     return LaunchPlan(compiled, _grid3(grid), _device(), flat, slots)
 

@@ -48,7 +48,8 @@ def fake_launches(monkeypatch):
 
     def fake_launch(kernel, grid, args, kwargs, warps, stages):
         params = triton_launch.param_names(kernel)
-        flat = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        # tensors as data pointers, also inside tuple arguments (what the launcher is given)
+        flat = [triton_launch._spec_and_pointer(a)[1] for a in args]
         flat += [kwargs[n] for n in params[len(args):]]
         g = tuple(grid) + (1, 1)
         log.append((kernel.fn.__name__, g[:3], flat))
