@@ -31,7 +31,7 @@ from .triton_block_common import (
     _DB, _DBQ, _DELTA, _DK, _DO, _DQ, _DQA, _DV, _GLSE, _K, _LSE, _LSE2, _OUT, _Q, _V,
     CallPlan, _cdiv, _config, _even, _load_tile, _score, _strides, _tile_order, call_args)
 from .triton_block_mask import (
-    _block_at, _cr_prefetch, _head_div, _in_ranges, _list_count, _query_tile_visible,
+    _cr_prefetch, _head_div, _in_ranges, _list_count, _list_tile, _query_tile_visible,
     _ranges_load, _slots_on_rows, _visible)
 
 # dbias modes of the dK/dV pass
@@ -115,11 +115,9 @@ def _bwd_kv_inner(dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
     d_ok = offs_d[None, :] < D
     j_ok = j[:, None] < Lk
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
-        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        walk = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            qb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
-                                 tl.cdiv(Lq, block_q), RANGES)
-            i = qb * block_q + (it % SUB) * BLOCK_M + offs_m
+            qb, pen, i = _list_tile(idx_ptr, walk, it, SUB, Lq, block_q, BLOCK_M, offs_m, RANGES)
             i_ok = i < Lq
             qT = _load_tile(Qh + i[None, :] * sqm + offs_d[:, None] * sqd, i_ok[None, :], d_okT,
                             not EVEN_M, not EVEN_D)
@@ -306,11 +304,9 @@ def _bwd_q_inner(dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
     """One block list's key tiles into (dq, dbacc), recomputing P and dS."""
     d_okT = offs_d[:, None] < D
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
-        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        walk = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            kb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
-                                 tl.cdiv(Lk, block_k), RANGES)
-            j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+            kb, pen, j = _list_tile(idx_ptr, walk, it, SUB, Lk, block_k, BLOCK_N, offs_n, RANGES)
             j_ok = j[None, :] < Lk
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
                             not EVEN_N, not EVEN_D)
@@ -345,11 +341,9 @@ def _bwd_q_from_ds_inner(dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
     """dQ += dS @ K with dS read back from what the dK/dV pass stored (full-shape dbias)."""
     d_okT = offs_d[:, None] < D
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
-        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        walk = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            kb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
-                                 tl.cdiv(Lk, block_k), RANGES)
-            j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+            kb, pen, j = _list_tile(idx_ptr, walk, it, SUB, Lk, block_k, BLOCK_N, offs_n, RANGES)
             j_ok = j[None, :] < Lk
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_okT,
                             not EVEN_N, not EVEN_D)

@@ -14,7 +14,7 @@ from .triton_block_common import (
     _K, _LSE, _OUT, _Q, _V, FWD_SHORT_BLOCKS, CallArgs, CallPlan, _cdiv, _config, _even,
     _load_tile, _score, _strides, _tile_order, call_args)
 from .triton_block_mask import (
-    _block_at, _cached_fact, _list_count, _query_tile_visible, _ranges_load)
+    _cached_fact, _list_count, _list_tile, _query_tile_visible, _ranges_load)
 
 
 # ======================================================================================= kernel
@@ -33,11 +33,9 @@ def _fwd_inner(acc, l_i, m_i, q, i, offs_n, offs_d, b, h,
     element predicates."""
     d_ok = offs_d[:, None] < D
     if RANGES >= 0:      # else EMPTY_LIST: no row has a block
-        lo0, lo1, lo2, lo3, c1, c2, c3 = _ranges_load(idx_ptr, n_iters, RANGES)
+        walk = _ranges_load(idx_ptr, n_iters, RANGES)
         for it in range(n_iters):
-            kb, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3,
-                                 tl.cdiv(Lk, block_k), RANGES)
-            j = kb * block_k + (it % SUB) * BLOCK_N + offs_n
+            kb, pen, j = _list_tile(idx_ptr, walk, it, SUB, Lk, block_k, BLOCK_N, offs_n, RANGES)
             j_ok = j[None, :] < Lk
             kT = _load_tile(Kh + j[None, :] * skn + offs_d[:, None] * skd, j_ok, d_ok,
                             not EVEN_N, not EVEN_D)

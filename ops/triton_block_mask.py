@@ -10,7 +10,7 @@ of six, `BlockListArgs` (count, index, batch stride, head stride, head divisor, 
 plus a RANGES constexpr: 0 for explicit indices, R for the range form with R range slots
 read, `EMPTY_LIST` when no row has a block (the loop is compiled out). A row starts at
 `row = b * batch_stride + (h // head_div) * head_stride + block`, `_list_count` clamps its
-count, and `_ranges_load` / `_block_at` give its blocks.
+count, and `_ranges_load` / `_list_tile` give its blocks.
 
 Element predicates (applied in partial blocks only). Dense mask, column ranges and the
 partial-block bitmaps reach every attention kernel as one tuple of 20, `preds` (the fields of
@@ -97,6 +97,18 @@ def _block_at(idx_ptr, t, lo0, lo1, lo2, lo3, c1, c2, c3, n_blocks, RANGES: tl.c
     ok = (blk >= 0) & (blk < n_blocks)
     pen = tl.where(ok, 0.0, float("-inf"))
     return tl.minimum(tl.maximum(blk, 0), n_blocks - 1), pen
+
+
+@triton.jit
+def _list_tile(idx_ptr, walk, it, SUB: tl.constexpr, L, block: tl.constexpr,
+               BLOCK: tl.constexpr, offs, RANGES: tl.constexpr):
+    """Tile `it` of a block list's walk (SUB tiles of BLOCK rows or columns per listed
+    block; walk = _ranges_load(...)): the block, its penalty (_block_at) and the tile's
+    indices."""
+    lo0, lo1, lo2, lo3, c1, c2, c3 = walk
+    blk, pen = _block_at(idx_ptr, it // SUB, lo0, lo1, lo2, lo3, c1, c2, c3, tl.cdiv(L, block),
+                         RANGES)
+    return blk, pen, blk * block + (it % SUB) * BLOCK + offs
 
 
 @triton.jit

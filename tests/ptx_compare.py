@@ -8,7 +8,7 @@ checked before and after (docs/design.md, "Checking a kernel refactor without a 
 Each call of a set of masks, dtypes and backward modes is planned as the Triton backend
 plans it (forward_plan, backward_plan, on CPU tensors); every launch is specialized by
 Triton's own binder and compiled for sm_90. The PTX is compared without the kernel's name,
-its parameter names, `.loc` lines and debug sections. Exits 1 on any difference.
+its parameter names, `.loc` lines, debug-scope labels and debug sections. Exits 1 on any difference.
 """
 import argparse
 import hashlib
@@ -38,6 +38,8 @@ def normalized_ptx(ptx, name):
         if line.lstrip().startswith(".section") and ".debug" in line:
             break                                   # debug sections come last
         if "\t.loc\t" in line or line.lstrip().startswith(".file"):
+            continue
+        if re.fullmatch(r"\$L__tmp\d+:", line):     # debug-scope labels (inlined helpers)
             continue
         lines.append(re.sub(r"KERNEL_param_\d+", "P", line.replace(name, "KERNEL")))
     return "\n".join(lines)
