@@ -16,7 +16,8 @@
 //     with the element predicates of partial tiles,
 //     dV += P^T dO and dK += dS^T Q (P^T, dS^T as register operands),
 //     dS^T to shared memory (stmatrix), then dQ = dS K (each warpgroup half of the head
-//     dim), staged in shared memory for the dQ writer.
+//     dim, or at 128-row steps half of the rows), staged in shared memory for the dQ
+//     writer.
 // dK and dV stay in registers until the CTA is done and are written once. A preprocess
 // kernel computes delta = rowsum(dO * O) - grad_lse and lse in the log2 domain and zeroes
 // the dQ accumulator; a postprocess kernel scales it into dq.
@@ -94,11 +95,16 @@ struct BwdTraits {
           GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>,
                                GMMA::Major::K, GMMA::Major::MN>(),
           Wg2x1{}))>;
-  // dQ: (queries, head dim) over the keys; each warpgroup takes half of the head dim.
+  // dQ: (queries, head dim) over the keys. 64-row steps: each warpgroup takes half of the
+  // head dim. 128-row steps (head dim 64): each warpgroup takes 64 of the rows and the
+  // whole head dim, one 64x64 wgmma per k-block instead of two 64x32 ones (FA3/FA4's
+  // hd64 split; docs/perf-notes.md C44).
+  static constexpr bool kDqSplitRows = kBlockM == 128;
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kDqSplitRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
+      conditional_t<kDqSplitRows, Wg2x1, Wg1x2>{}));
 
   using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(
@@ -649,7 +655,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
           cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          // dQ = dS K over this CTA's keys, this warpgroup's half of the head dim.
+          // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
           gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           pipe_do.consumer_release(read);
           gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done

@@ -91,15 +91,17 @@ def test_unsupported_backward_refused_before_running():
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
-@pytest.mark.parametrize("kind", ["causal", "document", "block_sparse", "causal_hd256"])
+@pytest.mark.parametrize("kind", ["causal", "document", "block_sparse", "causal_hd256",
+                                  "causal_hd64"])
 def test_deterministic_backward_bitwise(kind):
     """deterministic=True: dQ is added in key-tile order, so two runs agree bit for bit
-    (GQA: several query heads per CTA; block 256 keys: two key tiles per block); and the
-    gradients pass the float64 check."""
+    (GQA: several query heads per CTA; block 256 keys: two key tiles per block; hd64: the
+    128-row steps, whose warpgroups split dQ by rows); and the gradients pass the float64
+    check."""
     torch.manual_seed(5)
     B, Hq, Hkv, L = 2, 4, 2, 1500
-    D = 256 if kind.endswith("hd256") else 128
-    mask = T.mask_kinds(B, Hkv, L)[kind.removesuffix("_hd256")]
+    D = 256 if kind.endswith("hd256") else 64 if kind.endswith("hd64") else 128
+    mask = T.mask_kinds(B, Hkv, L)[kind.split("_hd")[0]]
     check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, deterministic=True)
     desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=(128, 256)) \
         if kind != "block_sparse" else mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
