@@ -1,9 +1,11 @@
 """Kernel launches with less host time per call.
 
 `kernel[grid](*args, **kwargs)` costs ~40 µs of host time on the H100 machine for our
-~60-argument kernels: Triton's binder specializes every argument (integer divisibility,
-pointer alignment), hashes the result into a cache key and builds launch metadata, on
-every call (tests/gpu/host_overhead.py, docs/perf-notes.md change 15). Here the first
+kernels (measured when they took ~60 flat arguments; they now take ~25, with strides and
+the descriptor's tensors grouped in tuples): Triton's binder specializes every argument
+(integer divisibility, pointer alignment, also inside tuples), hashes the result into a
+cache key and builds launch metadata, on every call (tests/gpu/host_overhead.py,
+docs/perf-notes.md change 15). Here the first
 launch with a given specialization goes through Triton as usual; later launches whose
 arguments specialize the same way call the compiled kernel's launcher directly.
 
