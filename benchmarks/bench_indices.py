@@ -446,46 +446,38 @@ def format_local_table(rs):
 
 # ------------------------------------------------------------------ config sweep
 
-FWD_CANDIDATES = [dict(block_w=bw, num_warps=nw, num_stages=ns)
-                  for bw, nw, ns in ((32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 4, 3), (64, 8, 2),
-                                     (128, 4, 2), (128, 8, 2), (128, 8, 3))]
-BWD_CANDIDATES = [dict(block_w=bw, num_warps=nw, num_stages=ns)
-                  for bw, nw, ns in ((16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 2), (64, 4, 1),
-                                     (64, 8, 1), (64, 8, 2))]
+# (BLOCK_W, num_warps, num_stages): kernel options index_fwd_config / index_bwd_config
+FWD_CANDIDATES = [(32, 4, 2), (64, 4, 1), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
+                  (128, 8, 2), (128, 8, 3)]
+BWD_CANDIDATES = [(16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 8, 2), (64, 4, 1), (64, 8, 1),
+                  (64, 8, 2)]
 
 
 def sweep(L=8192, widths=WIDTHS, log=print):
-    """Time forward and backward alone for the candidate configs; restore the defaults."""
+    """Time forward and backward alone for the candidate configs (kernel options per call)."""
     MaskTensors, ti = _ops()
+    from flexsparse.ops.kernel_options import KernelOptions
     for W in widths:
         q, k, v, idx = make_inputs(L, W)
         mt = MaskTensors(attn_indices=idx)
         scale = 1.0 / math.sqrt(D)
         out, lse = ti.forward(q, k, v, None, mt, scale, 0.0)
         do = torch.randn_like(out)
-        saved = dict(ti.FWD_CONFIG)
         for cfg in FWD_CANDIDATES:
-            ti.FWD_CONFIG.clear()
-            ti.FWD_CONFIG.update(cfg)
+            opts = KernelOptions(index_fwd_config=cfg)
             try:
-                ms = _bench(lambda: ti.forward(q, k, v, None, mt, scale, 0.0))
-                log(f"sweep fwd L={L} W={W} {cfg}: {ms:.3f} ms")
+                ms = _bench(lambda: ti.forward(q, k, v, None, mt, scale, 0.0, opts))
+                log(f"sweep fwd L={L} W={W} (BLOCK_W, warps, stages)={cfg}: {ms:.3f} ms")
             except Exception as err:
                 log(f"sweep fwd L={L} W={W} {cfg}: failed {type(err).__name__}: {str(err)[:200]}")
-        ti.FWD_CONFIG.clear()
-        ti.FWD_CONFIG.update(saved)
-        saved = dict(ti.BWD_CONFIG)
         for cfg in BWD_CANDIDATES:
-            ti.BWD_CONFIG.clear()
-            ti.BWD_CONFIG.update(cfg)
+            opts = KernelOptions(index_bwd_config=cfg)
             try:
                 ms = _bench(lambda: ti.backward(do, None, q, k, v, out, lse, None, mt, scale, 0.0,
-                                                False, False))
-                log(f"sweep bwd L={L} W={W} {cfg}: {ms:.3f} ms")
+                                                False, False, opts))
+                log(f"sweep bwd L={L} W={W} (BLOCK_W, warps, stages)={cfg}: {ms:.3f} ms")
             except Exception as err:
                 log(f"sweep bwd L={L} W={W} {cfg}: failed {type(err).__name__}: {str(err)[:200]}")
-        ti.BWD_CONFIG.clear()
-        ti.BWD_CONFIG.update(saved)
         try:
             ms = _bench(lambda: ti.backward(do, None, q, k, v, out, lse, None, mt, scale, 0.0,
                                             True, False))

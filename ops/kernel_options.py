@@ -1,5 +1,5 @@
-"""Per-call kernel options (like FlexAttention's `kernel_options`), for the Triton block
-kernels: `flexsparse.attention(..., kernel_options={"bwd_mode": "two_pass"})`.
+"""Per-call kernel options (like FlexAttention's `kernel_options`), for the Triton kernels:
+`flexsparse.attention(..., kernel_options={"bwd_mode": "two_pass"})`.
 
 The op schemas have no slot for a dict, and must not change (the C++ kernels of the CUDA
 backend's ops are registered against them), so the options travel inside the op's
@@ -22,6 +22,11 @@ Options (all optional; the defaults are what the kernels do without options):
   fwd_config, dkdv_config, dq_config
                (BLOCK_M, BLOCK_N, num_warps, num_stages) of that pass instead of the
                tuned choice (tests, tuning sweeps)
+  index_fwd_config, index_bwd_config
+               (BLOCK_W, num_warps, num_stages) of the index kernels' forward / per-query
+               backward (ops/triton_indices.py) instead of the tuned choice
+  index_bwd_kv_config
+               (rows, num_warps) of the deterministic index backward's per-key kernel
 """
 import functools
 from typing import NamedTuple, Optional, Tuple
@@ -30,6 +35,15 @@ BWD_MODES = ("auto", "two_pass", "one_launch", "atomic_dq")
 CONFIG_KINDS = ("fwd", "dkdv", "dq")
 
 Config = Tuple[int, int, int, int]
+# Each *_config option: what its tuple holds (its length is the number of names).
+CONFIG_FIELDS = {
+    "fwd_config": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "dkdv_config": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "dq_config": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "index_fwd_config": ("BLOCK_W", "num_warps", "num_stages"),
+    "index_bwd_config": ("BLOCK_W", "num_warps", "num_stages"),
+    "index_bwd_kv_config": ("rows", "num_warps"),
+}
 
 
 class KernelOptions(NamedTuple):
@@ -39,6 +53,9 @@ class KernelOptions(NamedTuple):
     fwd_config: Optional[Config] = None
     dkdv_config: Optional[Config] = None
     dq_config: Optional[Config] = None
+    index_fwd_config: Optional[Tuple[int, int, int]] = None
+    index_bwd_config: Optional[Tuple[int, int, int]] = None
+    index_bwd_kv_config: Optional[Tuple[int, int]] = None
 
     def config(self, kind: str) -> Optional[Config]:
         """The forced (BLOCK_M, BLOCK_N, warps, stages) of pass `kind`, or None."""
@@ -68,10 +85,11 @@ def from_dict(options: Optional[dict]) -> KernelOptions:
             if not isinstance(value, bool):
                 raise TypeError(f"kernel_options: {name} must be a bool, got {value!r}")
         elif value is not None:
+            fields = CONFIG_FIELDS[name]
             value = tuple(value)
-            if len(value) != 4 or not all(isinstance(x, int) and x > 0 for x in value):
-                raise ValueError(f"kernel_options: {name} must be four positive ints "
-                                 f"(BLOCK_M, BLOCK_N, num_warps, num_stages), got {value!r}")
+            if len(value) != len(fields) or not all(isinstance(x, int) and x > 0 for x in value):
+                raise ValueError(f"kernel_options: {name} must be {len(fields)} positive ints "
+                                 f"({', '.join(fields)}), got {value!r}")
         values[name] = value
     return KernelOptions(**values)
 

@@ -28,9 +28,8 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 
 def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, deterministic,
             options=DEFAULT):
-    # kernel options are for the block kernels; the index kernels have none yet
     if mask.attn_indices is not None:
-        return _indices().forward(query, key, value, bias, mask, scale, softcap)
+        return _indices().forward(query, key, value, bias, mask, scale, softcap, options)
     return triton_block.forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
                                 deterministic, options)
 
@@ -39,7 +38,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_
              scale, softcap, deterministic, bias_requires_grad, options=DEFAULT):
     if mask.attn_indices is not None:
         return _indices().backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
-                                   scale, softcap, deterministic, bias_requires_grad)
+                                   scale, softcap, deterministic, bias_requires_grad, options)
     return triton_block.backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
                                  block_q, block_k, scale, softcap, deterministic,
                                  bias_requires_grad, options)

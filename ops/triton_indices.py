@@ -32,26 +32,17 @@ except ImportError:  # pragma: no cover - the backend module guards this import 
     triton = None
     tl = None
 
+from .kernel_options import DEFAULT as DEFAULT_OPTIONS
 from .triton_compat import interpreting
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 
-# Tunables (the benchmark may override them). Keys: "block_w", "num_warps", "num_stages".
-FWD_CONFIG = {}
-BWD_CONFIG = {}
-BWD_KV_CONFIG = {}
-# Testing hook: fill every buffer a kernel is supposed to write with NaN first, so an
-# entry the kernel forgets to write shows up.
-POISON_OUTPUTS = False
-
 
 def _empty(shape, dtype, device):
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if POISON_OUTPUTS and t.dtype.is_floating_point:
-        t.fill_(math.nan)
-    return t
-
+    """Allocation of every buffer a kernel must fill completely (tests swap in one that
+    fills it with NaN first, so that an entry a kernel forgets to write shows up)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 
@@ -416,30 +407,29 @@ def _idx4(idx, B, Hkv, Lq, W):
     return idx.expand(B, Hkv, Lq, W)
 
 
-def _cfg(table, key, default):
-    return table.get(key, default)
+def _fwd_config(D_PAD, DV_PAD, W, options):
+    """(BLOCK_W, num_warps, num_stages) of the forward: kernel option index_fwd_config, or
+    the tuned choice."""
+    if options.index_fwd_config is not None:
+        return options.index_fwd_config
+    bw = 32 if max(D_PAD, DV_PAD) > 128 else 64
+    return min(bw, max(16, _next_pow2(W))), 4, 2
 
 
-def _fwd_config(D_PAD, DV_PAD, W):
-    big = max(D_PAD, DV_PAD) > 128
-    bw = 32 if big else 64
-    bw = min(bw, max(16, _next_pow2(W)))
-    return (_cfg(FWD_CONFIG, "block_w", bw), _cfg(FWD_CONFIG, "num_warps", 4),
-            _cfg(FWD_CONFIG, "num_stages", 2))
+def _bwd_config(D_PAD, DV_PAD, W, options):
+    """(BLOCK_W, num_warps, num_stages) of the per-query backward: index_bwd_config, or the
+    tuned choice."""
+    if options.index_bwd_config is not None:
+        return options.index_bwd_config
+    bw = 16 if max(D_PAD, DV_PAD) > 128 else 32
+    return min(bw, max(16, _next_pow2(W))), 4, 2
 
 
-def _bwd_config(D_PAD, DV_PAD, W):
-    big = max(D_PAD, DV_PAD) > 128
-    bw = 16 if big else 32
-    bw = min(bw, max(16, _next_pow2(W)))
-    return (_cfg(BWD_CONFIG, "block_w", bw), _cfg(BWD_CONFIG, "num_warps", 4),
-            _cfg(BWD_CONFIG, "num_stages", 2))
-
-
-def _bwd_kv_config(D_PAD, DV_PAD, G_P2):
-    rows = 32 if max(D_PAD, DV_PAD) > 128 else 64
-    rows = _cfg(BWD_KV_CONFIG, "rows", rows)
-    return max(1, rows // G_P2), _cfg(BWD_KV_CONFIG, "num_warps", 4)
+def _bwd_kv_config(D_PAD, DV_PAD, G_P2, options):
+    """(list entries per step, num_warps) of the per-key backward: from
+    index_bwd_kv_config's (rows, num_warps), or the tuned choice."""
+    rows, warps = options.index_bwd_kv_config or (32 if max(D_PAD, DV_PAD) > 128 else 64, 4)
+    return max(1, rows // G_P2), warps
 
 
 def _pads(G, D, Dv):
@@ -454,7 +444,7 @@ def _launch_opts(num_warps, num_stages):
 
 # ====================================================================== forward
 
-def forward(query, key, value, bias, mask, scale, softcap):
+def forward(query, key, value, bias, mask, scale, softcap, options=DEFAULT_OPTIONS):
     idx = mask.attn_indices
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
@@ -477,7 +467,7 @@ def forward(query, key, value, bias, mask, scale, softcap):
     has_bias = bias is not None
     b5 = _bias5(bias, B, Hkv, G, Lq, Lk) if has_bias else None
     bstr = b5.stride() if has_bias else (0, 0, 0, 0, 0)
-    block_w, num_warps, num_stages = _fwd_config(D_PAD, DV_PAD, W)
+    block_w, num_warps, num_stages = _fwd_config(D_PAD, DV_PAD, W, options)
     grid = (Lq, Hkv, B)
     _fwd_kernel[grid](
         q5, key, value, i4, b5 if has_bias else q5, o5, l4,
@@ -566,7 +556,7 @@ def _reduce_dbias(ds5, idx, bias, B, Hkv, G, Lq, Lk, W, deterministic):
 
 
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, scale, softcap,
-             deterministic, bias_requires_grad):
+             deterministic, bias_requires_grad, options=DEFAULT_OPTIONS):
     idx = mask.attn_indices
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
@@ -606,7 +596,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, scale,
     ds5 = _empty((B, Hkv, G, Lq, W), torch.float32, dev) if want_dbias else None
     dsx = ds5 if want_dbias else l4.unsqueeze(-1)
 
-    block_w, num_warps, num_stages = _bwd_config(D_PAD, DV_PAD, W)
+    block_w, num_warps, num_stages = _bwd_config(D_PAD, DV_PAD, W, options)
     _bwd_q_kernel[(Lq, Hkv, B)](
         q5, key, value, i4, b5 if has_bias else q5, o5, do5, l4, dl4, dq5, dk_acc, dv_acc,
         dsx, delta,
@@ -631,7 +621,7 @@ def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, scale,
         rp = rowptr.expand(B, Hkv, Lk + 1)
         qx = qidx.expand(B, Hkv, qidx.shape[-1])
         G_P2 = _next_pow2(G)
-        block_e, nw = _bwd_kv_config(D_PAD, DV_PAD, G_P2)
+        block_e, nw = _bwd_kv_config(D_PAD, DV_PAD, G_P2, options)
         _bwd_kv_kernel[(Lk, Hkv, B)](
             q5, key, value, b5 if has_bias else q5, do5, l4, delta, rp, qx, dk, dv,
             *q5.stride(), *key.stride(), *value.stride(), *bstr, *do5.stride(),

@@ -14,6 +14,8 @@ from flexsparse.ops import triton_backend
     {"bwd_mode": "two_pass"},
     {"trim_lists": False, "dq_from_ds": False},
     {"fwd_config": (16, 32, 4, 1), "dq_config": [32, 16, 4, 2], "bwd_mode": "atomic_dq"},
+    {"index_fwd_config": (32, 4, 2), "index_bwd_config": (16, 4, 1),
+     "index_bwd_kv_config": (64, 8)},
 ])
 def test_encode_decode_round_trip(options):
     opts = ko.from_dict(options)
@@ -30,6 +32,8 @@ def test_encode_decode_round_trip(options):
     ({"bwd_mode": "fast"}, ValueError),
     ({"trim_lists": 0}, TypeError),
     ({"fwd_config": (16, 32, 4)}, ValueError),
+    ({"index_fwd_config": (16, 32, 4, 1)}, ValueError),
+    ({"index_bwd_kv_config": (64, 0)}, ValueError),
     (["bwd_mode"], TypeError),
 ])
 def test_bad_options_are_refused(options, error):

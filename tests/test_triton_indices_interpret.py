@@ -23,7 +23,11 @@ from flexsparse.topk import topk_indices  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(ti, "POISON_OUTPUTS", True)
+    """Every buffer a kernel must fill starts as NaN, so an entry it forgets shows up."""
+    def poisoned(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(math.nan) if t.dtype.is_floating_point else t
+    monkeypatch.setattr(ti, "_empty", poisoned)
 
 
 # ------------------------------------------------------------------ helpers
@@ -266,6 +270,36 @@ def _dense_topk(s, k, causal):
     if kk < k:
         ind = torch.cat([ind, ind.new_full(ind.shape[:-1] + (k - kk,), -1)], -1)
     return ind.to(torch.int32)
+
+
+def test_kernel_options_set_the_index_configs(monkeypatch):
+    """kernel_options' index_*_config reach the index kernels through flexsparse.attention
+    (per call, no module state), and the results stay right with them."""
+    seen = {}
+    for name in ("_fwd_config", "_bwd_config", "_bwd_kv_config"):
+        real = getattr(ti, name)
+
+        def spy(*args, _real=real, _name=name):
+            seen[_name] = _real(*args)
+            return seen[_name]
+        monkeypatch.setattr(ti, name, spy)
+    q, k, v, idx = _make(1, 4, 2, 24, 40, 16, 16, 20, torch.float32, seed=9)
+    idx = idx.clamp(-1, 39)                     # in range, as the API requires
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    options = {"index_fwd_config": (16, 2, 1), "index_bwd_config": (16, 1, 1),
+               "index_bwd_kv_config": (32, 2)}
+    mask = flexsparse.masks.indices(idx)
+    out = flexsparse.attention(*leaves, mask, backend="triton", deterministic=True,
+                               kernel_options=options)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    assert seen["_fwd_config"] == (16, 2, 1)
+    assert seen["_bwd_config"] == (16, 1, 1)
+    assert seen["_bwd_kv_config"] == (32 // 2, 2)       # rows per G_P2 (G = 2), warps
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = flexsparse.attention(*ref_leaves, mask, backend="reference")
+    ref_grads = torch.autograd.grad(ref.sum(), ref_leaves)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        _close(name, got, want.float(), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("causal", [False, True])
