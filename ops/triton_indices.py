@@ -45,7 +45,6 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
