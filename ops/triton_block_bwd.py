@@ -535,7 +535,8 @@ def _attn_bwd_one_launch(Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DBQ, DQ,
         _bwd_dkdv_program(
             pid, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, DQ,
             q_strides, k_strides, v_strides, do_strides, bias_strides, db_strides,
-            q_partial, q_full, preds, Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
+            q_partial, q_full, preds,
+            Hq, Hkv, G, Lq, Lk, D, block_q, block_k, SUB1, nQB, scale, qk_scale, cap_log2,
             HAS_BIAS, SOFTCAP, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, DB_MODE, ZERO_SKIPPED,
             EVEN_M1, EVEN_N1, EVEN_D, BLOCK_M1, BLOCK_N1, BLOCK_D, Q_PARTIAL_RANGES,
             Q_FULL_RANGES, False)
@@ -569,8 +570,7 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     # dbias plan (module docstring): which pass produces it, and where.
     # scratch: name -> (shape, dtype, zeroed) allocated per call; finish_db: tensors -> dbias.
     db_mode, db_colsum, zero_skipped = DB_NONE, False, False
-    db_ptr, db_strides = m.dummy, (0, 0, 0, 0)
-    db_hdiv = 1
+    db_ptr, db_strides, db_hdiv = m.dummy, (0, 0, 0, 0), 1
     dbq_ptr = m.dummy
     scratch = {}
     finish_db = None
@@ -622,9 +622,14 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     if mode == "atomic_dq" and (deterministic or db_colsum or dq_from_ds):
         mode = "two_pass"
 
-    # (batch, head, row, column) strides of Q, K, V and dO; the bias's (triton_block_common)
+    # The kernels' tuple arguments: (batch, head, row, column) strides of Q, K, V and dO and
+    # the bias's (triton_block_common); the dbias strides with its head divisor; the
+    # descriptor's block lists and predicates (triton_block_mask.MaskArgs) as plain tuples.
     strides = (_strides(query), _strides(key), _strides(value), _strides(grad_out),
                c.bias.strides)
+    db_args = (*db_strides, db_hdiv)
+    q_partial, q_full, kv_partial, kv_full, preds = (
+        tuple(t) for t in (m.q_partial, m.q_full, m.kv_partial, m.kv_full, m.predicates))
     # Short per-tile work: explicit block lists (not the range form), or column ranges that
     # also hide rows below the keys (windows, documents); not full, causal or prefix-LM.
     list_form = m.ranges.q_full == 0 and m.ranges.kv_full == 0
@@ -645,10 +650,10 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
     if mode == "one_launch":
         launches.append((_attn_bwd_one_launch, (n_kv_tiles + G * n_q_tiles, B * Hkv), (
             _Q, _K, _V, _DO, _LSE2, _DELTA, c.bias.pointer, db_ptr, _DK, _DV, dbq_ptr,
-            _DQ, *strides, (*db_strides, db_hdiv), tuple(m.q_partial), tuple(m.q_full),
-            tuple(m.kv_partial), tuple(m.kv_full), tuple(m.predicates), Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM,
-            block_k // BN2, -(-Lq // block_q), n_kv_tiles, n_q_tiles, scale, c.qk_scale,
-            c.cap_log2, m.reverse_query_tiles),
+            _DQ, *strides, db_args, q_partial, q_full, kv_partial, kv_full, preds,
+            Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, block_k // BN2,
+            -(-Lq // block_q), n_kv_tiles, n_q_tiles, scale, c.qk_scale, c.cap_log2,
+            m.reverse_query_tiles),
             dict(**dkdv_constexprs, **m.ranges.q_constexprs(), **m.ranges.kv_constexprs(),
                  DB_COLSUM=db_colsum,
                  EVEN_M1=_even(Lq, BM, block_q), EVEN_N1=_even(Lk, BN, block_k),
@@ -661,8 +666,8 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
         launches.append((_attn_bwd_dkdv, (n_kv_tiles, B * Hkv), (
             _Q, _K, _V, _DO, _LSE2, _DELTA, c.bias.pointer, db_ptr, _DK, _DV,
             _DQA if dq_atomic else m.dummy,
-            *strides, (*db_strides, db_hdiv), tuple(m.q_partial), tuple(m.q_full),
-            tuple(m.predicates), Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
+            *strides, db_args, q_partial, q_full, preds,
+            Hq, Hkv, G, Lq, Lk, D, block_q, block_k, block_q // BM, -(-Lq // block_q), scale,
             c.qk_scale, c.cap_log2),
             dict(**dkdv_constexprs, **m.ranges.q_constexprs(), DQ_ATOMIC=dq_atomic,
                  EVEN_M=_even(Lq, BM, block_q), EVEN_N=_even(Lk, BN, block_k), BLOCK_M=BM,
@@ -672,8 +677,8 @@ def backward_plan(grad_out, grad_lse, query, key, value, out, bias, mask, block_
             ds_ptr, ds_strides = (db_ptr, db_strides) if dq_from_ds else (m.dummy, (0,) * 4)
             launches.append((_attn_bwd_dq, (n_q_tiles, B * Hq), (
                 _Q, _K, _V, _DO, _LSE2, _DELTA, c.bias.pointer, dbq_ptr, _DQ, ds_ptr,
-                *strides, ds_strides, tuple(m.kv_partial), tuple(m.kv_full),
-                tuple(m.predicates), Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c.qk_scale,
+                *strides, ds_strides, kv_partial, kv_full, preds,
+                Hq, G, Lq, Lk, D, block_q, block_k, block_k // BN2, scale, c.qk_scale,
                 c.cap_log2, m.reverse_query_tiles),
                 dict(**c.constexprs, **m.ranges.kv_constexprs(), DB_COLSUM=db_colsum,
                      DQ_FROM_DS=dq_from_ds, EVEN_M=_even(Lq, BM2, block_q),
