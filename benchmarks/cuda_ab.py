@@ -35,7 +35,7 @@ def main():
     head = " | ".join(f"fwd {v}" for v in variants)
     if bwd:
         head += " | " + " | ".join(f"bwd {v}" for v in variants)
-    print(f"| row | {head} | max rel err vs first |")
+    print(f"| row | {head} | max rel err vs first (out, grads) |")
     print("|---" * (1 + len(variants) * (2 if bwd else 1) + 1) + "|")
     for kind, L, D in parse_rows(spec):
         item = f"{kind}@{L}" + (f"@{D}" if D != 128 else "")
@@ -47,7 +47,7 @@ def main():
         desc = fs_mask.compile(B, H, H, L, L, device=q.device)
         flops = 4.0 * D * desc.num_visible(batch=B)
         times = {(v, p): [] for v in variants for p in ("fwd", "bwd")}
-        outs = {}
+        outs, grads = {}, {}
         for _ in range(rounds):
             for var in variants:
                 os.environ["FLEXSPARSE_CUDA_DEBUG"] = var
@@ -57,13 +57,19 @@ def main():
                 if bwd:
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
                     out = flexsparse.attention(qg, kg, vg, desc, bias=bias, backend="cuda")
-                    do = torch.randn_like(out)
+                    do = torch.randn(out.shape, device="cuda", dtype=DTYPE,
+                                     generator=torch.Generator("cuda").manual_seed(1))
+                    grads[var] = [g.float() for g in
+                                  torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)]
                     times[(var, "bwd")].append(triton.testing.do_bench(
                         lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True),
                         warmup=10, rep=60))
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
         first = outs[variants[0]]
         err = max(((o - first).norm() / first.norm()).item() for o in outs.values())
+        for gs in grads.values():   # dq, dk, dv of each variant against the first's
+            err = max([err] + [((g - g0).norm() / g0.norm()).item()
+                               for g, g0 in zip(gs, grads[variants[0]])])
         cells = [f"{flops / statistics.median(times[(v, 'fwd')]) * 1e-9:.0f}" for v in variants]
         if bwd:
             cells += [f"{2.5 * flops / statistics.median(times[(v, 'bwd')]) * 1e-9:.0f}"
