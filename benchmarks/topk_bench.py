@@ -2,19 +2,21 @@
 (scores, k) on the GPU without an (Lq, Lk) tensor, chunked, <= 1.2x torch.topk time").
 
     python -m benchmarks.topk_bench [--lengths 8192,32768] [--ks 64,256] [--dtype bf16]
-                                    [--chunk-elements 4194304,16777216,268435456] [--out PATH]
+                                    [--chunk-elements 16777216] [--kernel-configs 2048x8]
+                                    [--out PATH]
 
 Scores (B=1, H=8, L, L) are made once per L on the GPU; sizes whose scores and torch.topk
 outputs do not fit in 90% of the free GPU memory are skipped. Timed with
 triton.testing.do_bench medians, in one process:
   torch.topk           torch.topk(scores, k, dim=-1) (sorted=True, its default), all rows
                        at once; also sorted=False;
-  masks.topk           flexsparse.masks.topk(scores, k): row chunks of about
-                       topk.CHUNK_ELEMENTS (2^26) score elements (NaN -> -inf copy of the chunk,
-                       torch.topk, positions sorted ascending, -1 padding), int32 lists;
-                       also with chunks of about --chunk-elements elements each
-                       (default 2^22, 2^24, 2^28; "" for none);
-  masks.topk causal    the same with causal=True (only the columns a chunk's rows may see).
+  masks.topk           flexsparse.masks.topk(scores, k): on CUDA the Triton radix select of
+                       flexsparse/triton_topk.py over all rows in one launch, reading the
+                       scores in place (positions ascending, -1 padding), int32 lists;
+                       also in row chunks of about --chunk-elements elements each (as a
+                       callable's chunks would be; default 2^24, "" for none);
+  masks.topk causal    the same with causal=True (each row reads only the keys it may see);
+  --kernel-configs     the Triton kernel alone per BLOCKxWARPS (lines before each row).
 "ratio" = masks.topk ms / torch.topk ms (sorted=True); issue 17 asks <= 1.2. "extra MB" =
 peak memory allocated during the call above what was allocated before it (torch.topk's
 outputs included). "host syncs": during one masks.topk(causal=True) call, as
@@ -33,7 +35,7 @@ from benchmarks.build_bench import host_syncs
 B, H = 1, 8
 LENGTHS = (8192, 32768)
 KS = (64, 256)
-CHUNK_SWEEP = (1 << 22, 1 << 24, 1 << 28)   # besides topk.CHUNK_ELEMENTS (1 << 26)
+CHUNK_SWEEP = (1 << 24,)   # rows per launch when chunked (chunk_rows), as a callable's chunks
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -69,9 +71,11 @@ def same_values(scores, idx, vals):
     return bool(torch.equal(got, want))
 
 
-def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=print):
+def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=print,
+         kernel_configs=()):
     from flexsparse import masks
     from flexsparse import topk as topk_mod
+    from flexsparse import triton_topk
     out = []
     for L in lengths:
         ok, need = fits(L, max(ks), dtype)
@@ -95,7 +99,14 @@ def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=pr
             for ce in chunk_elements:
                 rows_per_chunk = max(1, ce // (B * H * L))
                 r[f"chunk_{ce}_ms"] = _bench(lambda: masks.topk(scores, k, chunk_rows=rows_per_chunk))
-            r["chunk_rows"] = max(1, topk_mod.CHUNK_ELEMENTS // (B * H * L))
+            # on CUDA all rows of a tensor go in one launch (flexsparse/triton_topk.py)
+            r["chunk_rows"] = L if topk_mod._on_triton(scores) else max(1, topk_mod.CHUNK_ELEMENTS // (B * H * L))
+            for block, warps, *hist in kernel_configs:
+                hd = hist[0] if hist else None
+                t = _bench(lambda: triton_topk.topk_rows(scores, k, block=block, num_warps=warps,
+                                                         hist_digits=hd))
+                log(f"# L={L} k={k}: triton_topk block={block} num_warps={warps} hist_digits={hd}: {t:.2f} ms "
+                    f"({t / r['torch_ms']:.2f} of torch.topk)")
             out.append(r)
             log(format_row(r, chunk_elements))
         del scores
@@ -131,6 +142,9 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--chunk-elements", default=",".join(map(str, CHUNK_SWEEP)),
                     help="comma list: also time masks.topk with chunks of about this many elements")
+    ap.add_argument("--kernel-configs", default="",
+                    help="comma list of BLOCKxWARPS[xHIST_DIGITS] (e.g. 8192x8,16384x16x2): also "
+                         "time the Triton kernel alone with each")
     ap.add_argument("--out", help="also write the markdown table here")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -144,7 +158,8 @@ def main(argv=None):
     log(title)
     log(header(ces))
     rs = rows(tuple(int(x) for x in a.lengths.split(",")), tuple(int(x) for x in a.ks.split(",")),
-              dtype, ces, log=log)
+              dtype, ces, log=log,
+              kernel_configs=[tuple(map(int, c.split("x"))) for c in a.kernel_configs.split(",") if c])
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join([title, "", header(ces)] + [format_row(r, ces) for r in rs]) + "\n")

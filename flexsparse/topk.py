@@ -2,10 +2,12 @@
 
 `topk_indices(scores, k, causal=...)` keeps, for every query row, the k keys with the
 largest score and returns their positions as int32 (..., Lq, k), -1 where fewer than k
-keys are allowed (causal, Lk < k, or -inf / NaN scores). Rows are processed in chunks,
-so beyond the input itself only O(chunk_rows x Lk) memory is used; `scores` can also be
-a callable `scores(r0, r1) -> (..., r1 - r0, Lk)` that produces each chunk on the fly
-(then `num_queries` gives Lq), so no (Lq, Lk) tensor ever exists.
+keys are allowed (causal, Lk < k, or -inf / NaN scores). On CUDA, rows of up to 8K keys
+go to one Triton kernel (flexsparse/triton_topk.py) that reads the scores in place and
+writes only the (Lq, k) result; otherwise rows are processed in chunks, so beyond the input itself only
+O(chunk_rows x Lk) memory is used. `scores` can also be a callable
+`scores(r0, r1) -> (..., r1 - r0, Lk)` that produces each chunk on the fly (then
+`num_queries` gives Lq), so no (Lq, Lk) tensor ever exists.
 
 The result feeds `flexsparse.masks.indices(...)`; its leading dims are the score's
 (B|1, H|1) when scores are (B|1, H|1, Lq, Lk).
@@ -15,12 +17,27 @@ from typing import Callable, Optional, Union
 
 import torch
 
-# Elements of one score chunk (all leading dims x rows x Lk) when chunk_rows is not given.
-# torch.topk over few rows leaves the GPU part idle, so larger chunks are faster. On the
-# H100 (docs/benchmarks.md, bf16, L = 8K and 32K, k = 64 and 256), against torch.topk
-# over all rows: 1.85-1.99x at 2^24 elements, 1.29-1.50x at 2^26, 1.10-1.40x at 2^28.
-# 2^26 keeps a chunk's copy at 128 MB in bf16.
+# Elements of one score chunk (all leading dims x rows x Lk) when chunk_rows is not given,
+# on the torch path: each chunk is copied once (NaN -> -inf). For CUDA rows of up to
+# triton_topk.RESIDENT_MAX keys, the Triton kernel reads the scores in place, so a
+# tensor's rows go in one launch and only a callable's chunks are sized by this.
 CHUNK_ELEMENTS = 1 << 26
+
+
+def _triton_topk():
+    """flexsparse/triton_topk.py (the GPU path: one kernel, no copy of the scores), or None."""
+    try:
+        from . import triton_topk
+    except ImportError:
+        return None
+    return triton_topk
+
+
+def _on_triton(s: torch.Tensor) -> bool:
+    """CUDA scores whose rows the Triton kernel holds in registers (where it beats the
+    torch path; longer rows take torch.topk in chunks)."""
+    tk = _triton_topk()
+    return s.is_cuda and tk is not None and s.shape[-1] <= tk.RESIDENT_MAX
 
 
 def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]], k: int,
@@ -64,6 +81,8 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
     step = chunk_rows
     if step is not None and (not isinstance(step, int) or step <= 0):
         raise ValueError(f"chunk_rows: must be a positive int, got {chunk_rows!r}")
+    if probe is not None and step is None and _on_triton(probe):
+        step = max(1, Lq)     # no copy per chunk: all rows in one launch
     if probe is not None and step is None:
         lead = math.prod(probe.shape[:-2])
         step = max(1, CHUNK_ELEMENTS // max(1, lead * probe.shape[-1]))
@@ -91,11 +110,17 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
 
 
 def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: bool):
-    """int32 (..., rows, k) for one chunk of rows r0.. of the scores. No host sync and a
-    fixed handful of kernels per chunk: one pass writes the chunk's own copy with NaN
-    turned into -inf (causal: only the columns some row of the chunk may see, and -inf
-    written into the band above the diagonal in place), then torch.topk, then the
-    (rows, k) results are fixed up."""
+    """int32 (..., rows, k) for one chunk of rows r0.. of the scores. No host sync. On CUDA:
+    the Triton radix select of flexsparse/triton_topk.py. Else a fixed handful of torch ops
+    per chunk: one pass writes the chunk's own copy with NaN turned into -inf (causal: only
+    the columns some row of the chunk may see, and -inf written into the band above the
+    diagonal in place), then torch.topk, then the (rows, k) results are fixed up."""
+    if _on_triton(s):
+        tk = _triton_topk()
+        if not tk.supports(s):
+            s = s.float()
+        ind = tk.topk_rows(s, k, causal=causal, row0=r0, num_queries=Lq)
+        return ind if sort else _by_descending_score(s, ind)
     rows, Lk = s.shape[-2], s.shape[-1]
     width = Lk
     if causal:   # row i sees j <= i + (Lk - Lq): no row of this chunk sees past r0 + rows - 1 + off
@@ -125,3 +150,10 @@ def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: b
         pad = torch.full(ind.shape[:-1] + (k - kk,), -1, dtype=torch.int32, device=s.device)
         ind = torch.cat([ind, pad], dim=-1)
     return ind
+
+
+def _by_descending_score(s: torch.Tensor, ind: torch.Tensor) -> torch.Tensor:
+    """The kept positions of each row reordered by descending score, -1 entries last."""
+    vals = torch.gather(s, -1, ind.clamp_min(0).long()).float().masked_fill_(ind < 0, -math.inf)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices
+    return torch.gather(ind, -1, order)

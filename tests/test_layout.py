@@ -90,6 +90,7 @@ LAYERS = [
     # mask-building kernels (Triton; descriptors built on the GPU)
     "flexsparse.triton_ranges",         # column ranges -> block lists (used by blocklists)
     "flexsparse.triton_intervals",      # interval specs -> column ranges (used by intervals)
+    "flexsparse.triton_topk",           # top-k positions per score row (used by topk)
     # mask helpers without a mask type
     "flexsparse.intervals",
     "flexsparse.topk",

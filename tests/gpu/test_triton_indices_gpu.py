@@ -277,6 +277,40 @@ def test_topk_cuda_no_host_sync():
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got.cpu(), want) and torch.equal(mask.indices.cpu(), want)
 
+
+def test_topk_cuda_long_rows_every_dtype():
+    # The Triton select (flexsparse/triton_topk.py): rows held in registers (the path
+    # topk_indices takes) and rows longer than its block; bf16 / fp16 / fp32, ties, NaN,
+    # -inf: the kept scores are torch.topk's, row by row.
+    torch.manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        s = torch.randn((2, 3, 40, 5000), device=DEV).to(dtype)
+        s[..., 1, :] = (s[..., 1, :].float() * 4).round().to(dtype)      # ties
+        s[..., 2, ::3] = float("nan")
+        s[..., 3, 7:] = -math.inf
+        for k, causal in ((64, False), (256, True), (1, False)):
+            got = topk_indices(s, k, causal=causal)
+            assert got.is_cuda and got.shape == (2, 3, 40, k)
+            allowed = s.float().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            if causal:
+                i = torch.arange(40, device=DEV)[:, None]
+                allowed = allowed.masked_fill(torch.arange(5000, device=DEV) > i + 5000 - 40, -math.inf)
+            want = allowed.topk(k, dim=-1).values
+            kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
+            assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, k, causal)
+            parked = got.masked_fill(got < 0, 1 << 20)
+            assert torch.equal(parked, parked.sort(-1).values)
+            unsorted = topk_indices(s, k, causal=causal, sort=False)
+            v = torch.gather(s.float(), -1, unsorted.clamp_min(0).long()).masked_fill(unsorted < 0, -math.inf)
+            assert torch.equal(v, want)
+            # rows longer than the kernel's block (read once per step), histogram bytes first
+            from flexsparse.triton_topk import topk_rows
+            for hist_digits in (0, 2):
+                got = topk_rows(s, k, causal=causal, num_queries=40, block=1024, num_warps=4,
+                                hist_digits=hist_digits)
+                kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
+                assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, k, hist_digits)
+
 # ------------------------------------------------------------------ direct runner
 
 def run_direct(namespace) -> int:
