@@ -118,7 +118,8 @@ def _topk_rows_kernel(S, s_lead, s_row, s_col, OUT, o_lead, o_row, ROWS, Lk, K, 
             k_rem -= tl.sum(tl.where(bins == digit, above, 0), 0)
             threshold = threshold | (digit.to(threshold.dtype) << shift)
         for bit in tl.static_range(KEY_BITS - 8 * HIST_DIGITS - 1, -1, -1):
-            bound = threshold | (1 << bit)
+            # (the bit in the key's type: an int literal above 2^31 is not int64 in Triton)
+            bound = threshold | ((threshold * 0 + 1) << bit)
             if _count_at_least(row, cols, n, s_col, resident_keys, bound, RESIDENT, BLOCK,
                                KEY_BITS, INF_BITS) >= K:
                 threshold = bound
@@ -137,7 +138,7 @@ def _topk_rows_kernel(S, s_lead, s_row, s_col, OUT, o_lead, o_row, ROWS, Lk, K, 
         tie = ((key == threshold) & (key > 0)).to(tl.int32)
         keep = ((key > threshold) | ((tie != 0) & (seen_ties + tl.cumsum(tie, 0) - tie < ties))).to(tl.int32)
         slot = kept + tl.cumsum(keep, 0) - keep
-        tl.store(out + slot, c0 + cols, mask=keep != 0)
+        tl.store(out + slot, c0 + cols, mask=(keep != 0) & (slot < K))   # never past the row's K
         kept += tl.sum(keep, 0)
         seen_ties += tl.sum(tie, 0)
     for p0 in range(0, K, BLOCK):
