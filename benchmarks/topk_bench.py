@@ -100,13 +100,14 @@ def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=pr
                 rows_per_chunk = max(1, ce // (B * H * L))
                 r[f"chunk_{ce}_ms"] = _bench(lambda: masks.topk(scores, k, chunk_rows=rows_per_chunk))
             # on CUDA all rows of a tensor go in one launch (flexsparse/triton_topk.py)
-            r["chunk_rows"] = L if topk_mod._on_triton(scores) else max(1, topk_mod.CHUNK_ELEMENTS // (B * H * L))
+            r["chunk_rows"] = (L if topk_mod._on_triton(scores)
+                               else max(1, topk_mod.CHUNK_ELEMENTS // (B * H * L)))
             for block, warps, *hist in kernel_configs:
                 hd = hist[0] if hist else None
                 t = _bench(lambda: triton_topk.topk_rows(scores, k, block=block, num_warps=warps,
                                                          hist_digits=hd))
-                log(f"# L={L} k={k}: triton_topk block={block} num_warps={warps} hist_digits={hd}: {t:.2f} ms "
-                    f"({t / r['torch_ms']:.2f} of torch.topk)")
+                log(f"# L={L} k={k}: triton_topk block={block} num_warps={warps} hist_digits={hd}: "
+                    f"{t:.2f} ms ({t / r['torch_ms']:.2f} of torch.topk)")
             out.append(r)
             log(format_row(r, chunk_elements))
         del scores

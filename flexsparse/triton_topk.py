@@ -136,7 +136,8 @@ def _topk_rows_kernel(S, s_lead, s_row, s_col, OUT, o_lead, o_row, ROWS, Lk, K, 
         else:
             key = _keys(row, c0 + cols, n, s_col, KEY_BITS, INF_BITS)
         tie = ((key == threshold) & (key > 0)).to(tl.int32)
-        keep = ((key > threshold) | ((tie != 0) & (seen_ties + tl.cumsum(tie, 0) - tie < ties))).to(tl.int32)
+        kept_tie = (tie != 0) & (seen_ties + tl.cumsum(tie, 0) - tie < ties)
+        keep = ((key > threshold) | kept_tie).to(tl.int32)
         slot = kept + tl.cumsum(keep, 0) - keep
         tl.store(out + slot, c0 + cols, mask=(keep != 0) & (slot < K))   # never past the row's K
         kept += tl.sum(keep, 0)
