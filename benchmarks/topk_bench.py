@@ -10,9 +10,11 @@ outputs do not fit in 90% of the free GPU memory are skipped. Timed with
 triton.testing.do_bench medians, in one process:
   torch.topk           torch.topk(scores, k, dim=-1) (sorted=True, its default), all rows
                        at once; also sorted=False;
-  masks.topk           flexsparse.masks.topk(scores, k): on CUDA the Triton radix select of
-                       flexsparse/triton_topk.py over all rows in one launch, reading the
-                       scores in place (positions ascending, -1 padding), int32 lists;
+  masks.topk           flexsparse.masks.topk(scores, k): rows of up to 8K keys, the Triton
+                       select of flexsparse/triton_topk.py over all rows in one launch,
+                       reading the scores in place; longer rows, torch.topk in chunks of
+                       topk.CUDA_CHUNK_ELEMENTS (2^28) elements, each copied once (NaN ->
+                       -inf); positions ascending, -1 padding, int32 lists;
                        also in row chunks of about --chunk-elements elements each (as a
                        callable's chunks would be; default 2^24, "" for none);
   masks.topk causal    the same with causal=True (each row reads only the keys it may see);
@@ -101,7 +103,7 @@ def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=pr
                 r[f"chunk_{ce}_ms"] = _bench(lambda: masks.topk(scores, k, chunk_rows=rows_per_chunk))
             # on CUDA all rows of a tensor go in one launch (flexsparse/triton_topk.py)
             r["chunk_rows"] = (L if topk_mod._on_triton(scores)
-                               else max(1, topk_mod.CHUNK_ELEMENTS // (B * H * L)))
+                               else max(1, topk_mod.chunk_elements(scores.device) // (B * H * L)))
             for block, warps, *hist in kernel_configs:
                 hd = hist[0] if hist else None
                 t = _bench(lambda: triton_topk.topk_rows(scores, k, block=block, num_warps=warps,

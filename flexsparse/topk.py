@@ -18,10 +18,19 @@ from typing import Callable, Optional, Union
 import torch
 
 # Elements of one score chunk (all leading dims x rows x Lk) when chunk_rows is not given,
-# on the torch path: each chunk is copied once (NaN -> -inf). For CUDA rows of up to
-# triton_topk.RESIDENT_MAX keys, the Triton kernel reads the scores in place, so a
-# tensor's rows go in one launch and only a callable's chunks are sized by this.
+# on the torch path: each chunk is copied once (NaN -> -inf). torch.topk over few rows
+# leaves the GPU partly idle, so on CUDA larger chunks are faster: on the H100 (bf16,
+# docs/benchmarks.md 2026-11-26, against torch.topk over all rows) 1.29-1.50x at 2^26
+# elements, 1.10-1.40x at 2^28 (1.10-1.13x at L = 32K), at a 512 MB copy in bf16. For
+# CUDA rows of up to triton_topk.RESIDENT_MAX keys the Triton kernel reads the scores in
+# place instead: a tensor's rows go in one launch, only a callable's chunks are sized.
 CHUNK_ELEMENTS = 1 << 26
+CUDA_CHUNK_ELEMENTS = 1 << 28
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Score elements per chunk of the torch path on this device."""
+    return CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
 
 
 def _triton_topk():
@@ -50,7 +59,8 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
     k: keys kept per query (>= 0). Rows with fewer than k allowed keys are -1 padded.
     causal: key j is allowed for query i only if j <= i + (Lk - Lq) (bottom-right
         aligned, as the other causal masks).
-    chunk_rows: query rows per chunk (default: about 2^26 score elements per chunk).
+    chunk_rows: query rows per chunk (default: about 2^26 score elements per chunk, 2^28
+        on CUDA; CUDA rows of up to 8K keys: all rows at once).
     sort: if True, each row's kept positions are ascending, -1 entries last; otherwise in
         descending score order (-1 entries last too).
     Entries whose score is -inf or NaN are never kept.
@@ -85,12 +95,12 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
         step = max(1, Lq)     # no copy per chunk: all rows in one launch
     if probe is not None and step is None:
         lead = math.prod(probe.shape[:-2])
-        step = max(1, CHUNK_ELEMENTS // max(1, lead * probe.shape[-1]))
+        step = max(1, chunk_elements(probe.device) // max(1, lead * probe.shape[-1]))
     while r0 < Lq or out is None:
         if step is None:  # callable: size the chunks from the first one (one row)
             first = get(0, min(1, Lq))
             lead = math.prod(first.shape[:-2])
-            step = max(1, CHUNK_ELEMENTS // max(1, lead * first.shape[-1]))
+            step = max(1, chunk_elements(first.device) // max(1, lead * first.shape[-1]))
         r1 = min(Lq, r0 + step)
         s = get(r0, r1)
         if not isinstance(s, torch.Tensor) or s.dim() < 2 or s.shape[-2] != r1 - r0:
