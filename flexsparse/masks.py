@@ -77,7 +77,8 @@ def shown(v) -> str:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool)
+    # (a plain int first: the Integral check is an ABC lookup, paid per mask build)
+    return type(v) is int or (isinstance(v, (int, numbers.Integral)) and not isinstance(v, bool))
 
 
 def _check_count(name, v, allow_none=False) -> None:
@@ -99,6 +100,10 @@ def _check_bool(name, v) -> None:
 
 def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
     """(block_q, block_k) from a positive int or a pair of positive ints."""
+    if type(block_size) is tuple and len(block_size) == 2:      # the usual call, checked fast
+        bq, bk = block_size
+        if type(bq) is int and type(bk) is int and bq > 0 and bk > 0:
+            return bq, bk
     pair = (block_size, block_size) if _is_int(block_size) else block_size
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_int, pair)):
         raise TypeError(f"{name}: must be an int or a (block_q, block_k) pair of ints, got "
@@ -146,6 +151,9 @@ class Mask:
                 return _compiled_builder()(self, sz)
         key = self._cache_key()
         if key is None:       # holds user tensors: built per call, without host syncs
+            desc = self._op_descriptor(sz)
+            if desc is not None:
+                return desc
             with building_static(sz.device.type == "cuda" and static_ok):
                 return self._descriptor(sz)
         key = (key, sz)
@@ -187,6 +195,11 @@ class Mask:
 
     def _descriptor(self, sz: Sizes) -> BlockDescriptor:
         return self._parts(sz).to_descriptor(sz)
+
+    def _op_descriptor(self, sz: Sizes) -> Optional[BlockDescriptor]:
+        """The descriptor from one build-op call (flexsparse/build_op.py), or None where
+        the op does not build this mask for these sizes and device."""
+        return None
 
     def _default_device(self):
         return "cpu"
@@ -377,11 +390,13 @@ class _ColumnRanges(Mask):
         slots = self.slots(sz)
         return _stack_slots(slots, sz) if slots else None
 
+    def _op_descriptor(self, sz):
+        return self.fast(sz) if self.fast is not None else None
+
     def _descriptor(self, sz):
-        if self.fast is not None:
-            desc = self.fast(sz)
-            if desc is not None:
-                return desc
+        desc = self._op_descriptor(sz)
+        if desc is not None:
+            return desc
         # Eager: O(N) without the dense block grid (flexsparse/blocklists.py).
         cr = None if static_shapes() else self._column_ranges(sz)
         if cr is None:
@@ -513,7 +528,7 @@ def _as_lengths(lengths, name) -> torch.Tensor:
     """Lengths as an int64 tensor (a copy: the mask is a value). A list is checked here
     (no device data to read); a tensor's values when the mask is compiled."""
     try:
-        t = torch.as_tensor(lengths).detach().clone()
+        t = lengths.detach() if isinstance(lengths, torch.Tensor) else torch.as_tensor(lengths)
     except (TypeError, ValueError, RuntimeError) as err:
         raise TypeError(f"{name}: must be a list or tensor of integers, 1-D (n,) or 2-D "
                         f"(B, n), got {shown(lengths)} ({err})") from None
@@ -525,7 +540,8 @@ def _as_lengths(lengths, name) -> torch.Tensor:
         raise ValueError(f"{name}: must be 1-D (n,) or 2-D (B, n), got shape {tuple(t.shape)}")
     if not isinstance(lengths, torch.Tensor) and bool((t < 0).any()):
         raise ValueError(f"{name}: must be non-negative, got {shown(lengths)}")
-    return t.to(torch.int64)
+    # one copy, cast included (as_tensor of a list is new already; of an array it is not)
+    return t.to(torch.int64, copy=not isinstance(lengths, (list, tuple)))
 
 
 def _check_lengths_shape(lengths: torch.Tensor, sz: Sizes, name: str) -> None:
@@ -593,7 +609,8 @@ def document(lengths, causal: bool = True) -> Mask:
             with building_static(False):
                 _checked_lengths(lens, sz, "lengths")
         _check_lengths_shape(lens, sz, "lengths")
-        return build_op.document(lens.to(sz.device), sz, use_causal)
+        return build_op.document(lens if lens.device == sz.device else lens.to(sz.device), sz,
+                                 use_causal)
     # a lengths tensor on the GPU builds there unless compile() names another device
     return _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
                          device=lens.device, spec=spec, cacheable=lens.device.type == "cpu",
@@ -611,7 +628,8 @@ def prefix_lm(prefix_len) -> Mask:
     if isinstance(prefix_len, int) and prefix_len < 0:
         raise ValueError(f"prefix_len: must be >= 0, got {shown(prefix_len)}")
     is_int = isinstance(prefix_len, int)
-    p = torch.as_tensor(prefix_len, dtype=torch.int64).detach().clone()
+    p = (prefix_len.detach().to(torch.int64, copy=True) if isinstance(prefix_len, torch.Tensor)
+         else torch.as_tensor(prefix_len, dtype=torch.int64).clone())    # one copy: a value
     if p.dim() > 1:
         raise ValueError(f"prefix_len: must be an int or a (B,) tensor, got shape {tuple(p.shape)}")
 
@@ -648,7 +666,8 @@ def prefix_lm(prefix_len) -> Mask:
         if build_op.debug_checks():
             with building_static(False):
                 checked(sz)
-        return build_op.prefix_lm(rows(sz).to(sz.device), sz)
+        pl = rows(sz)
+        return build_op.prefix_lm(pl if pl.device == sz.device else pl.to(sz.device), sz)
     return _ColumnRanges(build, text, device=p.device, spec=spec,
                          cacheable=p.device.type == "cpu", fast=fast)
 

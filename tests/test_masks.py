@@ -2,6 +2,7 @@
 import itertools
 
 import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -199,6 +200,16 @@ def test_masks_with_user_tensors_are_not_cached_and_value_masks_copy():
     before = doc.to_dense(1, 1, 40, 40)
     lengths[0], lengths[1] = 20, 20                            # the mask keeps its own copy
     assert torch.equal(doc.to_dense(1, 1, 40, 40), before)
+    # one copy also when it casts (int32) or when the values come from an array
+    for src in (torch.tensor([10, 30], dtype=torch.int32), np.array([10, 30])):
+        doc = M.document(src)
+        src[0], src[1] = 20, 20
+        assert torch.equal(doc.to_dense(1, 1, 40, 40), before)
+    prefix = torch.tensor([3, 5], dtype=torch.int32)
+    pm = M.prefix_lm(prefix)
+    want = pm.to_dense(2, 1, 9, 9)
+    prefix.fill_(0)
+    assert torch.equal(pm.to_dense(2, 1, 9, 9), want) and bool(want[1, 0, 0, 4])
     dm = torch.ones(1, 1, 8, 8, dtype=torch.bool)
     d = M.dense(dm)
     first = d.compile(1, 1, 1, 8, 8)
