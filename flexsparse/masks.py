@@ -544,6 +544,11 @@ def _as_lengths(lengths, name) -> torch.Tensor:
     return t.to(torch.int64, copy=not isinstance(lengths, (list, tuple)))
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on device; no `.to` call where it is there already (a per-step build's host time)."""
+    return t if t.device == device else t.to(device)
+
+
 def _check_lengths_shape(lengths: torch.Tensor, sz: Sizes, name: str) -> None:
     """Document lengths (n,) or (Bl, n): their shape against the sizes."""
     if sz.Lq != sz.Lk:
@@ -609,8 +614,7 @@ def document(lengths, causal: bool = True) -> Mask:
             with building_static(False):
                 _checked_lengths(lens, sz, "lengths")
         _check_lengths_shape(lens, sz, "lengths")
-        return build_op.document(lens if lens.device == sz.device else lens.to(sz.device), sz,
-                                 use_causal)
+        return build_op.document(_to_device(lens, sz.device), sz, use_causal)
     # a lengths tensor on the GPU builds there unless compile() names another device
     return _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
                          device=lens.device, spec=spec, cacheable=lens.device.type == "cpu",
@@ -666,8 +670,7 @@ def prefix_lm(prefix_len) -> Mask:
         if build_op.debug_checks():
             with building_static(False):
                 checked(sz)
-        pl = rows(sz)
-        return build_op.prefix_lm(pl if pl.device == sz.device else pl.to(sz.device), sz)
+        return build_op.prefix_lm(_to_device(rows(sz), sz.device), sz)
     return _ColumnRanges(build, text, device=p.device, spec=spec,
                          cacheable=p.device.type == "cpu", fast=fast)
 

@@ -4,8 +4,8 @@
 largest score and returns their positions as int32 (..., Lq, k), -1 where fewer than k
 keys are allowed (causal, Lk < k, or -inf / NaN scores). On CUDA, rows of up to 8K keys
 go to one Triton kernel (flexsparse/triton_topk.py) that reads the scores in place and
-writes only the (Lq, k) result; otherwise rows are processed in chunks, so beyond the input itself only
-O(chunk_rows x Lk) memory is used. `scores` can also be a callable
+writes only the (Lq, k) result; otherwise rows are processed in chunks, so beyond the
+input itself only O(chunk_rows x Lk) memory is used. `scores` can also be a callable
 `scores(r0, r1) -> (..., r1 - r0, Lk)` that produces each chunk on the fly (then
 `num_queries` gives Lq), so no (Lq, Lk) tensor ever exists.
 

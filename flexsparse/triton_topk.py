@@ -20,6 +20,8 @@ copies them to turn NaN into -inf), no (rows, Lk) temporary, no sort.
 Causal rows (query i sees keys j <= i + off) just read fewer columns. Longer rows than
 the block are read once per step (not resident), correct but slower than torch.topk.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -165,21 +167,14 @@ def topk_rows(scores: torch.Tensor, k: int, causal: bool = False, row0: int = 0,
         raise TypeError(f"scores: dtype {scores.dtype} (topk_rows takes bf16, fp16 or fp32)")
     *lead_shape, rows, Lk = scores.shape
     out = torch.empty((*lead_shape, rows, k), dtype=torch.int32, device=scores.device)
-    n_lead = 1
-    for x in lead_shape:
-        n_lead *= x
     if out.numel() == 0:
         return out
+    n_lead = math.prod(lead_shape)
     key_bits, inf_bits = _KEY_BITS[scores.dtype]
-    s = scores.view(_INT_VIEW[key_bits])                 # the bits, read as integers
-    try:
-        s = s.view(n_lead, rows, Lk)                     # leading dims as one (no copy)
-    except RuntimeError:
-        s = s.reshape(n_lead, rows, Lk)
+    # the bits, read as integers; the leading dims as one (a view where their strides allow)
+    s = scores.view(_INT_VIEW[key_bits]).reshape(n_lead, rows, Lk)
     o = out.view(n_lead, rows, k)
-    if block is None:
-        block = min(RESIDENT_MAX, max(16, triton.next_power_of_2(Lk)))
-    block = min(block, max(16, triton.next_power_of_2(Lk)))
+    block = min(RESIDENT_MAX if block is None else block, max(16, triton.next_power_of_2(Lk)))
     if num_warps is None:
         num_warps = min(16, max(1, block // (32 * ELEMENTS_PER_THREAD)))
     off = Lk - (rows if num_queries is None else num_queries)
