@@ -472,3 +472,6 @@ TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
 // The mask-build ops (flexsparse::build_document, build_prefix_lm; kernels in
 // build_masks.cu): in this translation unit so that the torch headers compile once.
 #include "build_ops.h"
+
+// The top-k op (flexsparse::topk_rows; kernel in topk.cu), in this unit for the same reason.
+#include "topk_op.h"

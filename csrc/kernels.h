@@ -70,4 +70,7 @@ size_t index_bwd_workspace_bytes(IndexBackwardParams const& p);
 std::string index_bwd_unsupported(IndexBackwardParams const& p);
 void index_bwd_sm90(IndexBackwardParams const& p, DType dtype, cudaStream_t stream);
 
+// Top-k positions per row of 16-bit scores (topk.cu), rows of up to kTopkMaxKeys keys.
+void topk_rows_cuda(TopkParams p, cudaStream_t stream);
+
 }  // namespace flexsparse

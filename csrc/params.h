@@ -129,4 +129,20 @@ struct IndexBackwardParams {
   void* workspace = nullptr;    // index_bwd_workspace_bytes(...) bytes, uninitialised
 };
 
+// flexsparse::topk_rows (topk.cu): per row of 16-bit scores, the positions of its k
+// largest scores (not -inf, not NaN), ascending, then -1.
+struct TopkParams {
+  const uint16_t* scores = nullptr;   // (lead, rows, Lk) bits of bf16 / fp16 scores
+  int64_t s_lead = 0, s_row = 0, s_col = 1;
+  int32_t* out = nullptr;             // (lead, rows, k)
+  int64_t o_lead = 0, o_row = 0;
+  int64_t rows = 0, n_rows = 0;       // rows per lead index; lead * rows
+  int Lk = 0, k = 0;
+  bool causal = false;                // row r is query row0 + r: keys j <= row0 + r + off
+  int64_t row0 = 0, off = 0;
+  uint32_t inf_bits = 0;              // +inf's bits without the sign: 0x7F80 (bf16), 0x7C00 (fp16)
+  int smem_keys_per_warp = 0;         // (set by topk_rows_cuda)
+};
+constexpr int kTopkMaxKeys = 64 * 1024;   // a row's keys in one warp's shared memory
+
 }  // namespace flexsparse

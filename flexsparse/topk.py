@@ -42,6 +42,13 @@ def _triton_topk():
     return triton_topk
 
 
+def _cuda_op_takes(s: torch.Tensor) -> bool:
+    """16-bit CUDA scores with rows short enough for csrc/topk.cu (one warp per row, the
+    row's keys in shared memory), when flexsparse._C has the kernel."""
+    return (s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) and s.shape[-1] <= 65536
+            and torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"))
+
+
 def _on_triton(s: torch.Tensor) -> bool:
     """CUDA scores whose rows the Triton kernel holds in registers (where it beats the
     torch path; longer rows take torch.topk in chunks)."""
@@ -91,7 +98,7 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
     step = chunk_rows
     if step is not None and (not isinstance(step, int) or step <= 0):
         raise ValueError(f"chunk_rows: must be a positive int, got {chunk_rows!r}")
-    if probe is not None and step is None and _on_triton(probe):
+    if probe is not None and step is None and (_cuda_op_takes(probe) or _on_triton(probe)):
         step = max(1, Lq)     # no copy per chunk: all rows in one launch
     if probe is not None and step is None:
         lead = math.prod(probe.shape[:-2])
@@ -125,6 +132,9 @@ def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: b
     per chunk: one pass writes the chunk's own copy with NaN turned into -inf (causal: only
     the columns some row of the chunk may see, and -inf written into the band above the
     diagonal in place), then torch.topk, then the (rows, k) results are fixed up."""
+    if _cuda_op_takes(s):
+        ind = torch.ops.flexsparse.topk_rows(s, k, causal, r0, Lq)
+        return ind if sort else _by_descending_score(s, ind)
     if _on_triton(s):
         tk = _triton_topk()
         if not tk.supports(s):

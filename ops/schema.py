@@ -140,6 +140,20 @@ def _build_column_ranges_fake(startend, Lq, Lk, block_q, block_k, causal):
     return _build_fake_outputs(startend, Bc, Lq, Lk, block_q, block_k, m, Hl=Hc, padded=True)
 
 
+# ---- top-k positions per score row (issue 17): CUDA kernel in csrc/topk.cu when
+# flexsparse._C is built; flexsparse/topk.py calls it for 16-bit scores.
+torch.library.define(
+    "flexsparse::topk_rows",
+    "(Tensor scores, int k, bool causal, int row0, int num_queries) -> Tensor")
+
+
+@torch.library.register_fake("flexsparse::topk_rows")
+def _topk_rows_fake(scores, k, causal, row0, num_queries):
+    if scores.dim() < 2:
+        raise ValueError(f"flexsparse topk_rows: scores must be (..., rows, Lk), got {tuple(scores.shape)}")
+    return scores.new_empty(tuple(scores.shape[:-1]) + (k,), dtype=torch.int32)
+
+
 # Input checks the fake kernels run before they make outputs, keyed by op name: the same
 # checks as the ops' kernels (mask_checks.py: shapes, dtypes, devices, scale and softcap;
 # the backend's support). For `attention` and `attention_backward` a refusal is left to

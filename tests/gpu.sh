@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|trace|ibwd|hf|probe ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|trace|ibwd|topk|hf|probe ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -64,6 +64,24 @@ if [[ " $parts " == *" hf "* ]]; then
   timeout "${T_HFBENCH:-300}" python3 -m benchmarks.bench_hf ${HF_ARGS:-} --out "$OUT/bench_hf.md" \
     > "$OUT/bench_hf.log" 2>&1
   echo "bench_hf rc=$?"; grep -v Warning "$OUT/bench_hf.log" | tail -12
+fi
+# masks.topk (issue 17): the CUDA op (csrc/topk.cu) and the Triton kernel, their tests
+# (the op's also under compute-sanitizer memcheck and racecheck), then the table against
+# torch.topk with the Triton kernel's line per row.
+if [[ " $parts " == *" topk "* ]]; then
+  timeout "${T_TOPK:-200}" python3 -m pytest -p no:cacheprovider -o addopts= -q \
+    tests/gpu/test_triton_indices_gpu.py -k topk > "$OUT/topk_tests.log" 2>&1
+  rc=$?; echo "topk tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "^FAILED|^ERROR|passed|failed|skipped" "$OUT/topk_tests.log" | cut -c1-300 | tail -8
+  for tool in memcheck racecheck; do
+    timeout "${T_TOPK_CSAN:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_triton_indices_gpu.py \
+      -k topk_cuda_op > "$OUT/topk_$tool.log" 2>&1
+    rc=$?; echo "topk $tool rc=$rc"; [ $rc -eq 0 ] || status=1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/topk_$tool.log" | tail -3
+  done
+  timeout "${T_TOPKBENCH:-300}" python3 -m benchmarks.topk_bench --lengths "${TOPK_LENGTHS:-8192,16384,32768}" \
+    --chunk-elements "" --kernel-configs "${TOPK_CONFIGS:-8192x8}" --out "$OUT/topk.md" 2>&1 | grep -v Warn
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, then its table.
 if [[ " $parts " == *" ibwd "* ]]; then

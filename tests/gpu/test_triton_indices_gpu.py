@@ -311,6 +311,43 @@ def test_topk_cuda_long_rows_every_dtype():
                 kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
                 assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, hist_digits)
 
+def test_topk_cuda_op():
+    # csrc/topk.cu (flexsparse::topk_rows): one warp per row, keys in shared memory. Kept
+    # scores equal torch.topk's row by row; positions ascending, -1 last; causal; strided;
+    # degenerate sizes; opcheck.
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"):
+        if pytest is None:
+            raise RuntimeError("flexsparse._C is not built (tests/gpu.sh builds it)")
+        pytest.skip("flexsparse._C without the topk kernel")
+    torch.manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16):
+        for L, Lq, k in ((300, 37, 5), (5000, 40, 64), (40000, 8, 256)):
+            s = torch.randn((2, 3, Lq, L), device=DEV).to(dtype)
+            s[..., 1, :] = (s[..., 1, :].float() * 4).round().to(dtype)      # ties
+            s[..., 2, ::3] = float("nan")
+            s[..., 3, 7:] = -math.inf
+            s[..., 4, :9] = math.inf
+            for causal in (False, True):
+                got = torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq)
+                allowed = s.float().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+                if causal:
+                    i = torch.arange(Lq, device=DEV)[:, None]
+                    allowed = allowed.masked_fill(torch.arange(L, device=DEV) > i + L - Lq, -math.inf)
+                want = allowed.topk(k, dim=-1).values
+                kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
+                assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, L, k, causal)
+                parked = got.masked_fill(got < 0, 1 << 30)
+                assert torch.equal(parked, parked.sort(-1).values)
+                assert torch.equal(got, topk_indices(s, k, causal=causal)), (dtype, L, causal)
+        for strided in (s[..., ::2], s.transpose(0, 1)[..., ::3]):   # column stride; a copy
+            want = torch.ops.flexsparse.topk_rows(strided.contiguous(), 16, False, 0, Lq)
+            assert torch.equal(torch.ops.flexsparse.topk_rows(strided, 16, False, 0, Lq), want)
+    assert torch.ops.flexsparse.topk_rows(s[..., :0], 4, False, 0, Lq).eq(-1).all()
+    assert torch.ops.flexsparse.topk_rows(s, 0, False, 0, Lq).shape == s.shape[:-1] + (0,)
+    torch.library.opcheck(torch.ops.flexsparse.topk_rows.default,
+                          (torch.randn(2, 5, 300, device=DEV, dtype=torch.bfloat16), 7, True, 0, 5))
+
+
 # ------------------------------------------------------------------ direct runner
 
 def run_direct(namespace) -> int:
