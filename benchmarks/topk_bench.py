@@ -3,22 +3,25 @@
 
     python -m benchmarks.topk_bench [--lengths 8192,32768] [--ks 64,256] [--dtype bf16]
                                     [--chunk-elements 16777216] [--kernel-configs 2048x8]
-                                    [--out PATH]
+                                    [--cuda-warps 1,8] [--heads 8] [--out PATH]
 
 Scores (B=1, H=8, L, L) are made once per L on the GPU; sizes whose scores and torch.topk
 outputs do not fit in 90% of the free GPU memory are skipped. Timed with
 triton.testing.do_bench medians, in one process:
   torch.topk           torch.topk(scores, k, dim=-1) (sorted=True, its default), all rows
                        at once; also sorted=False;
-  masks.topk           flexsparse.masks.topk(scores, k): rows of up to 8K keys, the Triton
-                       select of flexsparse/triton_topk.py over all rows in one launch,
-                       reading the scores in place; longer rows, torch.topk in chunks of
+  masks.topk           flexsparse.masks.topk(scores, k): 16-bit rows of up to 64K keys,
+                       the CUDA kernel of csrc/topk.cu when flexsparse._C is built, else
+                       rows of up to 8K keys, the Triton select of flexsparse/triton_topk.py
+                       (both over all rows in one launch, reading the scores in place);
+                       longer rows, torch.topk in chunks of
                        topk.CUDA_CHUNK_ELEMENTS (2^28) elements, each copied once (NaN ->
                        -inf); positions ascending, -1 padding, int32 lists;
                        also in row chunks of about --chunk-elements elements each (as a
                        callable's chunks would be; default 2^24, "" for none);
   masks.topk causal    the same with causal=True (each row reads only the keys it may see);
-  --kernel-configs     the Triton kernel alone per BLOCKxWARPS (lines before each row).
+  --kernel-configs     the Triton kernel alone per BLOCKxWARPS (lines before each row);
+  --cuda-warps         the CUDA kernel alone per warps_per_row (lines before each row).
 "ratio" = masks.topk ms / torch.topk ms (sorted=True); issue 17 asks <= 1.2. "extra MB" =
 peak memory allocated during the call above what was allocated before it (torch.topk's
 outputs included). "host syncs": during one masks.topk(causal=True) call, as
@@ -58,9 +61,9 @@ def _peak_extra_mb(fn):
 
 
 
-def fits(L, k, dtype):
+def fits(L, k, dtype, heads=H):
     esize = torch.tensor([], dtype=dtype).element_size()
-    need = B * H * L * L * esize + B * H * L * k * (esize + 8) + (1 << 30)   # + chunk temps
+    need = B * heads * L * L * esize + B * heads * L * k * (esize + 8) + (1 << 30)   # + chunk temps
     free, _ = torch.cuda.mem_get_info()
     return need <= 0.9 * free, need
 
@@ -74,18 +77,18 @@ def same_values(scores, idx, vals):
 
 
 def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=print,
-         kernel_configs=()):
+         kernel_configs=(), cuda_warps=(), heads=H):
     from flexsparse import masks
     from flexsparse import topk as topk_mod
     from flexsparse import triton_topk
     out = []
     for L in lengths:
-        ok, need = fits(L, max(ks), dtype)
+        ok, need = fits(L, max(ks), dtype, heads)
         if not ok:
             log(f"# L={L}: skipped, needs {need / 2**30:.1f} GiB")
             continue
         g = torch.Generator(device="cuda").manual_seed(L)
-        scores = torch.randn((B, H, L, L), device="cuda", dtype=dtype, generator=g)
+        scores = torch.randn((B, heads, L, L), device="cuda", dtype=dtype, generator=g)
         for k in ks:
             r = dict(L=L, k=k)
             r["torch_ms"] = _bench(lambda: torch.topk(scores, k, dim=-1))
@@ -99,16 +102,20 @@ def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=pr
             r["same"] = same_values(scores, masks.topk(scores, k).indices, vals)
             del vals
             for ce in chunk_elements:
-                rows_per_chunk = max(1, ce // (B * H * L))
+                rows_per_chunk = max(1, ce // (B * heads * L))
                 r[f"chunk_{ce}_ms"] = _bench(lambda: masks.topk(scores, k, chunk_rows=rows_per_chunk))
             # on CUDA all rows of a tensor go in one launch (flexsparse/triton_topk.py)
-            r["chunk_rows"] = (L if topk_mod._on_triton(scores)
-                               else max(1, topk_mod.chunk_elements(scores.device) // (B * H * L)))
+            r["chunk_rows"] = (L if topk_mod._cuda_op_takes(scores) or topk_mod._on_triton(scores)
+                               else max(1, topk_mod.chunk_elements(scores.device) // (B * heads * L)))
             for block, warps, *hist in kernel_configs:
                 hd = hist[0] if hist else None
                 t = _bench(lambda: triton_topk.topk_rows(scores, k, block=block, num_warps=warps,
                                                          hist_digits=hd))
                 log(f"# L={L} k={k}: triton_topk block={block} num_warps={warps} hist_digits={hd}: "
+                    f"{t:.2f} ms ({t / r['torch_ms']:.2f} of torch.topk)")
+            for warps in cuda_warps:
+                t = _bench(lambda: torch.ops.flexsparse.topk_rows(scores, k, False, 0, L, warps))
+                log(f"# L={L} k={k}: csrc topk_rows warps_per_row={warps}: "
                     f"{t:.2f} ms ({t / r['torch_ms']:.2f} of torch.topk)")
             out.append(r)
             log(format_row(r, chunk_elements))
@@ -142,12 +149,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--ks", default=",".join(map(str, KS)))
+    ap.add_argument("--heads", type=int, default=H, help="score heads (B=1)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--chunk-elements", default=",".join(map(str, CHUNK_SWEEP)),
                     help="comma list: also time masks.topk with chunks of about this many elements")
     ap.add_argument("--kernel-configs", default="",
                     help="comma list of BLOCKxWARPS[xHIST_DIGITS] (e.g. 8192x8,16384x16x2): also "
                          "time the Triton kernel alone with each")
+    ap.add_argument("--cuda-warps", default="",
+                    help="comma list of warps_per_row (1, 4, 8, 16): also time the CUDA kernel alone")
     ap.add_argument("--out", help="also write the markdown table here")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -156,13 +166,14 @@ def main(argv=None):
     ces = tuple(int(x) for x in a.chunk_elements.split(",") if x.strip())
     dtype = DTYPES[a.dtype]
     title = (f"masks.topk vs torch.topk ({torch.cuda.get_device_name()}, torch {torch.__version__}), "
-             f"B={B} H={H} scores {a.dtype} (L, L), random normal")
+             f"B={B} H={a.heads} scores {a.dtype} (L, L), random normal")
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(title)
     log(header(ces))
     rs = rows(tuple(int(x) for x in a.lengths.split(",")), tuple(int(x) for x in a.ks.split(",")),
               dtype, ces, log=log,
-              kernel_configs=[tuple(map(int, c.split("x"))) for c in a.kernel_configs.split(",") if c])
+              kernel_configs=[tuple(map(int, c.split("x"))) for c in a.kernel_configs.split(",") if c],
+              cuda_warps=[int(w) for w in a.cuda_warps.split(",") if w], heads=a.heads)
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join([title, "", header(ces)] + [format_row(r, ces) for r in rs]) + "\n")

@@ -17,6 +17,7 @@
 #include <optional>
 #include <vector>
 
+#include "checks.h"
 #include "kernels.h"
 
 // The extension module (import flexsparse._C registers the kernels below).
@@ -35,7 +36,7 @@ using OptTensor = std::optional<Tensor>;
 int head_div(int64_t size, int64_t Hq, int64_t Hkv, const char* what) {
   if (size == Hq) return 1;
   if (size == Hkv) return static_cast<int>(Hq / Hkv);
-  TORCH_CHECK(size == 1, "flexsparse cuda: ", what, " head dim ", size, " must be 1, Hkv=", Hkv,
+  FLEXSPARSE_CHECK(size == 1, "flexsparse cuda: ", what, " head dim ", size, " must be 1, Hkv=", Hkv,
               " or Hq=", Hq);
   return static_cast<int>(Hq);
 }
@@ -61,18 +62,18 @@ struct Inputs {
 // GQA heads, D = Dv in {64, 128, 256}.
 void check_qkv(const Inputs& in) {
   const Tensor& q = in.q;
-  TORCH_CHECK(q.is_cuda() && in.k.is_cuda() && in.v.is_cuda(), "flexsparse cuda: CUDA tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+  FLEXSPARSE_CHECK(q.is_cuda() && in.k.is_cuda() && in.v.is_cuda(), "flexsparse cuda: CUDA tensors only");
+  FLEXSPARSE_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "flexsparse cuda: dtype ", q.scalar_type(), " (float16 or bfloat16)");
-  TORCH_CHECK(in.k.scalar_type() == q.scalar_type() && in.v.scalar_type() == q.scalar_type(),
+  FLEXSPARSE_CHECK(in.k.scalar_type() == q.scalar_type() && in.v.scalar_type() == q.scalar_type(),
               "flexsparse cuda: query, key and value must share a dtype");
-  TORCH_CHECK(q.dim() == 4 && in.k.dim() == 4 && in.v.dim() == 4, "flexsparse cuda: 4-D q, k, v");
+  FLEXSPARSE_CHECK(q.dim() == 4 && in.k.dim() == 4 && in.v.dim() == 4, "flexsparse cuda: 4-D q, k, v");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3);
   const int64_t Hkv = in.k.size(1), Lk = in.k.size(2);
-  TORCH_CHECK(in.k.size(0) == B && in.v.size(0) == B && in.v.size(1) == Hkv && in.v.size(2) == Lk &&
+  FLEXSPARSE_CHECK(in.k.size(0) == B && in.v.size(0) == B && in.v.size(1) == Hkv && in.v.size(2) == Lk &&
                   in.k.size(3) == D && in.v.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
               "flexsparse cuda: shapes q ", q.sizes(), " k ", in.k.sizes(), " v ", in.v.sizes());
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
+  FLEXSPARSE_CHECK(D == 64 || D == 128 || D == 256, "flexsparse cuda: head dim ", D, " (64, 128 or 256)");
 }
 
 // Query, key and value (copied where the kernels' alignment needs it), their pointers and
@@ -100,12 +101,12 @@ template <class Params>
 void set_bias(Params& p, Inputs& in) {
   if (!in.bias.has_value()) return;
   Tensor bias = *in.bias;
-  TORCH_CHECK(bias.dim() == 4, "flexsparse cuda: bias must be 4-D, got ", bias.sizes());
-  TORCH_CHECK(bias.device() == in.q.device(), "flexsparse cuda: bias is on ", bias.device(),
+  FLEXSPARSE_CHECK(bias.dim() == 4, "flexsparse cuda: bias must be 4-D, got ", bias.sizes());
+  FLEXSPARSE_CHECK(bias.device() == in.q.device(), "flexsparse cuda: bias is on ", bias.device(),
               ", query on ", in.q.device());
   if (bias.scalar_type() != in.q.scalar_type()) bias = bias.to(in.q.scalar_type());
   in.keep.push_back(bias);
-  TORCH_CHECK((bias.size(0) == 1 || bias.size(0) == p.B) && (bias.size(2) == 1 || bias.size(2) == p.Lq) &&
+  FLEXSPARSE_CHECK((bias.size(0) == 1 || bias.size(0) == p.B) && (bias.size(2) == 1 || bias.size(2) == p.Lq) &&
                   (bias.size(3) == 1 || bias.size(3) == p.Lk),
               "flexsparse cuda: bias shape ", bias.sizes(), " does not broadcast to (", p.B, ", ",
               p.Hq, ", ", p.Lq, ", ", p.Lk, ")");
@@ -119,17 +120,17 @@ BlockListParams list_params(const OptTensor& count, const OptTensor& index, int6
                             int64_t Hq, int64_t Hkv, int64_t n_rows, int64_t n_blocks,
                             const char* name, std::vector<Tensor>& keep) {
   BlockListParams l;
-  TORCH_CHECK(count.has_value() && index.has_value(), "flexsparse cuda: the descriptor's ", name,
+  FLEXSPARSE_CHECK(count.has_value() && index.has_value(), "flexsparse cuda: the descriptor's ", name,
               " lists are missing (the cuda backend needs all eight block lists)");
   Tensor c = count->to(at::kInt).contiguous();
   Tensor x = index->to(at::kInt).contiguous();
   keep.push_back(c);
   keep.push_back(x);
-  TORCH_CHECK(c.dim() == 3 && c.size(2) == n_rows, "flexsparse cuda: ", name, "_count shape ",
+  FLEXSPARSE_CHECK(c.dim() == 3 && c.size(2) == n_rows, "flexsparse cuda: ", name, "_count shape ",
               c.sizes(), " (expected (Bd, Hd, ", n_rows, "))");
   const int64_t Bd = c.size(0), Hd = c.size(1);
-  TORCH_CHECK(Bd == 1 || Bd == B, "flexsparse cuda: ", name, "_count batch ", Bd, " for B=", B);
-  TORCH_CHECK((x.dim() == 4 || (x.dim() == 5 && x.size(4) == 2 && x.size(3) <= 4)) &&
+  FLEXSPARSE_CHECK(Bd == 1 || Bd == B, "flexsparse cuda: ", name, "_count batch ", Bd, " for B=", B);
+  FLEXSPARSE_CHECK((x.dim() == 4 || (x.dim() == 5 && x.size(4) == 2 && x.size(3) <= 4)) &&
                   x.size(0) == Bd && x.size(1) == Hd && x.size(2) == n_rows,
               "flexsparse cuda: ", name, "_index shape ", x.sizes());
   l.count = c.data_ptr<int32_t>();
@@ -161,7 +162,7 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
     const std::string msg = "flexsparse cuda: descriptor block size (" + std::to_string(block_q) + ", " +
                             std::to_string(block_k) + ") must be multiples of (" + std::to_string(tile_m) +
                             ", " + std::to_string(tile_n) + ")";
-    TORCH_CHECK(false, msg);
+    FLEXSPARSE_CHECK(false, msg);
   }
 
   AttentionParams p;
@@ -180,8 +181,8 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
   PredicateParams& pr = p.pred;
   if (dense_mask.has_value()) {
     Tensor dm = *dense_mask;
-    TORCH_CHECK(dm.dim() == 4, "flexsparse cuda: dense_mask must be 4-D, got ", dm.sizes());
-    TORCH_CHECK((dm.size(0) == 1 || dm.size(0) == B) && (dm.size(2) == 1 || dm.size(2) == Lq) &&
+    FLEXSPARSE_CHECK(dm.dim() == 4, "flexsparse cuda: dense_mask must be 4-D, got ", dm.sizes());
+    FLEXSPARSE_CHECK((dm.size(0) == 1 || dm.size(0) == B) && (dm.size(2) == 1 || dm.size(2) == Lq) &&
                     (dm.size(3) == 1 || dm.size(3) == Lk),
                 "flexsparse cuda: dense_mask shape ", dm.sizes());
     if (dm.scalar_type() != at::kBool) dm = dm.ne(0);
@@ -194,7 +195,7 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
   if (col_ranges.has_value()) {
     Tensor cr = col_ranges->to(at::kInt).contiguous();
     in.keep.push_back(cr);
-    TORCH_CHECK(cr.dim() == 4 && cr.size(2) == Lk && cr.size(3) % 2 == 0 &&
+    FLEXSPARSE_CHECK(cr.dim() == 4 && cr.size(2) == Lk && cr.size(3) % 2 == 0 &&
                     (cr.size(0) == 1 || cr.size(0) == B),
                 "flexsparse cuda: col_ranges shape ", cr.sizes(), " (expected (Bc, Hc, ", Lk, ", 2m))");
     pr.col_ranges = cr.data_ptr<int32_t>();
@@ -203,15 +204,15 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
     pr.n_col_ranges = static_cast<int>(cr.size(3) / 2);
   }
   if (partial_bits_index.has_value()) {
-    TORCH_CHECK(partial_bits.has_value(), "flexsparse cuda: partial_bits_index without partial_bits");
+    FLEXSPARSE_CHECK(partial_bits.has_value(), "flexsparse cuda: partial_bits_index without partial_bits");
     Tensor bi = partial_bits_index->to(at::kInt).contiguous();
     Tensor bits = partial_bits->to(at::kInt).contiguous();
     in.keep.push_back(bi);
     in.keep.push_back(bits);
-    TORCH_CHECK(bi.dim() == 4 && bi.size(2) == nQB && bi.size(3) == nKB &&
+    FLEXSPARSE_CHECK(bi.dim() == 4 && bi.size(2) == nQB && bi.size(3) == nKB &&
                     (bi.size(0) == 1 || bi.size(0) == B),
                 "flexsparse cuda: partial_bits_index shape ", bi.sizes());
-    TORCH_CHECK(bits.dim() == 3 && bits.size(1) == block_q && bits.size(2) == (block_k + 31) / 32,
+    FLEXSPARSE_CHECK(bits.dim() == 3 && bits.size(1) == block_q && bits.size(2) == (block_k + 31) / 32,
                 "flexsparse cuda: partial_bits shape ", bits.sizes());
     pr.bits_index = bi.data_ptr<int32_t>();
     pr.bi_sb = bstride(bi, 0); pr.bi_sh = bstride(bi, 1); pr.bi_sq = bi.stride(2);
@@ -229,7 +230,7 @@ DType dtype_of(const Tensor& t) {
 
 void check_sm90(const Tensor& q) {
   auto* prop = at::cuda::getDeviceProperties(q.get_device());
-  TORCH_CHECK(prop->major == 9, "flexsparse cuda: kernels are built for sm_90a (Hopper); this GPU is sm_",
+  FLEXSPARSE_CHECK(prop->major == 9, "flexsparse cuda: kernels are built for sm_90a (Hopper); this GPU is sm_",
               prop->major, prop->minor);
 }
 
@@ -245,16 +246,16 @@ IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double sof
   check_qkv(in);
   const Tensor& q = in.q;
   const int64_t B = q.size(0), Lq = q.size(2), Hkv = in.k.size(1), Lk = in.k.size(2);
-  TORCH_CHECK(idx.device() == q.device(), "flexsparse cuda: attn_indices is on ", idx.device(),
+  FLEXSPARSE_CHECK(idx.device() == q.device(), "flexsparse cuda: attn_indices is on ", idx.device(),
               ", query on ", q.device());
-  TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong,
+  FLEXSPARSE_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong,
               "flexsparse cuda: attn_indices dtype ", idx.scalar_type(), " (int32 or int64)");
-  TORCH_CHECK(idx.dim() == 4 && (idx.size(0) == 1 || idx.size(0) == B) &&
+  FLEXSPARSE_CHECK(idx.dim() == 4 && (idx.size(0) == 1 || idx.size(0) == B) &&
                   (idx.size(1) == 1 || idx.size(1) == Hkv) && idx.size(2) == Lq,
               "flexsparse cuda: attn_indices shape ", idx.sizes(), " (expected (B|1, Hkv|1, ", Lq,
               ", W) with B=", B, ", Hkv=", Hkv, ")");
   // The kernel holds key positions as int.
-  TORCH_CHECK(Lk <= std::numeric_limits<int32_t>::max(),
+  FLEXSPARSE_CHECK(Lk <= std::numeric_limits<int32_t>::max(),
               "flexsparse cuda: index masks need Lk < 2^31, got ", Lk);
 
   IndexParams p;
@@ -295,7 +296,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   check_sm90(query);
   Inputs in{query, key, value, bias, {}};
   if (attn_indices.has_value()) {
-    TORCH_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
+    FLEXSPARSE_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
                               q_full_count, q_full_index, dense_mask, col_ranges,
                               partial_bits_index, partial_bits}),
                 "flexsparse cuda: an index mask (attn_indices) takes no other mask tensors");
@@ -348,17 +349,17 @@ Tensor reduce_to_shape(const Tensor& full, const Tensor& bias, int64_t Hkv) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> index_attention_backward(
     const Tensor& grad_out, const OptTensor& grad_lse, Inputs& in, const Tensor& out,
     const Tensor& lse, const Tensor& idx, double scale, double softcap, bool bias_requires_grad) {
-  TORCH_CHECK(!(in.bias.has_value() && bias_requires_grad),
+  FLEXSPARSE_CHECK(!(in.bias.has_value() && bias_requires_grad),
               "flexsparse cuda: the CUDA index backward computes no bias gradient (the triton "
               "index backward does)");
   IndexBackwardParams bp;
   bp.fwd = index_params(in, idx, scale, softcap);
   IndexParams& p = bp.fwd;
   const Tensor& q = in.q;
-  TORCH_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
+  FLEXSPARSE_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
               "flexsparse cuda: out ", out.sizes(), " and grad_out ", grad_out.sizes(),
               " must have the query's shape ", q.sizes());
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == p.B && lse.size(1) == p.Hq && lse.size(2) == p.Lq,
+  FLEXSPARSE_CHECK(lse.dim() == 3 && lse.size(0) == p.B && lse.size(1) == p.Hq && lse.size(2) == p.Lq,
               "flexsparse cuda: lse shape ", lse.sizes());
   Tensor o = out.to(q.scalar_type()).contiguous();
   Tensor l = lse.to(at::kFloat).contiguous();
@@ -369,7 +370,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> index_attention_backward(
   bp.do_sb = dout.stride(0); bp.do_sh = dout.stride(1); bp.do_sm = dout.stride(2);
   Tensor glse;
   if (grad_lse.has_value()) {
-    TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "flexsparse cuda: grad_lse shape ",
+    FLEXSPARSE_CHECK(grad_lse->sizes() == lse.sizes(), "flexsparse cuda: grad_lse shape ",
                 grad_lse->sizes());
     glse = grad_lse->to(at::kFloat).contiguous();
     bp.grad_lse = glse.data_ptr<float>();
@@ -383,7 +384,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> index_attention_backward(
   bp.Bi = idx.size(0);
   bp.Hi = idx.size(1);
   const std::string why = index_bwd_unsupported(bp);
-  TORCH_CHECK(why.empty(), "flexsparse cuda index backward: ", why);
+  FLEXSPARSE_CHECK(why.empty(), "flexsparse cuda index backward: ", why);
   Tensor workspace = at::empty({static_cast<int64_t>(index_bwd_workspace_bytes(bp))},
                                q.options().dtype(at::kByte));
   bp.workspace = workspace.data_ptr();
@@ -404,7 +405,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   check_sm90(query);
   Inputs in{query, key, value, bias, {}};
   if (attn_indices.has_value()) {
-    TORCH_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
+    FLEXSPARSE_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
                               q_full_count, q_full_index, dense_mask, col_ranges,
                               partial_bits_index, partial_bits}),
                 "flexsparse cuda: an index mask (attn_indices) takes no other mask tensors");
@@ -446,7 +447,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   }
   bp.deterministic = deterministic;
   std::string why = bwd_sm90_unsupported(bp);
-  TORCH_CHECK(why.empty(), "flexsparse cuda backward: ", why);
+  FLEXSPARSE_CHECK(why.empty(), "flexsparse cuda backward: ", why);
   Tensor workspace = at::empty({static_cast<int64_t>(bwd_sm90_workspace_bytes(bp))},
                                query.options().dtype(at::kByte));
   bp.workspace = workspace.data_ptr();

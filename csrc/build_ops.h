@@ -11,11 +11,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <sstream>
 #include <tuple>
 #include <vector>
 
 #include "build_masks.h"
+#include "checks.h"
 
 namespace flexsparse {
 namespace build {
@@ -88,7 +88,7 @@ void build_cpu(BuildParams& p, std::vector<int64_t>& ends) {
         for (int r = 0; r < m; ++r)
           for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
       } else {
-        TORCH_CHECK(key_block_rows(p, b, kb, bd),
+        FLEXSPARSE_CHECK(key_block_rows(p, b, kb, bd),
                     "flexsparse build: a key block needs more than 4 block ranges");
       }
     }
@@ -117,17 +117,13 @@ void build_cpu(BuildParams& p, std::vector<int64_t>& ends) {
       }
     }
     for (int64_t qb = 0; qb < p.nQB; ++qb)
-      TORCH_CHECK(query_block_rows(p, b, qb, p.filled + ws_at(p, b, 0, 0)),
+      FLEXSPARSE_CHECK(query_block_rows(p, b, qb, p.filled + ws_at(p, b, 0, 0)),
                   "flexsparse build: a query block needs more than 4 block ranges");
   }
 }
 
 std::string list_text(const std::vector<int64_t>& v) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << "]";
-  return os.str();
+  return check_detail::piece(c10::IntArrayRef(v));   // (no std::ostream: csrc/checks.h)
 }
 
 // The CPU build checks values as masks.py does in eager mode (ValueError, same text).
@@ -146,43 +142,43 @@ void check_lengths_cpu(const Tensor& lengths, int64_t L, std::vector<int64_t>& e
     totals[b] = acc;
     wrong = wrong || acc != L;
   }
-  TORCH_CHECK_VALUE(!negative, "lengths: lengths must be non-negative");
-  TORCH_CHECK_VALUE(!wrong, "lengths: lengths must sum to L=", L, ", got ", list_text(totals));
+  FLEXSPARSE_CHECK_VALUE(!negative, "lengths: lengths must be non-negative");
+  FLEXSPARSE_CHECK_VALUE(!wrong, "lengths: lengths must sum to L=", L, ", got ", list_text(totals));
 }
 
 void check_prefix_cpu(const Tensor& prefix) {
   const int64_t* v = prefix.data_ptr<int64_t>();
   std::vector<int64_t> all(v, v + prefix.numel());
-  for (int64_t x : all) TORCH_CHECK_VALUE(x >= 0, "prefix_len: must be >= 0, got ", list_text(all));
+  for (int64_t x : all) FLEXSPARSE_CHECK_VALUE(x >= 0, "prefix_len: must be >= 0, got ", list_text(all));
 }
 
 // ---- the ops
 
 Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t block_q,
               int64_t block_k, bool causal = false) {
-  TORCH_CHECK_VALUE(block_q > 0 && block_k > 0, "flexsparse build: block sizes must be positive, got (",
+  FLEXSPARSE_CHECK_VALUE(block_q > 0 && block_k > 0, "flexsparse build: block sizes must be positive, got (",
                     block_q, ", ", block_k, ")");
-  TORCH_CHECK_VALUE(Lq >= 0 && Lk >= 0 && Lq < (int64_t(1) << 31) && Lk < (int64_t(1) << 31),
+  FLEXSPARSE_CHECK_VALUE(Lq >= 0 && Lk >= 0 && Lq < (int64_t(1) << 31) && Lk < (int64_t(1) << 31),
                     "flexsparse build: sequence lengths must be in [0, 2^31), got (", Lq, ", ", Lk, ")");
-  TORCH_CHECK_TYPE(!at::isFloatingType(data_in.scalar_type()) && data_in.scalar_type() != at::kBool,
+  FLEXSPARSE_CHECK_TYPE(!at::isFloatingType(data_in.scalar_type()) && data_in.scalar_type() != at::kBool,
                    "flexsparse build: lengths must be an integer tensor, got ", data_in.scalar_type());
   const bool docs = kind == kDocument || kind == kDocumentCausal, flash = kind == kColumnRanges;
   if (docs) {
-    TORCH_CHECK_VALUE((data_in.dim() == 1 || data_in.dim() == 2) && data_in.numel() > 0,
+    FLEXSPARSE_CHECK_VALUE((data_in.dim() == 1 || data_in.dim() == 2) && data_in.numel() > 0,
                       "flexsparse build: lengths must be (n,) or (B, n), nonempty, got ",
                       data_in.sizes());
-    TORCH_CHECK_VALUE(Lq == Lk, "lengths: needs Lq == Lk, got Lq=", Lq, ", Lk=", Lk);
+    FLEXSPARSE_CHECK_VALUE(Lq == Lk, "lengths: needs Lq == Lk, got Lq=", Lq, ", Lk=", Lk);
   } else if (flash) {
-    TORCH_CHECK_VALUE(data_in.dim() == 4 && data_in.size(2) == Lk && data_in.size(0) > 0 &&
+    FLEXSPARSE_CHECK_VALUE(data_in.dim() == 4 && data_in.size(2) == Lk && data_in.size(0) > 0 &&
                           data_in.size(1) > 0,
                       "flexsparse build: startend_row_indices must be (B, H, Lk=", Lk, ", C), got ",
                       data_in.sizes());
     const int64_t C = data_in.size(3);
-    TORCH_CHECK_VALUE(causal ? (C == 1 || C == 2 || C == 4) : (C == 2 || C == 4),
+    FLEXSPARSE_CHECK_VALUE(causal ? (C == 1 || C == 2 || C == 4) : (C == 2 || C == 4),
                       "flexsparse build: startend_row_indices: last dim C=", C,
                       " is not valid with causal=", causal);
   } else {
-    TORCH_CHECK_VALUE(data_in.dim() == 1 && data_in.size(0) > 0,
+    FLEXSPARSE_CHECK_VALUE(data_in.dim() == 1 && data_in.size(0) > 0,
                       "flexsparse build: prefix_len must be (B,) with B > 0, got ", data_in.sizes());
   }
   Tensor data = data_in.to(at::kLong).contiguous();
@@ -233,7 +229,7 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
     }
     build_column_ranges_cuda(p, at::cuda::getCurrentCUDAStream().stream());
   } else {
-    TORCH_CHECK(data.device().is_cpu(), "flexsparse build: CPU or CUDA tensors, got ", data.device());
+    FLEXSPARSE_CHECK(data.device().is_cpu(), "flexsparse build: CPU or CUDA tensors, got ", data.device());
     std::vector<int64_t> ends;
     if (docs) {
       ends.resize(p.Bl * p.n_docs);

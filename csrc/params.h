@@ -141,8 +141,9 @@ struct TopkParams {
   bool causal = false;                // row r is query row0 + r: keys j <= row0 + r + off
   int64_t row0 = 0, off = 0;
   uint32_t inf_bits = 0;              // +inf's bits without the sign: 0x7F80 (bf16), 0x7C00 (fp16)
+  int warps_per_row = 0;              // 1, 4, 8 or 16; 0: by Lk (topk_rows_cuda)
   int smem_keys_per_warp = 0;         // (set by topk_rows_cuda)
 };
-constexpr int kTopkMaxKeys = 64 * 1024;   // a row's keys in one warp's shared memory
+constexpr int kTopkMaxKeys = 64 * 1024;   // a row's keys in shared memory
 
 }  // namespace flexsparse

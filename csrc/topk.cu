@@ -1,16 +1,18 @@
 // flexsparse::topk_rows on CUDA: per score row, the positions of its k largest scores
 // (neither -inf nor NaN), ascending, then -1 padding; what flexsparse/topk.py defines and
 // flexsparse/triton_topk.py computes for rows of up to 8K keys. This kernel takes 16-bit
-// scores (bf16, fp16) and rows of up to kMaxKeys keys.
+// scores (bf16, fp16) and rows of up to kTopkMaxKeys keys.
 //
-// One warp per row, no barrier wider than a warp (docs/perf-notes.md "masks.topk on the
-// GPU": the Triton kernel's time was its chain of CTA-wide reductions, one per bit):
+// One warp per row for rows of up to 8K keys, no barrier wider than a warp
+// (docs/perf-notes.md "masks.topk on the GPU": the Triton kernel's time was its chain of
+// CTA-wide reductions, one per bit); longer rows a CTA of 4 to 16 warps each, whose 17
+// barriers per row cost less than the idle issue slots of a few warps per SM (each row's
+// keys take 32-128 KB of shared memory):
 // 1. the row's scores become order-preserving 16-bit keys (0 for -inf and NaN, below
-//    every kept key) in the warp's slice of shared memory, padded with 0 to whole
-//    256-key chunks;
+//    every kept key) in shared memory, padded with 0 to whole 256-key chunks;
 // 2. the k-th largest key T, bit by bit from the top: T | bit stays if at least k keys
 //    are >= it (each lane counts 8 keys per 16-byte shared load, two per compare;
-//    __reduce_add_sync sums the lanes);
+//    __reduce_add_sync sums the lanes, shared memory the warps);
 // 3. the kept columns in position order, 32 at a time (ballots give each its slot):
 //    keys above T, then the first k - #(keys > T) keys equal to T.
 #include <cuda_runtime.h>
@@ -31,33 +33,70 @@ __device__ __forceinline__ uint32_t score_key(uint32_t bits, uint32_t inf_bits) 
   return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
 }
 
+// The threads that work one row: a warp (kWarps == 1; a CTA holds several rows and nothing
+// syncs wider than a warp) or the CTA's kWarps warps (one row per CTA, for long rows, where
+// one warp per row leaves too few warps per SM to hide the shared-memory latency).
+template <int kWarps>
+struct RowTeam {
+  static constexpr int kThreads = 32 * kWarps;
+  int* scratch;   // kWarps > 1: 4 * kWarps ints of shared memory
+  int warp, lane, tid, parity = 0;
+
+  // The sum of v over the team. Two scratch halves in turn: a half is written again only
+  // after the next sum's barrier, which every thread reaches after reading it.
+  __device__ __forceinline__ int sum(int v) {
+    v = __reduce_add_sync(0xFFFFFFFFu, v);
+    if constexpr (kWarps == 1) {
+      return v;
+    } else {
+      int* half = scratch + parity * kWarps;
+      parity ^= 1;
+      if (lane == 0) half[warp] = v;
+      __syncthreads();
+      int total = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += half[w];
+      return total;
+    }
+  }
+};
+
 // Keys >= bound among the row's n_pad keys (shared memory, 8 per lane per 16-byte load).
 // __vsetgeu2 compares both 16-bit halves of a word at once (5 instructions per word on
 // sm_90, against 4 per key unpacked); the two halves' counts add up in the two halves of
 // one accumulator (at most n_pad / 64 <= 1024 each).
-__device__ __forceinline__ int count_at_least(const uint4* keys, int n_chunks8, uint32_t bound, int lane) {
+template <int kWarps>
+__device__ __forceinline__ int count_at_least(RowTeam<kWarps>& team, const uint4* keys, int n_chunks8,
+                                              uint32_t bound) {
   const uint32_t bound2 = bound | (bound << 16);
   uint32_t packed = 0;
-  for (int i = lane; i < n_chunks8; i += 32) {
+  for (int i = team.tid; i < n_chunks8; i += team.kThreads) {
     const uint4 w = keys[i];
     packed += __vsetgeu2(w.x, bound2) + __vsetgeu2(w.y, bound2) + __vsetgeu2(w.z, bound2) +
               __vsetgeu2(w.w, bound2);
   }
-  return __reduce_add_sync(0xFFFFFFFFu, static_cast<int>((packed & 0xFFFFu) + (packed >> 16)));
+  return team.sum(static_cast<int>((packed & 0xFFFFu) + (packed >> 16)));
 }
 
-__global__ void topk_rows_kernel(TopkParams p) {
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps == 1 ? 256 : 32 * kWarps)
+topk_rows_kernel(TopkParams p) {
   extern __shared__ __align__(16) uint16_t smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row_id = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
-  if (row_id >= p.n_rows) return;   // the whole warp: nothing below syncs wider than it
+  RowTeam<kWarps> team;
+  team.warp = threadIdx.x / 32;
+  team.lane = threadIdx.x % 32;
+  team.tid = kWarps == 1 ? team.lane : threadIdx.x;
+  const int64_t row_id = kWarps == 1
+      ? static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + team.warp : int64_t(blockIdx.x);
+  if (row_id >= p.n_rows) return;   // (kWarps == 1: the whole warp; else the whole CTA)
   const int64_t lead = row_id / p.rows, r = row_id % p.rows;
   const uint16_t* row = p.scores + lead * p.s_lead + r * p.s_row;
   int32_t* out = p.out + lead * p.o_lead + r * p.o_row;
   int n = p.Lk;
   if (p.causal) n = static_cast<int>(min(max(p.row0 + r + p.off + 1, int64_t(0)), int64_t(p.Lk)));
   const int n_pad = (n + kChunk - 1) / kChunk * kChunk;
-  uint16_t* keys = smem + static_cast<int64_t>(warp) * p.smem_keys_per_warp;
+  uint16_t* keys = smem + (kWarps == 1 ? static_cast<int64_t>(team.warp) * p.smem_keys_per_warp : 0);
+  team.scratch = reinterpret_cast<int*>(smem + p.smem_keys_per_warp);
 
   // 1. keys into shared memory; the valid ones counted. Contiguous, 16-byte aligned rows:
   //    8 scores per 16-byte load (the only pass over global memory), the tail and other
@@ -69,7 +108,7 @@ __global__ void topk_rows_kernel(TopkParams p) {
     const uint4* row8 = reinterpret_cast<const uint4*>(row);
     uint4* keys8w = reinterpret_cast<uint4*>(keys);
 #pragma unroll 4
-    for (int i = lane; i < c_vec / 8; i += 32) {
+    for (int i = team.tid; i < c_vec / 8; i += team.kThreads) {
       const uint4 w = __ldg(row8 + i);
       uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -82,13 +121,13 @@ __global__ void topk_rows_kernel(TopkParams p) {
       keys8w[i] = make_uint4(words[0], words[1], words[2], words[3]);
     }
   }
-  for (int c = c_vec + lane; c < n_pad; c += 32) {
+  for (int c = c_vec + team.tid; c < n_pad; c += team.kThreads) {
     uint32_t key = 0;
     if (c < n) key = score_key(__ldg(row + c * p.s_col), p.inf_bits);
     keys[c] = static_cast<uint16_t>(key);
     valid += key != 0;
   }
-  valid = __reduce_add_sync(0xFFFFFFFFu, valid);
+  valid = team.sum(valid);   // (kWarps > 1: its barrier also publishes the keys)
   __syncwarp();
 
   // 2. the threshold (0 with every valid key kept when there are at most k)
@@ -99,18 +138,39 @@ __global__ void topk_rows_kernel(TopkParams p) {
   if (valid > p.k) {
     for (int bit = 15; bit >= 0; --bit) {
       const uint32_t bound = threshold | (1u << bit);
-      if (count_at_least(keys8, n_chunks8, bound, lane) >= p.k) threshold = bound;
+      if (count_at_least(team, keys8, n_chunks8, bound) >= p.k) threshold = bound;
     }
     // (threshold + 1 fits 16 bits: the largest kept key is +inf's, below 0xFFFF)
-    ties = p.k - count_at_least(keys8, n_chunks8, threshold + 1, lane);
+    ties = p.k - count_at_least(team, keys8, n_chunks8, threshold + 1);
   }
 
-  // 3. kept columns in position order
-  int kept = 0, seen_ties = 0;
-  const uint32_t below = (1u << lane) - 1;
-  for (int c0 = 0; c0 < n; c0 += 32) {
-    const int c = c0 + lane;
-    const uint32_t key = c < n ? keys[c] : 0;
+  // 3. kept columns in position order, 32 at a time per warp: keys above the threshold,
+  //    then the first `ties` keys equal to it. With kWarps > 1 each warp takes a slice of
+  //    the columns, after the counts of the slices before it.
+  int c_begin = 0, c_end = n, kept = 0, seen_ties = 0;
+  const uint32_t below = (1u << team.lane) - 1;
+  if constexpr (kWarps > 1) {
+    const int slice = (n + team.kThreads - 1) / team.kThreads * 32;
+    c_begin = min(team.warp * slice, n);
+    c_end = min(c_begin + slice, n);
+    int above = 0, equal = 0;
+    for (int c = c_begin + team.lane; c < c_end; c += 32) {
+      const uint32_t key = keys[c];
+      above += key > threshold;
+      equal += key == threshold && key != 0;
+    }
+    above = __reduce_add_sync(0xFFFFFFFFu, above);
+    equal = __reduce_add_sync(0xFFFFFFFFu, equal);
+    int* counts = team.scratch + 2 * kWarps;   // (the sums' halves are done with)
+    if (team.lane == 0) { counts[team.warp] = above; counts[kWarps + team.warp] = equal; }
+    __syncthreads();
+    int above_before = 0;
+    for (int w = 0; w < team.warp; ++w) { above_before += counts[w]; seen_ties += counts[kWarps + w]; }
+    kept = above_before + min(seen_ties, ties);
+  }
+  for (int c0 = c_begin; c0 < c_end; c0 += 32) {
+    const int c = c0 + team.lane;
+    const uint32_t key = c < c_end ? keys[c] : 0;
     const bool tie = key == threshold && key != 0;
     const uint32_t tie_mask = __ballot_sync(0xFFFFFFFFu, tie);
     const bool keep = key > threshold || (tie && seen_ties + __popc(tie_mask & below) < ties);
@@ -120,25 +180,44 @@ __global__ void topk_rows_kernel(TopkParams p) {
     kept += __popc(keep_mask);
     seen_ties += __popc(tie_mask);
   }
-  for (int s = kept + lane; s < p.k; s += 32) out[s] = -1;
+  // Every row keeps min(valid, k) positions.
+  for (int s = min(valid, p.k) + team.tid; s < p.k; s += team.kThreads) out[s] = -1;
+}
+
+template <int kWarps>
+void launch(TopkParams p, int n_pad, cudaStream_t stream) {
+  const int row_bytes = n_pad * static_cast<int>(sizeof(uint16_t));
+  int rows_per_cta = 1;
+  if (kWarps == 1) {
+    // as many rows as fit in ~96 KB (two CTAs per SM), at most 8
+    rows_per_cta = (96 * 1024) / row_bytes;
+    rows_per_cta = rows_per_cta < 1 ? 1 : (rows_per_cta > 8 ? 8 : rows_per_cta);
+  }
+  const size_t smem = static_cast<size_t>(rows_per_cta) * row_bytes + 4 * kWarps * sizeof(int);
+  if (smem > 48 * 1024)
+    cudaFuncSetAttribute(topk_rows_kernel<kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(smem));
+  const int64_t blocks = (p.n_rows + rows_per_cta - 1) / rows_per_cta;
+  const int threads = kWarps == 1 ? 32 * rows_per_cta : 32 * kWarps;
+  topk_rows_kernel<kWarps><<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
 }
 
 }  // namespace
 
 void topk_rows_cuda(TopkParams p, cudaStream_t stream) {
-  // Shared memory per row: its keys padded to whole chunks. Warps per CTA: as many rows
-  // as fit in ~96 KB (two CTAs per SM), at most 8.
+  // Shared memory per row: its keys padded to whole chunks (kTopkMaxKeys at most: 128 KB).
   const int n_pad = p.Lk > 0 ? (p.Lk + kChunk - 1) / kChunk * kChunk : kChunk;
   p.smem_keys_per_warp = n_pad;
-  const int row_bytes = n_pad * static_cast<int>(sizeof(uint16_t));
-  int warps = (96 * 1024) / row_bytes;
-  warps = warps < 1 ? 1 : (warps > 8 ? 8 : warps);
-  const size_t smem = static_cast<size_t>(warps) * row_bytes;
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(topk_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(smem));
-  const int64_t blocks = (p.n_rows + warps - 1) / warps;
-  topk_rows_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream>>>(p);
+  // Warps per row by length, from the H100 sweep in docs/perf-notes.md ("masks.topk on the
+  // GPU"): the fewest that keep enough warps per SM busy with the row's shared memory.
+  int warps = p.warps_per_row;
+  if (warps <= 0) warps = p.Lk <= 8192 ? 1 : p.Lk <= 16384 ? 4 : p.Lk <= 32768 ? 8 : 16;
+  switch (warps) {
+    case 1: launch<1>(p, n_pad, stream); break;
+    case 4: launch<4>(p, n_pad, stream); break;
+    case 8: launch<8>(p, n_pad, stream); break;
+    default: launch<16>(p, n_pad, stream); break;
+  }
 }
 
 }  // namespace flexsparse

@@ -2,9 +2,11 @@
 
 `topk_indices(scores, k, causal=...)` keeps, for every query row, the k keys with the
 largest score and returns their positions as int32 (..., Lq, k), -1 where fewer than k
-keys are allowed (causal, Lk < k, or -inf / NaN scores). On CUDA, rows of up to 8K keys
-go to one Triton kernel (flexsparse/triton_topk.py) that reads the scores in place and
-writes only the (Lq, k) result; otherwise rows are processed in chunks, so beyond the
+keys are allowed (causal, Lk < k, or -inf / NaN scores). On CUDA, bf16 / fp16 rows of up
+to 64K keys go to the kernel of csrc/topk.cu (`flexsparse::topk_rows`, when
+flexsparse._C is built), other rows of up to 8K keys to a Triton kernel
+(flexsparse/triton_topk.py); both read the scores in place and write only the (Lq, k)
+result, all rows in one launch. Otherwise rows are processed in chunks, so beyond the
 input itself only O(chunk_rows x Lk) memory is used. `scores` can also be a callable
 `scores(r0, r1) -> (..., r1 - r0, Lk)` that produces each chunk on the fly (then
 `num_queries` gives Lq), so no (Lq, Lk) tensor ever exists.
@@ -21,9 +23,9 @@ import torch
 # on the torch path: each chunk is copied once (NaN -> -inf). torch.topk over few rows
 # leaves the GPU partly idle, so on CUDA larger chunks are faster: on the H100 (bf16,
 # docs/benchmarks.md 2026-11-26, against torch.topk over all rows) 1.29-1.50x at 2^26
-# elements, 1.10-1.40x at 2^28 (1.10-1.13x at L = 32K), at a 512 MB copy in bf16. For
-# CUDA rows of up to triton_topk.RESIDENT_MAX keys the Triton kernel reads the scores in
-# place instead: a tensor's rows go in one launch, only a callable's chunks are sized.
+# elements, 1.10-1.40x at 2^28 (1.10-1.13x at L = 32K), at a 512 MB copy in bf16. The
+# CUDA rows that a kernel takes (_cuda_op_takes, _on_triton) are read in place instead:
+# a tensor's rows go in one launch, only a callable's chunks are sized.
 CHUNK_ELEMENTS = 1 << 26
 CUDA_CHUNK_ELEMENTS = 1 << 28
 
@@ -43,7 +45,7 @@ def _triton_topk():
 
 
 def _cuda_op_takes(s: torch.Tensor) -> bool:
-    """16-bit CUDA scores with rows short enough for csrc/topk.cu (one warp per row, the
+    """16-bit CUDA scores with rows short enough for csrc/topk.cu (a warp or a CTA per row, the
     row's keys in shared memory), when flexsparse._C has the kernel."""
     return (s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) and s.shape[-1] <= 65536
             and torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"))
@@ -67,7 +69,8 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
     causal: key j is allowed for query i only if j <= i + (Lk - Lq) (bottom-right
         aligned, as the other causal masks).
     chunk_rows: query rows per chunk (default: about 2^26 score elements per chunk, 2^28
-        on CUDA; CUDA rows of up to 8K keys: all rows at once).
+        on CUDA; CUDA rows that a kernel takes, bf16 / fp16 up to 64K keys and others
+        up to 8K: all rows at once).
     sort: if True, each row's kept positions are ascending, -1 entries last; otherwise in
         descending score order (-1 entries last too).
     Entries whose score is -inf or NaN are never kept.

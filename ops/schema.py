@@ -144,11 +144,11 @@ def _build_column_ranges_fake(startend, Lq, Lk, block_q, block_k, causal):
 # flexsparse._C is built; flexsparse/topk.py calls it for 16-bit scores.
 torch.library.define(
     "flexsparse::topk_rows",
-    "(Tensor scores, int k, bool causal, int row0, int num_queries) -> Tensor")
+    "(Tensor scores, int k, bool causal, int row0, int num_queries, int warps_per_row=0) -> Tensor")
 
 
 @torch.library.register_fake("flexsparse::topk_rows")
-def _topk_rows_fake(scores, k, causal, row0, num_queries):
+def _topk_rows_fake(scores, k, causal, row0, num_queries, warps_per_row=0):
     if scores.dim() < 2:
         raise ValueError(f"flexsparse topk_rows: scores must be (..., rows, Lk), got {tuple(scores.shape)}")
     return scores.new_empty(tuple(scores.shape[:-1]) + (k,), dtype=torch.int32)

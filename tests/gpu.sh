@@ -81,7 +81,7 @@ if [[ " $parts " == *" topk "* ]]; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/topk_$tool.log" | tail -3
   done
   timeout "${T_TOPKBENCH:-300}" python3 -m benchmarks.topk_bench --lengths "${TOPK_LENGTHS:-8192,16384,32768}" \
-    --chunk-elements "" --kernel-configs "${TOPK_CONFIGS:-8192x8}" --out "$OUT/topk.md" 2>&1 | grep -v Warn
+    --chunk-elements "" --kernel-configs "${TOPK_CONFIGS:-8192x8}" --cuda-warps "${TOPK_WARPS:-1,4,8,16}" --out "$OUT/topk.md" 2>&1 | grep -v Warn
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, then its table.
 if [[ " $parts " == *" ibwd "* ]]; then

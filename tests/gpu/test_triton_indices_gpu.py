@@ -339,10 +339,15 @@ def test_topk_cuda_op():
                 parked = got.masked_fill(got < 0, 1 << 30)
                 assert torch.equal(parked, parked.sort(-1).values)
                 assert torch.equal(got, topk_indices(s, k, causal=causal)), (dtype, L, causal)
+                for warps in (1, 4, 8, 16):   # one warp per row, or a CTA of warps per row
+                    assert torch.equal(torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq, warps), got), \
+                        (dtype, L, k, causal, warps)
         for strided in (s[..., ::2], s.transpose(0, 1)[..., ::3]):   # column stride; a copy
             want = torch.ops.flexsparse.topk_rows(strided.contiguous(), 16, False, 0, Lq)
             assert torch.equal(torch.ops.flexsparse.topk_rows(strided, 16, False, 0, Lq), want)
     assert torch.ops.flexsparse.topk_rows(s[..., :0], 4, False, 0, Lq).eq(-1).all()
+    assert torch.ops.flexsparse.topk_rows(s[..., :0], 4, False, 0, Lq, 8).eq(-1).all()
+    # (bad arguments: tests/gpu/test_op_errors_gpu.py)
     assert torch.ops.flexsparse.topk_rows(s, 0, False, 0, Lq).shape == s.shape[:-1] + (0,)
     torch.library.opcheck(torch.ops.flexsparse.topk_rows.default,
                           (torch.randn(2, 5, 300, device=DEV, dtype=torch.bfloat16), 7, True, 0, 5))
