@@ -105,7 +105,7 @@ def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=pr
                 rows_per_chunk = max(1, ce // (B * heads * L))
                 r[f"chunk_{ce}_ms"] = _bench(lambda: masks.topk(scores, k, chunk_rows=rows_per_chunk))
             # on CUDA all rows of a tensor go in one launch (flexsparse/triton_topk.py)
-            r["chunk_rows"] = (L if topk_mod._cuda_op_takes(scores) or topk_mod._on_triton(scores)
+            r["chunk_rows"] = (L if topk_mod._cuda_op_takes(scores, k) or topk_mod._on_triton(scores)
                                else max(1, topk_mod.chunk_elements(scores.device) // (B * heads * L)))
             for block, warps, *hist in kernel_configs:
                 hd = hist[0] if hist else None

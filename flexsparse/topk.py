@@ -2,9 +2,9 @@
 
 `topk_indices(scores, k, causal=...)` keeps, for every query row, the k keys with the
 largest score and returns their positions as int32 (..., Lq, k), -1 where fewer than k
-keys are allowed (causal, Lk < k, or -inf / NaN scores). On CUDA, bf16 / fp16 rows of up
-to 64K keys go to the kernel of csrc/topk.cu (`flexsparse::topk_rows`, when
-flexsparse._C is built), other rows of up to 8K keys to a Triton kernel
+keys are allowed (causal, Lk < k, or -inf / NaN scores). On CUDA, bf16 / fp16 rows go to
+the kernel of csrc/topk.cu (`flexsparse::topk_rows`, when flexsparse._C is built; rows
+longer than 64K keys in segments), other rows of up to 8K keys to a Triton kernel
 (flexsparse/triton_topk.py); both read the scores in place and write only the (Lq, k)
 result, all rows in one launch. Otherwise rows are processed in chunks, so beyond the
 input itself only O(chunk_rows x Lk) memory is used. `scores` can also be a callable
@@ -44,11 +44,45 @@ def _triton_topk():
     return triton_topk
 
 
-def _cuda_op_takes(s: torch.Tensor) -> bool:
-    """16-bit CUDA scores with rows short enough for csrc/topk.cu (a warp or a CTA per row, the
-    row's keys in shared memory), when flexsparse._C has the kernel."""
-    return (s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) and s.shape[-1] <= 65536
+# Keys per row that csrc/topk.cu holds in shared memory; longer rows go through it in
+# segments of this many keys (_segmented_topk).
+CUDA_OP_MAX_KEYS = 65536
+
+
+def _cuda_op_takes(s: torch.Tensor, k: int) -> bool:
+    """16-bit CUDA scores that csrc/topk.cu selects from (a warp or a CTA per row, the row's
+    keys in shared memory; longer rows in segments, as long as the segments' candidates
+    fit one row), when flexsparse._C has the kernel."""
+    return (s.is_cuda and s.dtype in (torch.bfloat16, torch.float16)
+            and (s.shape[-1] <= CUDA_OP_MAX_KEYS
+                 or -(-s.shape[-1] // CUDA_OP_MAX_KEYS) * k <= CUDA_OP_MAX_KEYS)
             and torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"))
+
+
+def _segmented_topk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, select,
+                    seg: int) -> torch.Tensor:
+    """Ascending top-k positions of rows longer than `seg` keys through a selector of rows of
+    at most `seg` keys, `select(scores, k, causal, row0, num_queries)` (topk_rows' contract).
+    Each segment's top k, then the top k of those candidates: every key the row keeps is
+    among its segment's top k (a segment keeps its keys above the row's threshold and its
+    first ties in position order, at least as many as the row keeps there), and the
+    candidates are in position order, so the ties the row keeps are its first ones too."""
+    Lk = s.shape[-1]
+    parts = []
+    for s0 in range(0, Lk, seg):
+        s1 = min(Lk, s0 + seg)
+        # causal: key s0 + j is visible to query row0 + r iff j <= row0 + r + (Lk - Lq) - s0,
+        # the selector's rule for a row of s1 - s0 keys with this num_queries
+        ind = select(s[..., s0:s1], k, causal, r0, (s1 - s0) - (Lk - Lq - s0))
+        parts.append(torch.where(ind >= 0, ind + s0, ind))
+    cand = torch.cat(parts, dim=-1)
+    vals = s.gather(-1, cand.clamp_min(0).long()).masked_fill_(cand < 0, -math.inf)
+    pick = select(vals, k, False, 0, vals.shape[-2])
+    return torch.where(pick >= 0, cand.gather(-1, pick.clamp_min(0).long()), pick)
+
+
+def _cuda_op_select(s, k, causal, row0, num_queries):
+    return torch.ops.flexsparse.topk_rows(s, k, causal, row0, num_queries)
 
 
 def _on_triton(s: torch.Tensor) -> bool:
@@ -69,8 +103,8 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
     causal: key j is allowed for query i only if j <= i + (Lk - Lq) (bottom-right
         aligned, as the other causal masks).
     chunk_rows: query rows per chunk (default: about 2^26 score elements per chunk, 2^28
-        on CUDA; CUDA rows that a kernel takes, bf16 / fp16 up to 64K keys and others
-        up to 8K: all rows at once).
+        on CUDA; CUDA rows that a kernel takes, bf16 / fp16 and others up to 8K keys:
+        all rows at once).
     sort: if True, each row's kept positions are ascending, -1 entries last; otherwise in
         descending score order (-1 entries last too).
     Entries whose score is -inf or NaN are never kept.
@@ -101,7 +135,7 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
     step = chunk_rows
     if step is not None and (not isinstance(step, int) or step <= 0):
         raise ValueError(f"chunk_rows: must be a positive int, got {chunk_rows!r}")
-    if probe is not None and step is None and (_cuda_op_takes(probe) or _on_triton(probe)):
+    if probe is not None and step is None and (_cuda_op_takes(probe, k) or _on_triton(probe)):
         step = max(1, Lq)     # no copy per chunk: all rows in one launch
     if probe is not None and step is None:
         lead = math.prod(probe.shape[:-2])
@@ -135,8 +169,11 @@ def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: b
     per chunk: one pass writes the chunk's own copy with NaN turned into -inf (causal: only
     the columns some row of the chunk may see, and -inf written into the band above the
     diagonal in place), then torch.topk, then the (rows, k) results are fixed up."""
-    if _cuda_op_takes(s):
-        ind = torch.ops.flexsparse.topk_rows(s, k, causal, r0, Lq)
+    if _cuda_op_takes(s, k):
+        if s.shape[-1] <= CUDA_OP_MAX_KEYS:
+            ind = _cuda_op_select(s, k, causal, r0, Lq)
+        else:
+            ind = _segmented_topk(s, k, causal, r0, Lq, _cuda_op_select, CUDA_OP_MAX_KEYS)
         return ind if sort else _by_descending_score(s, ind)
     if _on_triton(s):
         tk = _triton_topk()

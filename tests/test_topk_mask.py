@@ -132,3 +132,40 @@ def test_topk_bench_table_format():
         line = tb.format_row(r, c)
         assert head[0].count("|") == head[1].count("|") == line.count("|")
     assert "| 32K | 64 | 10.00 | 9.00 | 11.00 (64) | 1.10 | 6.00 (0.60) | 640 / 100 | 0 | yes" in line
+
+
+def _select_first_ties(s, k, causal, row0, num_queries):
+    """topk_rows' contract by a Python loop: per row the k largest allowed scores, ties to
+    the lower position, positions ascending, then -1."""
+    rows, Lk = s.shape[-2], s.shape[-1]
+    flat = s.reshape(-1, rows, Lk)
+    out = torch.full((flat.shape[0], rows, k), -1, dtype=torch.int32)
+    for a in range(flat.shape[0]):
+        for r in range(rows):
+            see = Lk if not causal else max(0, min(Lk, row0 + r + Lk - num_queries + 1))
+            keys = [j for j in range(see) if not math.isnan(flat[a, r, j]) and flat[a, r, j] != -math.inf]
+            keys.sort(key=lambda j: (-float(flat[a, r, j]), j))
+            kept = sorted(keys[:k])
+            out[a, r, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return out.reshape(s.shape[:-1] + (k,))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_segmented_topk_equals_the_whole_row(causal, k):
+    # Rows longer than csrc/topk.cu's shared memory go through it in segments
+    # (topk._segmented_topk): the same positions as one select over the whole row, ties
+    # (scores rounded to few values) to the lower position, -inf / NaN never kept, causal
+    # rows of a chunk that starts at row0 with Lq != Lk.
+    from flexsparse.topk import _segmented_topk
+    g = torch.Generator().manual_seed(k * 7 + causal)
+    Lq, Lk, seg = 40, 53, 16
+    s = (torch.randn((2, Lq, Lk), generator=g) * 2).round()
+    s[:, 3, 5:] = -math.inf
+    s[:, 4, ::3] = float("nan")
+    s[:, 5, :] = -math.inf
+    for r0, rows in ((0, 6), (17, 9), (34, 6)):
+        chunk = s[:, r0:r0 + rows]
+        want = _select_first_ties(chunk, k, causal, r0, Lq)
+        got = _segmented_topk(chunk, k, causal, r0, Lq, _select_first_ties, seg)
+        assert torch.equal(got, want), (r0, got, want)

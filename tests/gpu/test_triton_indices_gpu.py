@@ -353,6 +353,37 @@ def test_topk_cuda_op():
                           (torch.randn(2, 5, 300, device=DEV, dtype=torch.bfloat16), 7, True, 0, 5))
 
 
+def test_topk_cuda_rows_longer_than_shared_memory():
+    # 16-bit rows above 64K keys: csrc/topk.cu per 64K-key segment, then over the
+    # candidates (topk._segmented_topk). Kept scores equal torch.topk's row by row,
+    # positions ascending, causal rows of a chunk (row0 > 0, Lq != Lk).
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"):
+        if pytest is None:
+            raise RuntimeError("flexsparse._C is not built (tests/gpu.sh builds it)")
+        pytest.skip("flexsparse._C without the topk kernel")
+    from flexsparse import topk as T
+    torch.manual_seed(4)
+    Lq, L = 6, 140_000
+    for dtype in (torch.bfloat16, torch.float16):
+        s = torch.randn((1, 3, Lq, L), device=DEV).to(dtype)
+        s[..., 1, :] = (s[..., 1, :].float() * 2).round().to(dtype)      # ties across segments
+        s[..., 2, ::5] = float("nan")
+        s[..., 3, 70_000:] = -math.inf
+        for k, causal, r0, nq in ((64, False, 0, Lq), (300, True, 0, Lq), (17, True, 30_000, 100_000)):
+            assert T._cuda_op_takes(s, k)
+            got = T.topk_indices(s, k, causal=causal) if r0 == 0 else \
+                T._topk_chunk(s, k, causal, r0, nq, True)
+            allowed = s.float().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            if causal:
+                i = torch.arange(r0, r0 + Lq, device=DEV)[:, None]
+                allowed = allowed.masked_fill(torch.arange(L, device=DEV) > i + L - nq, -math.inf)
+            want = allowed.topk(k, dim=-1).values
+            kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
+            assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, k, causal, r0)
+            parked = got.masked_fill(got < 0, 1 << 30)
+            assert torch.equal(parked, parked.sort(-1).values)
+
+
 # ------------------------------------------------------------------ direct runner
 
 def run_direct(namespace) -> int:
