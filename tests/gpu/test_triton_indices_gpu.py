@@ -311,14 +311,33 @@ def test_topk_cuda_long_rows_every_dtype():
                 kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
                 assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, hist_digits)
 
-def test_topk_cuda_op():
-    # csrc/topk.cu (flexsparse::topk_rows): one warp per row, keys in shared memory. Kept
-    # scores equal torch.topk's row by row; positions ascending, -1 last; causal; strided;
-    # degenerate sizes; opcheck.
+def _skip_without_topk_op():
     if not torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"):
         if pytest is None:
             raise RuntimeError("flexsparse._C is not built (tests/gpu.sh builds it)")
         pytest.skip("flexsparse._C without the topk kernel")
+
+
+def _assert_topk_of(s, got, k, causal, row0, num_queries, note):
+    """got holds, per row of s, positions whose scores are torch.topk's k largest allowed
+    (NaN and -inf never, causal as topk_rows defines it), ascending, then -1."""
+    Lq, L = s.shape[-2], s.shape[-1]
+    allowed = s.float().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    if causal:
+        i = torch.arange(row0, row0 + Lq, device=s.device)[:, None]
+        allowed = allowed.masked_fill(torch.arange(L, device=s.device) > i + L - num_queries, -math.inf)
+    want = allowed.topk(k, dim=-1).values
+    kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
+    assert torch.equal(kept.sort(-1, descending=True).values, want), note
+    parked = got.masked_fill(got < 0, 1 << 30)
+    assert torch.equal(parked, parked.sort(-1).values), note
+
+
+def test_topk_cuda_op():
+    # csrc/topk.cu (flexsparse::topk_rows): one warp per row, keys in shared memory. Kept
+    # scores equal torch.topk's row by row; positions ascending, -1 last; causal; strided;
+    # degenerate sizes; opcheck.
+    _skip_without_topk_op()
     torch.manual_seed(3)
     for dtype in (torch.bfloat16, torch.float16):
         for L, Lq, k in ((300, 37, 5), (5000, 40, 64), (40000, 8, 256)):
@@ -329,15 +348,7 @@ def test_topk_cuda_op():
             s[..., 4, :9] = math.inf
             for causal in (False, True):
                 got = torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq)
-                allowed = s.float().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-                if causal:
-                    i = torch.arange(Lq, device=DEV)[:, None]
-                    allowed = allowed.masked_fill(torch.arange(L, device=DEV) > i + L - Lq, -math.inf)
-                want = allowed.topk(k, dim=-1).values
-                kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
-                assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, L, k, causal)
-                parked = got.masked_fill(got < 0, 1 << 30)
-                assert torch.equal(parked, parked.sort(-1).values)
+                _assert_topk_of(s, got, k, causal, 0, Lq, (dtype, L, k, causal))
                 assert torch.equal(got, topk_indices(s, k, causal=causal)), (dtype, L, causal)
                 for warps in (1, 4, 8, 16):   # one warp per row, or a CTA of warps per row
                     assert torch.equal(torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq, warps), got), \
@@ -357,10 +368,7 @@ def test_topk_cuda_rows_longer_than_shared_memory():
     # 16-bit rows above 64K keys: csrc/topk.cu per 64K-key segment, then over the
     # candidates (topk._segmented_topk). Kept scores equal torch.topk's row by row,
     # positions ascending, causal rows of a chunk (row0 > 0, Lq != Lk).
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"):
-        if pytest is None:
-            raise RuntimeError("flexsparse._C is not built (tests/gpu.sh builds it)")
-        pytest.skip("flexsparse._C without the topk kernel")
+    _skip_without_topk_op()
     from flexsparse import topk as T
     torch.manual_seed(4)
     Lq, L = 6, 140_000
@@ -373,15 +381,7 @@ def test_topk_cuda_rows_longer_than_shared_memory():
             assert T._cuda_op_takes(s, k)
             got = T.topk_indices(s, k, causal=causal) if r0 == 0 else \
                 T._topk_chunk(s, k, causal, r0, nq, True)
-            allowed = s.float().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-            if causal:
-                i = torch.arange(r0, r0 + Lq, device=DEV)[:, None]
-                allowed = allowed.masked_fill(torch.arange(L, device=DEV) > i + L - nq, -math.inf)
-            want = allowed.topk(k, dim=-1).values
-            kept = torch.gather(s.float(), -1, got.clamp_min(0).long()).masked_fill(got < 0, -math.inf)
-            assert torch.equal(kept.sort(-1, descending=True).values, want), (dtype, k, causal, r0)
-            parked = got.masked_fill(got < 0, 1 << 30)
-            assert torch.equal(parked, parked.sort(-1).values)
+            _assert_topk_of(s, got, k, causal, r0, nq, (dtype, k, causal, r0))
 
 
 # ------------------------------------------------------------------ direct runner
