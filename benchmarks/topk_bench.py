@@ -10,8 +10,9 @@ outputs do not fit in 90% of the free GPU memory are skipped. Timed with
 triton.testing.do_bench medians, in one process:
   torch.topk           torch.topk(scores, k, dim=-1) (sorted=True, its default), all rows
                        at once; also sorted=False;
-  masks.topk           flexsparse.masks.topk(scores, k): 16-bit rows of up to 64K keys,
-                       the CUDA kernel of csrc/topk.cu when flexsparse._C is built, else
+  masks.topk           flexsparse.masks.topk(scores, k): 16-bit rows, the CUDA kernel of
+                       csrc/topk.cu when flexsparse._C is built (rows above 64K keys in
+                       segments), else
                        rows of up to 8K keys, the Triton select of flexsparse/triton_topk.py
                        (both over all rows in one launch, reading the scores in place);
                        longer rows, torch.topk in chunks of
@@ -104,7 +105,7 @@ def rows(lengths=LENGTHS, ks=KS, dtype=torch.bfloat16, chunk_elements=(), log=pr
             for ce in chunk_elements:
                 rows_per_chunk = max(1, ce // (B * heads * L))
                 r[f"chunk_{ce}_ms"] = _bench(lambda: masks.topk(scores, k, chunk_rows=rows_per_chunk))
-            # on CUDA all rows of a tensor go in one launch (flexsparse/triton_topk.py)
+            # rows that a kernel takes go in one call (csrc/topk.cu, flexsparse/triton_topk.py)
             r["chunk_rows"] = (L if topk_mod._cuda_op_takes(scores, k) or topk_mod._on_triton(scores)
                                else max(1, topk_mod.chunk_elements(scores.device) // (B * heads * L)))
             for block, warps, *hist in kernel_configs:

@@ -81,10 +81,6 @@ def _segmented_topk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sel
     return torch.where(pick >= 0, cand.gather(-1, pick.clamp_min(0).long()), pick)
 
 
-def _cuda_op_select(s, k, causal, row0, num_queries):
-    return torch.ops.flexsparse.topk_rows(s, k, causal, row0, num_queries)
-
-
 def _on_triton(s: torch.Tensor) -> bool:
     """CUDA scores whose rows the Triton kernel holds in registers (where it beats the
     torch path; longer rows take torch.topk in chunks)."""
@@ -165,15 +161,17 @@ def topk_indices(scores: Union[torch.Tensor, Callable[[int, int], torch.Tensor]]
 
 def _topk_chunk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, sort: bool):
     """int32 (..., rows, k) for one chunk of rows r0.. of the scores. No host sync. On CUDA:
-    the Triton radix select of flexsparse/triton_topk.py. Else a fixed handful of torch ops
+    csrc/topk.cu's select for bf16 / fp16 rows, else the Triton select of
+    flexsparse/triton_topk.py for rows of up to 8K keys. Else a fixed handful of torch ops
     per chunk: one pass writes the chunk's own copy with NaN turned into -inf (causal: only
     the columns some row of the chunk may see, and -inf written into the band above the
     diagonal in place), then torch.topk, then the (rows, k) results are fixed up."""
     if _cuda_op_takes(s, k):
+        topk_rows = torch.ops.flexsparse.topk_rows
         if s.shape[-1] <= CUDA_OP_MAX_KEYS:
-            ind = _cuda_op_select(s, k, causal, r0, Lq)
+            ind = topk_rows(s, k, causal, r0, Lq)
         else:
-            ind = _segmented_topk(s, k, causal, r0, Lq, _cuda_op_select, CUDA_OP_MAX_KEYS)
+            ind = _segmented_topk(s, k, causal, r0, Lq, topk_rows, CUDA_OP_MAX_KEYS)
         return ind if sort else _by_descending_score(s, ind)
     if _on_triton(s):
         tk = _triton_topk()
