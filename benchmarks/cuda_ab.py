@@ -56,13 +56,16 @@ def main():
                 times[(var, "fwd")].append(triton.testing.do_bench(fn, warmup=10, rep=60))
                 if bwd:
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    out = flexsparse.attention(qg, kg, vg, desc, bias=bias, backend="cuda")
+                    # a bias is trainable here (its gradient is part of the backward timed)
+                    bg = None if bias is None else bias.detach().requires_grad_()
+                    leaves = (qg, kg, vg) + (() if bg is None else (bg,))
+                    out = flexsparse.attention(qg, kg, vg, desc, bias=bg, backend="cuda")
                     do = torch.randn(out.shape, device="cuda", dtype=DTYPE,
                                      generator=torch.Generator("cuda").manual_seed(1))
                     grads[var] = [g.float() for g in
-                                  torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True)]
+                                  torch.autograd.grad(out, leaves, do, retain_graph=True)]
                     times[(var, "bwd")].append(triton.testing.do_bench(
-                        lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True),
+                        lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
                         warmup=10, rep=60))
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
         first = outs[variants[0]]

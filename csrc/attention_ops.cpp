@@ -436,11 +436,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();
-  // dbias: the kernel writes the gradient of every (b, h, i, j) (zero where the descriptor
-  // skips a block); broadcast dimensions of the bias are summed here.
+  // dbias: bwd_sm90 writes the gradient of every (b, h, i, j), zero where the descriptor
+  // skips a block (the bias-tile kernels write those zeros themselves, the others after a
+  // memset); broadcast dimensions of the bias are summed here.
   Tensor dbias_full;
   if (bias.has_value() && bias_requires_grad) {
-    dbias_full = at::zeros({p.B, p.Hq, p.Lq, p.Lk}, query.options());
+    dbias_full = at::empty({p.B, p.Hq, p.Lq, p.Lk}, query.options());
     bp.dbias = dbias_full.data_ptr();
     bp.dbias_sb = dbias_full.stride(0); bp.dbias_sh = dbias_full.stride(1);
     bp.dbias_sq = dbias_full.stride(2); bp.dbias_sk = dbias_full.stride(3);

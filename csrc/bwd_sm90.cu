@@ -34,7 +34,31 @@ static bool plain_call(BackwardParams const& p) {
          f.pred.bits_index == nullptr && (f.pred.col_ranges == nullptr || f.pred.n_col_ranges <= kBwdMaxStagedRanges);
 }
 
+// The calls BwdTraits::kBiasTiles kernels take: head dim 64 or 128, no softcap, a bias
+// (and dbias) whose tiles TMA can move: keys contiguous, no broadcast over queries,
+// 16-byte aligned base and strides. FLEXSPARSE_CUDA_DEBUG bit 512: the general kernel
+// instead (A/Bs).
+static bool bias_tiles_call(BackwardParams const& p) {
+  const AttentionParams& f = p.fwd;
+  const auto aligned = [](const void* ptr, int64_t s1, int64_t s2, int64_t s3) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s1 % 8 == 0 && s2 % 8 == 0 && s3 % 8 == 0;
+  };
+  if (f.bias == nullptr || (f.D != 64 && f.D != 128) || f.softcap != 0.f || (f.debug & 512)) return false;
+  if (f.bias_sk != 1 || f.bias_sq == 0 || !aligned(f.bias, f.bias_sq, f.bias_sh, f.bias_sb)) return false;
+  return p.dbias == nullptr || (p.dbias_sk == 1 && aligned(p.dbias, p.dbias_sq, p.dbias_sh, p.dbias_sb));
+}
+
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
+  if (bias_tiles_call(p)) {
+    // (these kernels write every dbias entry, zeros where the descriptor lists no block)
+    if (p.fwd.D == 64) bwd_sm90_hd<64, 64, false, true>(p, dtype, stream);
+    else bwd_sm90_hd<128, 64, false, true>(p, dtype, stream);
+    return;
+  }
+  // The other kernels write dbias only where the descriptor lists a block.
+  if (p.dbias != nullptr)
+    CUDA_CHECK(cudaMemsetAsync(p.dbias, 0, static_cast<size_t>(p.fwd.B) * p.fwd.Hq * p.fwd.Lq * p.fwd.Lk * 2,
+                               stream));
   // FLEXSPARSE_CUDA_DEBUG bit 256: the general kernel for plain calls too (same-run A/Bs).
   const bool plain = plain_call(p) && !(p.fwd.debug & 256);
   switch (p.fwd.D) {

@@ -50,10 +50,18 @@ namespace flexsparse::sm90 {
 // kPlain_: the kernel for calls without bias, dbias, softcap, dense mask or bitmaps, and
 // with at most kMaxStagedRanges column ranges per key (bwd_sm90 picks it): the code and
 // the live registers of those features are compiled out.
-template <class Element_, int kHeadDim_, int kStages_, int kBlockM_ = 64, bool kPlain_ = false>
+// kBiasTiles_: the kernel for a bias that TMA can read (keys contiguous, 16-byte aligned
+// rows; bwd_sm90 checks): each step's (64 queries, 128 keys) bias tile comes through
+// shared memory, and dbias goes out of the same buffer by TMA store, in place of the
+// general kernel's per-score loads and stores (docs/perf-notes.md C47).
+template <class Element_, int kHeadDim_, int kStages_, int kBlockM_ = 64, bool kPlain_ = false,
+          bool kBiasTiles_ = false>
 struct BwdTraits {
   using Element = Element_;
   static constexpr bool kPlain = kPlain_;
+  static constexpr bool kBiasTiles = kBiasTiles_;
+  static_assert(!kBiasTiles || (!kPlain && kHeadDim_ != 256 && kBlockM_ == 64),
+                "bias tiles: the general kernel at head dims 64 and 128, 64-row steps");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;     // query rows per step
   static_assert(kBlockM == 64 || (kBlockM == 128 && kPlain_),
@@ -134,6 +142,23 @@ struct BwdTraits {
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
 
+  // A step's bias (and then dbias) tile: (queries, keys), keys contiguous as in global
+  // memory, in 128-byte swizzled rows; the transposed view is what the S^T fragments read
+  // (ldmatrix.trans) and write (stmatrix.trans).
+  using SmemLayoutBias = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutBiasT = decltype(composition(
+      SmemLayoutBias{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+  static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
+  // (Lq, Lk, bias heads, bias batches), keys contiguous; dbias (Lq, Lk, Hq, B).
+  using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
+                                             GmemShape{}, GmemStride{}));
+  using TmaBias = conditional_t<kBiasTiles,
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutBias{},
+                             Shape<Int<kBlockM>, Int<kBlockN>>{}, _1{})), int>;
+  using TmadBias = conditional_t<kBiasTiles,
+      decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutBias{},
+                             Shape<Int<kBlockM>, Int<kBlockN>>{}, _1{})), int>;
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
@@ -156,7 +181,18 @@ struct BwdTraits {
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
+    // kBiasTiles: the bias buffer is loaded (bias_full) and free again once the step has
+    // read it and its dbias store has left it (bias_empty).
+    cutlass::arch::ClusterTransactionBarrier::ValueType bias_full;
+    cutlass::arch::ClusterBarrier::ValueType bias_empty;
   };
+  // kBiasTiles: the bias tile's buffer, past SharedStorage (so that the other kernels'
+  // shared memory does not grow).
+  static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
+  // and the dbias zero filler's bitmap of listed query blocks, kZeroBitmapWords words.
+  static constexpr int kZeroBitmapWords = 128;
+  static constexpr int kSmemBytes = kBiasTiles ? kBiasOffset + kBytesBias + 4 * kZeroBitmapWords
+                                               : sizeof(SharedStorage);
 
   struct KernelParams {
     BackwardParams bp;
@@ -171,6 +207,9 @@ struct BwdTraits {
     TmaQ tma_do;
     TmaK tma_k;
     TmaK tma_v;
+    TmadBias tma_dbias;   // kBiasTiles (dbias wanted)
+    TmaBias tma_bias;     // kBiasTiles
+    int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
   };
 };
 
@@ -213,6 +252,49 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
 }
 
+// dbias zeroes where the descriptor lists no block: one warp writes, for each query head of
+// the CTA's group, zeros to the CTA's keys in the rows of every query block that neither
+// q list of its key block holds (the kernel's steps write the listed blocks by TMA), so
+// that dbias needs no zero fill before the kernel. The listed blocks are marked in a
+// shared-memory bitmap, kZeroBitmapWords * 32 query blocks at a time. Needs dbias rows of
+// whole 16-byte pieces (Lk % 8 == 0, as the TMA store does).
+template <class T>
+__device__ void zero_unlisted_dbias(BackwardParams const& bp, int b, int hk, int kb, int j0,
+                                    uint32_t* bitmap) {
+  using Element = typename T::Element;
+  AttentionParams const& p = bp.fwd;
+  constexpr int kChunk = 32 * T::kZeroBitmapWords;   // query blocks per bitmap
+  const int lane = threadIdx.x % 32;
+  const int group = p.Hq / p.Hkv;
+  const int n_qb = (p.Lq + p.block_q - 1) / p.block_q;
+  const int pieces = min(T::kBlockN, p.Lk - j0) / 8;   // 16-byte pieces per row
+  for (int g = 0; g < group; ++g) {
+    const int h = hk * group + g;
+    Element* db = static_cast<Element*>(bp.dbias) + b * bp.dbias_sb + h * bp.dbias_sh + j0;
+    for (int c0 = 0; c0 < n_qb; c0 += kChunk) {
+      for (int w = lane; w < T::kZeroBitmapWords; w += 32) bitmap[w] = 0;
+      __syncwarp();
+      ListRow lists[2] = {ListRow(p.q_partial, b, h, kb), ListRow(p.q_full, b, h, kb)};
+      for (int l = 0; l < 2; ++l)
+        for (int t = lane; t < lists[l].count; t += 32) {
+          const int e = lists[l].block_at(t);
+          if (e >= c0 && e < c0 + kChunk) atomicOr(bitmap + (e - c0) / 32, 1u << ((e - c0) % 32));
+        }
+      __syncwarp();
+      const int c1 = min(n_qb, c0 + kChunk);
+      for (int qb = c0; qb < c1; ++qb) {
+        if ((bitmap[(qb - c0) / 32] >> ((qb - c0) % 32)) & 1u) continue;
+        const int r0 = qb * p.block_q, n = min(p.block_q, p.Lq - r0) * pieces;
+        for (int x = lane; x < n; x += 32) {
+          const int r = x / pieces, c = x % pieces;
+          *reinterpret_cast<uint4*>(db + (int64_t)(r0 + r) * bp.dbias_sq + 8 * c) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
@@ -246,6 +328,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   pipe_params.is_leader = threadIdx.x % 128 == 0;
   pipe_params.num_consumers = T::kMmaThreads;
   if (threadIdx.x == 0) Barrier::init(&ss.barrier_kv, 1);
+  if (T::kBiasTiles && threadIdx.x == 0) {
+    Barrier::init(&ss.bias_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.bias_empty, 1);
+  }
   typename T::Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
   typename T::Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
@@ -261,6 +347,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdS{});
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdSt{});
   Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename T::SmemLayoutdSt{});   // split queries
+  Element* bias_smem = reinterpret_cast<Element*>(smem_raw + T::kBiasOffset);   // kBiasTiles
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -357,6 +444,40 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
       if (lane == 0) tma_store_wait<0>();       // shared memory outlives the reductions
+    } else if (T::kBiasTiles && warp_in_group == 2) {
+      // bias tiles: one per step, into the single buffer once the last step is done with it
+      if constexpr (T::kBiasTiles) {
+        if (lane_leader) {
+          Tensor sBias = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBias{});
+          Tensor mB = kp.tma_bias.get_tma_tensor(make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches));
+          auto cta_b = kp.tma_bias.get_slice(0);
+          Tensor tBsB = cta_b.partition_D(sBias);
+          auto tile_b = Shape<Int<kBlockM>, Int<kBlockN>>{};
+          const int bb = kp.bias_batches == 1 ? 0 : b;
+          int loads = 0;
+          for (int g = 0; g < group; ++g) {
+            const int h = hk * group + g;
+            Tensor tBgB = cta_b.partition_S(
+                local_tile(mB(_, _, h / p.bias_head_div, bb), tile_b, make_coord(_, n_block)));
+            TileCursor walk(p.q_partial, b, h, kb);
+            int m;
+            bool partial;
+            while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+              if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
+              if (loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty, (loads - 1) & 1);
+              Barrier::arrive_and_expect_tx(&ss.bias_full, T::kBytesBias);
+              copy(kp.tma_bias.with(ss.bias_full, 0), tBgB(_, _, _, m), tBsB);
+              ++loads;
+            }
+          }
+        }
+      }
+    } else if (T::kBiasTiles && warp_in_group == 3) {
+      if constexpr (T::kBiasTiles) {
+        if (bp.dbias != nullptr)
+          zero_unlisted_dbias<T>(bp, b, hk, kb, n_block * kBlockN,
+                                 reinterpret_cast<uint32_t*>(smem_raw + T::kBiasOffset + T::kBytesBias));
+      }
     }
   } else {
     // ------------------------------------------------------------------ consumers
@@ -397,6 +518,18 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(tid);
     Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);   // where this thread's dS^T goes
     Tensor tPsP = thr_copy_ds.partition_D(sPt);      // and its P^T (split queries)
+    // kBiasTiles: the step's bias tile read as S^T fragments (ldmatrix.trans), and its dbias
+    // written back in place (stmatrix.trans) for the TMA store.
+    Tensor sBiasT = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBiasT{});
+    auto s2r_bias = [&] {
+      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma_sdp);
+      else return 0;
+    }();
+    auto r2s_dbias = [&] {
+      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+      else return 0;
+    }();
+    const bool store_dbias = T::kBiasTiles && bp.dbias != nullptr;
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
     clear(tdVrdV);
@@ -437,7 +570,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
-      Element* dbias = kPlain ? nullptr : static_cast<Element*>(bp.dbias);
+      Element* dbias = kPlain || T::kBiasTiles ? nullptr : static_cast<Element*>(bp.dbias);
       if (dbias != nullptr) dbias += b * bp.dbias_sb + h * bp.dbias_sh;
       const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
           : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
@@ -570,18 +703,37 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // Columns c, c + 1 are adjacent queries: their lse2 and delta are read in pairs.
         // Issue order after FlashAttention-3: dV, then (dS^T in shared memory from both
         // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
-        const bool plain = !log2_scores && dbias == nullptr;
         const float scale_log2 = p.scale * LOG2E;
-        if (plain) {
+        if (T::kBiasTiles || (!log2_scores && dbias == nullptr)) {
           // P^T while the dP^T product still runs, so that the exponentials overlap the
-          // tensor cores; then dS^T.
+          // tensor cores; then dS^T. kBiasTiles (no softcap): the bias from the step's tile
+          // in shared memory, and dbias (= dS^T before the softmax scale) back into it.
+          Tensor tBrB = make_tensor<Element>(tSrS.layout());   // kBiasTiles: bias, then dbias
+          Tensor Bias = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
+          if constexpr (T::kBiasTiles) {
+            // FLEXSPARSE_CUDA_DEBUG bit 8192: the bias tile is read without waiting for it (one
+            // thread waits at the step's end; wrong results, a probe of its latency only).
+            if (!(p.debug & 8192)) Barrier::wait(&ss.bias_full, step & 1);
+            auto thr = s2r_bias.get_thread_slice(tid);
+            copy(s2r_bias, thr.partition_S(sBiasT), thr.retile_D(tBrB));
+          }
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; c += 2) {
             const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
-              S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
-              S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
+              if constexpr (T::kBiasTiles) {
+                // (a hidden score stays hidden whatever its bias)
+                const float s0 = S(r, c) == -INFINITY ? -INFINITY
+                    : fmaf(S(r, c), scale_log2, LOG2E * static_cast<float>(Bias(r, c)));
+                const float s1 = S(r, c + 1) == -INFINITY ? -INFINITY
+                    : fmaf(S(r, c + 1), scale_log2, LOG2E * static_cast<float>(Bias(r, c + 1)));
+                S(r, c) = exp2f(s0 - l.x);
+                S(r, c + 1) = exp2f(s1 - l.y);
+              } else {
+                S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
+                S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
+              }
             }
           }
           warpgroup_wait<0>();                  // dP^T done
@@ -593,9 +745,19 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             for (int r = 0; r < kRows; ++r) {
               dP(r, c) = S(r, c) * (dP(r, c) - d.x);
               dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
+              if constexpr (T::kBiasTiles) {
+                Bias(r, c) = static_cast<Element>(dP(r, c));
+                Bias(r, c + 1) = static_cast<Element>(dP(r, c + 1));
+              }
             }
           }
-        } else {
+          if constexpr (T::kBiasTiles) {
+            if (store_dbias) {   // (made visible to the TMA store by the fence before the dS barrier)
+              auto thr = r2s_dbias.get_thread_slice(tid);
+              copy(r2s_dbias, thr.retile_S(tBrB), thr.partition_D(sBiasT));
+            }
+          }
+        } else if constexpr (!T::kBiasTiles) {
           // bias, softcap or dbias: P^T and dS^T in one pass once dP^T is done
           warpgroup_wait<0>();
           warpgroup_fence_operand(tdPrdP);
@@ -655,10 +817,31 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
           cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          if constexpr (T::kBiasTiles) {
+            // FLEXSPARSE_CUDA_DEBUG bit 4096: no dbias store (wrong dbias; timing probes only).
+            if (store_dbias && tid == 0 && !(p.debug & 4096)) {   // the step's dbias tile, clipped to (Lq, Lk) by TMA
+              Tensor sBias = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBias{});
+              Tensor mdB = kp.tma_dbias.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
+              auto cta_db = kp.tma_dbias.get_slice(0);
+              copy(kp.tma_dbias, cta_db.partition_S(sBias),
+                   cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                                                 make_coord(m, n_block))));
+              tma_store_arrive();
+            }
+          }
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
           gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           pipe_do.consumer_release(read);
           gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+          if constexpr (T::kBiasTiles) {
+            // The bias buffer is free once every thread has read it (the dS barrier) and the
+            // dbias store has read it back out.
+            if (tid == 0) {
+              if (p.debug & 8192) Barrier::wait(&ss.bias_full, step & 1);
+              if (store_dbias) tma_store_wait<0>();
+              cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
+            }
+          }
         }
         warpgroup_fence_operand(tdQrdQ);
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
@@ -847,10 +1030,31 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.k, p.Lk, p.Hkv, p.k_sn, p.k_sh, p.k_sb),
                     typename T::SmemLayoutK{}, tile_k, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
-                    typename T::SmemLayoutK{}, tile_k, _1{})};
+                    typename T::SmemLayoutK{}, tile_k, _1{}),
+      {}, {}};   // the bias's TMA: below
+  if constexpr (T::kBiasTiles) {
+    // The bias's (Lq, Lk, heads, batches); a broadcast mode has extent 1 and any valid stride.
+    kp.bias_heads = p.Hq / p.bias_head_div;
+    kp.bias_batches = p.bias_sb == 0 ? 1 : p.B;
+    const int64_t plane = p.bias_sq * p.Lq;
+    auto tile_b = Shape<Int<T::kBlockM>, Int<T::kBlockN>>{};
+    kp.tma_bias = make_tma_copy(
+        SM90_TMA_LOAD{},
+        make_tensor(make_gmem_ptr(static_cast<Element const*>(p.bias)),
+                    make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches),
+                    make_stride(p.bias_sq, _1{}, p.bias_sh == 0 ? plane : p.bias_sh,
+                                p.bias_sb == 0 ? plane : p.bias_sb)),
+        typename T::SmemLayoutBias{}, tile_b, _1{});
+    if (bp.dbias != nullptr)
+      kp.tma_dbias = make_tma_copy(
+          SM90_TMA_STORE{},
+          make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
+                      make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb)),
+          typename T::SmemLayoutBias{}, tile_b, _1{});
+  }
   auto kernel = bwd_kernel<T>;
-  static_assert(sizeof(typename T::SharedStorage) <= 227 * 1024, "shared memory of one CTA per SM");
-  const int smem = sizeof(typename T::SharedStorage);
+  static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
+  const int smem = T::kSmemBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);

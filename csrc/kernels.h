@@ -45,8 +45,9 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // (BwdTraits::kPlain) have no path for more, so bwd_sm90 and BwdTraits read this one value.
 constexpr int kBwdMaxStagedRanges = 4;
 // One head dim, query-step size (kBlockM rows per step) and feature set (kPlain: no bias,
-// softcap, dense mask or bitmaps; see BwdTraits). bwd_sm90 picks among them.
-template <int kHeadDim, int kBlockM, bool kPlain>
+// softcap, dense mask or bitmaps; kBiasTiles: bias and dbias tiles through shared memory;
+// see BwdTraits). bwd_sm90 picks among them.
+template <int kHeadDim, int kBlockM, bool kPlain, bool kBiasTiles = false>
 void bwd_sm90_hd(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // Defined in bwd_sm90_hd*.cu.
 template <> void bwd_sm90_hd<64, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
@@ -54,6 +55,8 @@ template <> void bwd_sm90_hd<64, 128, true>(BackwardParams const& p, DType dtype
 template <> void bwd_sm90_hd<128, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<256, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<256, 64, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<64, 64, false, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<128, 64, false, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // What the backward does not support (empty string: supported), e.g. a dbias that
 // broadcasts over some dimension.
 std::string bwd_sm90_unsupported(BackwardParams const& p);

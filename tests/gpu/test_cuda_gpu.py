@@ -203,6 +203,51 @@ def test_bias(shape):
     check(2, 4, 2, 600, 600, 64, M.causal(), torch.bfloat16, bias_shape=T.BIAS[shape])
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask", ["causal", "document", "sliding"])
+def test_bias_tiles(mask, D):
+    """The backward that moves bias and dbias tiles by TMA (BwdTraits::kBiasTiles: keys
+    contiguous, 16-byte rows, so L % 8 == 0) and zeroes dbias where the descriptor lists no
+    block: GQA, a length no tile divides, key blocks of 256 (two CTAs per block)."""
+    torch.manual_seed(D + len(mask))
+    B, Hq, Hkv, L = 2, 4, 2, 904
+    m = {"causal": M.causal(), "document": M.document([300, 411, 193]),
+         "sliding": M.sliding_window(170)}[mask]
+    desc = m.compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=(128, 256))
+    check(B, Hq, Hkv, L, L, D, m, torch.bfloat16, bias_shape=(B, Hq, L, L), desc=desc)
+    check(B, Hq, Hkv, L, L, D, m, torch.float16, bias_shape=(1, Hkv, L, L))
+
+
+def _bias_grads(q, k, v, bias, desc, dout, backend):
+    q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
+    out = flexsparse.attention(q, k, v, desc, bias=bias, backend=backend)
+    return torch.autograd.grad(out, (q, k, v, bias), dout)
+
+
+def test_bias_tiles_write_every_dbias_entry(monkeypatch):
+    """dbias is allocated uninitialised: the bias-tile kernel must write every entry, zeros
+    in the blocks the descriptor skips. The caching allocator is handed NaN-filled blocks of
+    dbias's size first; the result must equal the general kernel's (FLEXSPARSE_CUDA_DEBUG
+    bit 512, after its memset) and be exactly 0 wherever the mask hides a score."""
+    torch.manual_seed(11)
+    B, H, L, D = 1, 2, 1024, 128
+    q, k, v = (torch.randn(B, H, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(B, H, L, L, device=T.DEV, dtype=torch.bfloat16)
+    dout = torch.randn(B, H, L, D, device=T.DEV, dtype=torch.bfloat16)
+    desc = M.document([300, 500, 224]).compile(B, H, H, L, L, device=T.DEV)
+    poison = [torch.full((B, H, L, L), float("nan"), device=T.DEV, dtype=torch.bfloat16)
+              for _ in range(4)]
+    del poison
+    got = _bias_grads(q, k, v, bias, desc, dout, "cuda")
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "512")
+    general = _bias_grads(q, k, v, bias, desc, dout, "cuda")
+    dbias = got[3]
+    assert torch.isfinite(dbias).all()
+    assert torch.all(dbias[~desc.to_dense().expand(B, H, L, L)] == 0)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, general):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
 def test_softcap():
     torch.manual_seed(3)
     check(1, 4, 2, 500, 500, 128, M.document([200, 300]), torch.bfloat16, softcap=20.0,
