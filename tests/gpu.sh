@@ -231,7 +231,7 @@ if [[ " $parts " == *" csanitize "* ]]; then
   grep -E "ERROR SUMMARY|Invalid|passed|failed|FAILED" "$OUT/csan_memcheck.log" | tail -8
   for tool in ${CSAN_TOOLS:-racecheck synccheck}; do
     timeout "${T_CSAN_TOOL:-200}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python3 tests/gpu/cuda_sanitize_cases.py > "$OUT/csan_$tool.log" 2>&1
+      python3 tests/gpu/cuda_sanitize_cases.py ${CSAN_CASES:+--only "$CSAN_CASES"} > "$OUT/csan_$tool.log" 2>&1
     rc=$?; echo "csrc $tool rc=$rc"; [ $rc -eq 0 ] || status=1
     grep -E "ERROR SUMMARY|RACE|Race|hazard|Error|: ok" "$OUT/csan_$tool.log" | sort | uniq -c | sort -rn | head -8
   done

@@ -46,12 +46,19 @@ def main():
         ("document hd256 gqa", 1, 4, 2, 330, 330, 256, M.document([100, 230])),
         ("dense fully masked rows", 1, 2, 2, L, L, 128, M.dense(dm)),
     ]
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""   # name filter
     for schedule in ("0", "32"):
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = schedule
         for c in cases:
-            run(f"[debug {schedule}] {c[0]}", *c[1:])
+            if only in c[0]:
+                run(f"[debug {schedule}] {c[0]}", *c[1:])
+        if only and "bias" not in only:
+            continue
         run(f"[debug {schedule}] bias hd64", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
         run(f"[debug {schedule}] bias hd256", 1, 2, 2, 200, 200, 256, M.causal(), bias=True)
+        # the bias-tile backward (TMA bias/dbias, dbias zeroed where no block is listed)
+        run(f"[debug {schedule}] bias tiles hd128 document", 1, 2, 1, 520, 520, 128,
+            M.document([100, 220, 200]), bias=True)
 
 
 if __name__ == "__main__":
