@@ -10,9 +10,9 @@ outputs do not fit in 90% of the free GPU memory are skipped. Timed with
 triton.testing.do_bench medians, in one process:
   torch.topk           torch.topk(scores, k, dim=-1) (sorted=True, its default), all rows
                        at once; also sorted=False;
-  masks.topk           flexsparse.masks.topk(scores, k): 16-bit rows, the CUDA kernel of
-                       csrc/topk.cu when flexsparse._C is built (rows above 64K keys in
-                       segments), else
+  masks.topk           flexsparse.masks.topk(scores, k): bf16 / fp16 / fp32 rows, the CUDA
+                       kernel of csrc/topk.cu when flexsparse._C is built (rows above 64K
+                       keys in segments), else
                        rows of up to 8K keys, the Triton select of flexsparse/triton_topk.py
                        (both over all rows in one launch, reading the scores in place);
                        longer rows, torch.topk in chunks of

@@ -129,10 +129,11 @@ struct IndexBackwardParams {
   void* workspace = nullptr;    // index_bwd_workspace_bytes(...) bytes, uninitialised
 };
 
-// flexsparse::topk_rows (topk.cu): per row of 16-bit scores, the positions of its k
-// largest scores (not -inf, not NaN), ascending, then -1.
+// flexsparse::topk_rows (topk.cu): per row of scores, the positions of its k largest
+// scores (not -inf, not NaN), ascending, then -1.
 struct TopkParams {
-  const uint16_t* scores = nullptr;   // (lead, rows, Lk) bits of bf16 / fp16 scores
+  const void* scores = nullptr;       // (lead, rows, Lk) bf16 / fp16 (or, wide, fp32) scores
+  bool wide = false;                  // fp32 scores
   int64_t s_lead = 0, s_row = 0, s_col = 1;
   int32_t* out = nullptr;             // (lead, rows, k)
   int64_t o_lead = 0, o_row = 0;

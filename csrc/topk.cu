@@ -1,7 +1,7 @@
 // flexsparse::topk_rows on CUDA: per score row, the positions of its k largest scores
 // (neither -inf nor NaN), ascending, then -1 padding; what flexsparse/topk.py defines and
-// flexsparse/triton_topk.py computes for rows of up to 8K keys. This kernel takes 16-bit
-// scores (bf16, fp16) and rows of up to kTopkMaxKeys keys.
+// flexsparse/triton_topk.py computes for rows of up to 8K keys. This kernel takes bf16,
+// fp16 and fp32 scores and rows of up to kTopkMaxKeys keys.
 //
 // One warp per row for rows of up to 8K keys, no barrier wider than a warp
 // (docs/perf-notes.md "masks.topk on the GPU": the Triton kernel's time was its chain of
@@ -15,9 +15,16 @@
 //    __reduce_add_sync sums the lanes, shared memory the warps);
 // 3. the kept columns in position order, 32 at a time (ballots give each its slot):
 //    keys above T, then the first k - #(keys > T) keys equal to T.
+// fp32 scores (kWide) have 32-bit keys; shared memory holds their top 16 bits, so step 2
+// finds the top half T_hi of the threshold. The keys whose top half is T_hi (the
+// candidates) are then read again from global memory: their bottom halves and columns go
+// to a list in shared memory (kCandidates per row; more, and each count of the bottom-half
+// search reads the row again), where the same bit-by-bit search finds the bottom half of
+// T. Step 3 compares whole keys, reading again only the candidates' scores.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -25,12 +32,20 @@ namespace flexsparse {
 namespace {
 
 constexpr int kChunk = 256;   // keys per warp step of the count (32 lanes x 8 keys)
+constexpr int kCandidates = 1024;   // fp32: candidates listed per row in shared memory
 
 // The order-preserving key of a 16-bit float's bits; 0 for NaN and -inf.
 __device__ __forceinline__ uint32_t score_key(uint32_t bits, uint32_t inf_bits) {
   const uint32_t magnitude = bits & 0x7FFFu;
   if (magnitude > inf_bits || bits == (0x8000u | inf_bits)) return 0;
   return (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
+}
+
+// The order-preserving key of an fp32's bits; 0 for NaN and -inf (every other key is at
+// least 0x00800000: its top half is never 0).
+__device__ __forceinline__ uint32_t score_key32(uint32_t bits) {
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u || bits == 0xFF800000u) return 0;
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
 // The threads that work one row: a warp (kWarps == 1; a CTA holds several rows and nothing
@@ -78,7 +93,15 @@ __device__ __forceinline__ int count_at_least(RowTeam<kWarps>& team, const uint4
   return team.sum(static_cast<int>((packed & 0xFFFFu) + (packed >> 16)));
 }
 
-template <int kWarps>
+// Shared memory per row: its 16-bit keys (n_pad of them), then (kWide) the candidate list
+// and its count; the team's scratch after the rows (TopkParams::smem_keys_per_warp: one
+// row's size in 16-bit units).
+template <bool kWide>
+__host__ __device__ constexpr int row_smem_units(int n_pad) {
+  return n_pad + (kWide ? 2 * (kCandidates + 4) : 0);
+}
+
+template <int kWarps, bool kWide>
 __global__ void __launch_bounds__(kWarps == 1 ? 256 : 32 * kWarps)
 topk_rows_kernel(TopkParams p) {
   extern __shared__ __align__(16) uint16_t smem[];
@@ -90,7 +113,8 @@ topk_rows_kernel(TopkParams p) {
       ? static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + team.warp : int64_t(blockIdx.x);
   if (row_id >= p.n_rows) return;   // (kWarps == 1: the whole warp; else the whole CTA)
   const int64_t lead = row_id / p.rows, r = row_id % p.rows;
-  const uint16_t* row = p.scores + lead * p.s_lead + r * p.s_row;
+  using Score = std::conditional_t<kWide, uint32_t, uint16_t>;   // a score's bits
+  const Score* row = static_cast<const Score*>(p.scores) + lead * p.s_lead + r * p.s_row;
   int32_t* out = p.out + lead * p.o_lead + r * p.o_row;
   int n = p.Lk;
   if (p.causal) n = static_cast<int>(min(max(p.row0 + r + p.off + 1, int64_t(0)), int64_t(p.Lk)));
@@ -103,27 +127,40 @@ topk_rows_kernel(TopkParams p) {
   //    rows one score per load.
   int valid = 0;
   int c_vec = 0;   // columns below this were read 8 at a time
+  // (kWide: 4 scores per 16-byte load, their keys' top halves.)
+  constexpr int kPerLoad = kWide ? 4 : 8;
   if (p.s_col == 1 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
-    c_vec = n / 8 * 8;
+    c_vec = n / kPerLoad * kPerLoad;
     const uint4* row8 = reinterpret_cast<const uint4*>(row);
-    uint4* keys8w = reinterpret_cast<uint4*>(keys);
 #pragma unroll 4
-    for (int i = team.tid; i < c_vec / 8; i += team.kThreads) {
+    for (int i = team.tid; i < c_vec / kPerLoad; i += team.kThreads) {
       const uint4 w = __ldg(row8 + i);
-      uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      if constexpr (kWide) {
+        const uint32_t k0 = score_key32(w.x) >> 16, k1 = score_key32(w.y) >> 16;
+        const uint32_t k2 = score_key32(w.z) >> 16, k3 = score_key32(w.w) >> 16;
+        valid += int(k0 != 0) + int(k1 != 0) + int(k2 != 0) + int(k3 != 0);
+        reinterpret_cast<uint2*>(keys)[i] = make_uint2(k0 | (k1 << 16), k2 | (k3 << 16));
+      } else {
+        uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t lo = score_key(words[j] & 0xFFFFu, p.inf_bits);
-        const uint32_t hi = score_key(words[j] >> 16, p.inf_bits);
-        valid += int(lo != 0) + int(hi != 0);
-        words[j] = lo | (hi << 16);
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t lo = score_key(words[j] & 0xFFFFu, p.inf_bits);
+          const uint32_t hi = score_key(words[j] >> 16, p.inf_bits);
+          valid += int(lo != 0) + int(hi != 0);
+          words[j] = lo | (hi << 16);
+        }
+        reinterpret_cast<uint4*>(keys)[i] = make_uint4(words[0], words[1], words[2], words[3]);
       }
-      keys8w[i] = make_uint4(words[0], words[1], words[2], words[3]);
     }
   }
+  // The whole key of column c (kWide: read again from global memory), and its top half.
+  auto key_of = [&](int c) -> uint32_t {
+    if constexpr (kWide) return score_key32(__ldg(row + (int64_t)c * p.s_col));
+    else return score_key(__ldg(row + (int64_t)c * p.s_col), p.inf_bits);
+  };
   for (int c = c_vec + team.tid; c < n_pad; c += team.kThreads) {
     uint32_t key = 0;
-    if (c < n) key = score_key(__ldg(row + c * p.s_col), p.inf_bits);
+    if (c < n) key = kWide ? key_of(c) >> 16 : key_of(c);
     keys[c] = static_cast<uint16_t>(key);
     valid += key != 0;
   }
@@ -133,7 +170,7 @@ topk_rows_kernel(TopkParams p) {
   // 2. the threshold (0 with every valid key kept when there are at most k)
   const uint4* keys8 = reinterpret_cast<const uint4*>(keys);
   const int n_chunks8 = n_pad / 8;
-  uint32_t threshold = 0;
+  uint32_t threshold = 0;   // kWide: the top half here, the whole key below
   int ties = 0;
   if (valid > p.k) {
     for (int bit = 15; bit >= 0; --bit) {
@@ -142,7 +179,50 @@ topk_rows_kernel(TopkParams p) {
     }
     // (threshold + 1 fits 16 bits: the largest kept key is +inf's, below 0xFFFF)
     ties = p.k - count_at_least(team, keys8, n_chunks8, threshold + 1);
+    if constexpr (kWide) {
+      // The bottom half among the `ties` keys still to keep from the candidates (top half
+      // == threshold): listed as (bottom half << 16 | column) while they fit.
+      const uint32_t top = threshold;
+      uint32_t* list = reinterpret_cast<uint32_t*>(keys + n_pad);
+      int* listed = reinterpret_cast<int*>(list + kCandidates);
+      if (team.tid == 0) *listed = 0;
+      team.sum(0);   // (the count is zeroed before anyone adds to it)
+      __syncwarp();
+      for (int c = team.tid; c < n; c += team.kThreads) {
+        if (keys[c] != top) continue;
+        const int slot = atomicAdd(listed, 1);
+        if (slot < kCandidates) list[slot] = ((key_of(c) & 0xFFFFu) << 16) | uint32_t(c);
+      }
+      team.sum(0);   // (every candidate is listed and counted)
+      __syncwarp();
+      const int n_listed = *reinterpret_cast<volatile int*>(listed);
+      // bottom halves >= bound among the candidates
+      auto count_bottom = [&](uint32_t bound) {
+        int cnt = 0;
+        if (n_listed <= kCandidates) {
+          for (int e = team.tid; e < n_listed; e += team.kThreads) cnt += (list[e] >> 16) >= bound;
+        } else {
+          for (int c = team.tid; c < n; c += team.kThreads)
+            if (keys[c] == top) cnt += (key_of(c) & 0xFFFFu) >= bound;
+        }
+        return team.sum(cnt);
+      };
+      uint32_t bottom = 0;
+      for (int bit = 15; bit >= 0; --bit) {
+        const uint32_t bound = bottom | (1u << bit);
+        if (count_bottom(bound) >= ties) bottom = bound;
+      }
+      ties -= count_bottom(bottom + 1);   // (bottom + 1 <= 0x10000: above every bottom half)
+      threshold = (top << 16) | bottom;
+    }
   }
+  // Column c's key as step 3 compares it with the threshold: kWide, the whole key where the
+  // top half ties with the threshold's, else the top half shifted (which decides alone).
+  auto full_key = [&](int c) -> uint32_t {
+    const uint32_t key = keys[c];
+    if constexpr (kWide) return (key != 0 && key == (threshold >> 16)) ? key_of(c) : key << 16;
+    else return key;
+  };
 
   // 3. kept columns in position order, 32 at a time per warp: keys above the threshold,
   //    then the first `ties` keys equal to it. With kWarps > 1 each warp takes a slice of
@@ -155,7 +235,7 @@ topk_rows_kernel(TopkParams p) {
     c_end = min(c_begin + slice, n);
     int above = 0, equal = 0;
     for (int c = c_begin + team.lane; c < c_end; c += 32) {
-      const uint32_t key = keys[c];
+      const uint32_t key = full_key(c);
       above += key > threshold;
       equal += key == threshold && key != 0;
     }
@@ -170,7 +250,7 @@ topk_rows_kernel(TopkParams p) {
   }
   for (int c0 = c_begin; c0 < c_end; c0 += 32) {
     const int c = c0 + team.lane;
-    const uint32_t key = c < c_end ? keys[c] : 0;
+    const uint32_t key = c < c_end ? full_key(c) : 0;
     const bool tie = key == threshold && key != 0;
     const uint32_t tie_mask = __ballot_sync(0xFFFFFFFFu, tie);
     const bool keep = key > threshold || (tie && seen_ties + __popc(tie_mask & below) < ties);
@@ -184,9 +264,10 @@ topk_rows_kernel(TopkParams p) {
   for (int s = min(valid, p.k) + team.tid; s < p.k; s += team.kThreads) out[s] = -1;
 }
 
-template <int kWarps>
+template <int kWarps, bool kWide>
 void launch(TopkParams p, int n_pad, cudaStream_t stream) {
-  const int row_bytes = n_pad * static_cast<int>(sizeof(uint16_t));
+  p.smem_keys_per_warp = row_smem_units<kWide>(n_pad);
+  const int row_bytes = p.smem_keys_per_warp * static_cast<int>(sizeof(uint16_t));
   int rows_per_cta = 1;
   if (kWarps == 1) {
     // as many rows as fit in ~96 KB (two CTAs per SM), at most 8
@@ -195,29 +276,34 @@ void launch(TopkParams p, int n_pad, cudaStream_t stream) {
   }
   const size_t smem = static_cast<size_t>(rows_per_cta) * row_bytes + 4 * kWarps * sizeof(int);
   if (smem > 48 * 1024)
-    cudaFuncSetAttribute(topk_rows_kernel<kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaFuncSetAttribute(topk_rows_kernel<kWarps, kWide>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(smem));
   const int64_t blocks = (p.n_rows + rows_per_cta - 1) / rows_per_cta;
   const int threads = kWarps == 1 ? 32 * rows_per_cta : 32 * kWarps;
-  topk_rows_kernel<kWarps><<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
+  topk_rows_kernel<kWarps, kWide><<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p);
 }
 
 }  // namespace
 
 void topk_rows_cuda(TopkParams p, cudaStream_t stream) {
-  // Shared memory per row: its keys padded to whole chunks (kTopkMaxKeys at most: 128 KB).
+  // Shared memory per row: its keys padded to whole chunks (kTopkMaxKeys at most: 128 KB),
+  // and for fp32 rows the candidate list (4 KB).
   const int n_pad = p.Lk > 0 ? (p.Lk + kChunk - 1) / kChunk * kChunk : kChunk;
-  p.smem_keys_per_warp = n_pad;
   // Warps per row by length, from the H100 sweep in docs/perf-notes.md ("masks.topk on the
   // GPU"): the fewest that keep enough warps per SM busy with the row's shared memory.
   int warps = p.warps_per_row;
   if (warps <= 0) warps = p.Lk <= 8192 ? 1 : p.Lk <= 16384 ? 4 : p.Lk <= 32768 ? 8 : 16;
-  switch (warps) {
-    case 1: launch<1>(p, n_pad, stream); break;
-    case 4: launch<4>(p, n_pad, stream); break;
-    case 8: launch<8>(p, n_pad, stream); break;
-    default: launch<16>(p, n_pad, stream); break;
-  }
+  auto go = [&](auto wide) {
+    constexpr bool kWide = decltype(wide)::value;
+    switch (warps) {
+      case 1: launch<1, kWide>(p, n_pad, stream); break;
+      case 4: launch<4, kWide>(p, n_pad, stream); break;
+      case 8: launch<8, kWide>(p, n_pad, stream); break;
+      default: launch<16, kWide>(p, n_pad, stream); break;
+    }
+  };
+  if (p.wide) go(std::true_type{});
+  else go(std::false_type{});
 }
 
 }  // namespace flexsparse

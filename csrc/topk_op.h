@@ -12,15 +12,15 @@
 namespace flexsparse {
 namespace topk {
 
-// int32 (..., rows, k): per row of scores (..., rows, Lk), the positions of its k largest
+// int32 (..., rows, k): per row of scores (..., rows, Lk) (bf16, fp16 or fp32), the positions of its k largest
 // scores (not -inf, not NaN), ascending, then -1. causal: row r is query row0 + r of
 // num_queries and sees keys j <= row0 + r + Lk - num_queries.
 // warps_per_row: 1, 4, 8 or 16 warps per row; 0 picks by Lk.
 at::Tensor topk_rows(const at::Tensor& scores, int64_t k, bool causal, int64_t row0,
                      int64_t num_queries, int64_t warps_per_row) {
   const auto dtype = scores.scalar_type();
-  FLEXSPARSE_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
-                   "flexsparse topk_rows: scores must be bf16 or fp16, got ", dtype);
+  FLEXSPARSE_CHECK_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+                   "flexsparse topk_rows: scores must be bf16, fp16 or fp32, got ", dtype);
   FLEXSPARSE_CHECK_VALUE(scores.dim() >= 2, "flexsparse topk_rows: scores must be (..., rows, Lk), got ",
                     scores.sizes());
   FLEXSPARSE_CHECK_VALUE(k >= 0 && k < (int64_t(1) << 31), "flexsparse topk_rows: k must be in [0, 2^31), got ", k);
@@ -38,7 +38,8 @@ at::Tensor topk_rows(const at::Tensor& scores, int64_t k, bool causal, int64_t r
   const at::Tensor s = scores.reshape({lead, rows, Lk});   // a view unless the leading dims are strided
   const at::Tensor o = out.view({lead, rows, k});
   TopkParams p;
-  p.scores = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  p.scores = s.data_ptr();
+  p.wide = dtype == at::kFloat;
   p.s_lead = s.stride(0); p.s_row = s.stride(1); p.s_col = s.stride(2);
   p.out = o.data_ptr<int32_t>();
   p.o_lead = o.stride(0); p.o_row = o.stride(1);

@@ -141,7 +141,7 @@ def _build_column_ranges_fake(startend, Lq, Lk, block_q, block_k, causal):
 
 
 # ---- top-k positions per score row (issue 17): CUDA kernel in csrc/topk.cu when
-# flexsparse._C is built; flexsparse/topk.py calls it for 16-bit scores.
+# flexsparse._C is built; flexsparse/topk.py calls it for bf16 / fp16 / fp32 scores.
 torch.library.define(
     "flexsparse::topk_rows",
     "(Tensor scores, int k, bool causal, int row0, int num_queries, int warps_per_row=0) -> Tensor")

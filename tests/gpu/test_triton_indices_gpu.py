@@ -338,8 +338,9 @@ def test_topk_cuda_op():
     # scores equal torch.topk's row by row; positions ascending, -1 last; causal; strided;
     # degenerate sizes; opcheck.
     _skip_without_topk_op()
+    from flexsparse import topk as T
     torch.manual_seed(3)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for L, Lq, k in ((300, 37, 5), (5000, 40, 64), (40000, 8, 256)):
             s = torch.randn((2, 3, Lq, L), device=DEV).to(dtype)
             s[..., 1, :] = (s[..., 1, :].float() * 4).round().to(dtype)      # ties
@@ -349,6 +350,7 @@ def test_topk_cuda_op():
             for causal in (False, True):
                 got = torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq)
                 _assert_topk_of(s, got, k, causal, 0, Lq, (dtype, L, k, causal))
+                assert T._cuda_op_takes(s, k)
                 assert torch.equal(got, topk_indices(s, k, causal=causal)), (dtype, L, causal)
                 for warps in (1, 4, 8, 16):   # one warp per row, or a CTA of warps per row
                     assert torch.equal(torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq, warps), got), \
@@ -364,6 +366,33 @@ def test_topk_cuda_op():
                           (torch.randn(2, 5, 300, device=DEV, dtype=torch.bfloat16), 7, True, 0, 5))
 
 
+def test_topk_cuda_op_fp32_bottom_halves():
+    # fp32 rows (csrc/topk.cu kWide): shared memory holds the keys' top 16 bits; keys that
+    # tie there are told apart by their bottom halves, from a candidate list (up to 1024 per
+    # row) or, past it, by reading the row again. Rows: many values sharing their top half
+    # (fewer and more than 1024), exact ties in both halves, one value everywhere, NaN /
+    # inf; every warps_per_row; kept scores equal torch.topk's, positions ascending.
+    _skip_without_topk_op()
+    torch.manual_seed(5)
+    Lq = 6
+    for L, k in ((3000, 100), (20000, 700), (65536, 2000)):
+        s = torch.randn((1, 2, Lq, L), device=DEV)
+        j = torch.arange(L, device=DEV, dtype=torch.float32)
+        s[..., 0, :] = 1.0 + (j % 4096) * 2.0 ** -23          # one top half, 4096 bottoms
+        s[..., 1, :] = -s[..., 1, :].abs()                    # 500 on top, sharing a top half
+        s[..., 1, :500] = 1.0 + torch.randint(0, 64, (500,), device=DEV) * 2.0 ** -23
+        s[..., 2, :] = 0.25                                   # one value everywhere
+        s[..., 3, ::2] = float("nan")
+        s[..., 3, 1::4] = math.inf
+        s[..., 4, :] = (s[..., 4, :] * 8).round() / 8 + (j % 3) * 2.0 ** -20   # ties in both halves
+        for causal in (False, True):
+            got = torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq)
+            _assert_topk_of(s, got, k, causal, 0, Lq, (L, k, causal))
+            for warps in (1, 4, 8, 16):
+                assert torch.equal(torch.ops.flexsparse.topk_rows(s, k, causal, 0, Lq, warps), got), \
+                    (L, k, causal, warps)
+
+
 def test_topk_cuda_rows_longer_than_shared_memory():
     # 16-bit rows above 64K keys: csrc/topk.cu per 64K-key segment, then over the
     # candidates (topk._segmented_topk). Kept scores equal torch.topk's row by row,
@@ -372,7 +401,7 @@ def test_topk_cuda_rows_longer_than_shared_memory():
     from flexsparse import topk as T
     torch.manual_seed(4)
     Lq, L = 6, 140_000
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         s = torch.randn((1, 3, Lq, L), device=DEV).to(dtype)
         s[..., 1, :] = (s[..., 1, :].float() * 2).round().to(dtype)      # ties across segments
         s[..., 2, ::5] = float("nan")
