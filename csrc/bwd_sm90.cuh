@@ -287,7 +287,9 @@ __device__ void zero_unlisted_dbias(BackwardParams const& bp, int b, int hk, int
         const int r0 = qb * p.block_q, n = min(p.block_q, p.Lq - r0) * pieces;
         for (int x = lane; x < n; x += 32) {
           const int r = x / pieces, c = x % pieces;
-          *reinterpret_cast<uint4*>(db + (int64_t)(r0 + r) * bp.dbias_sq + 8 * c) = make_uint4(0, 0, 0, 0);
+          uint4* dst = reinterpret_cast<uint4*>(db + (int64_t)(r0 + r) * bp.dbias_sq + 8 * c);
+          if (p.debug & 16384) __stcs(dst, make_uint4(0, 0, 0, 0));   // (streaming: bwd_kernel's l2_hints)
+          else *dst = make_uint4(0, 0, 0, 0);
         }
       }
       __syncwarp();
@@ -316,6 +318,14 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
   const bool lane_leader = cute::elect_one_sync();
+  // L2 policies of the TMA loads. kBiasTiles with FLEXSPARSE_CUDA_DEBUG bit 16384 (not
+  // measured yet): query and dO tiles, which every key tile of their head reads again,
+  // evict-last; the bias tiles (and the dbias zeros), read or written once, 6 GB per call
+  // at 8K with dbias, evict-first, so that they do not push the reused tiles out of L2
+  // (FlashAttention-3 gives its reused tiles EVICT_LAST). Otherwise the default policy.
+  const bool l2_hints = T::kBiasTiles && (p.debug & 16384);
+  const auto reused = l2_hints ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
+  const auto streamed = l2_hints ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
   // Named barriers (0 is __syncthreads): 1 both consumer warpgroups (dS); 2, 3 and 4, 5 a
   // consumer warpgroup with the dQ writer warp (its half of sdQ free / filled).
   constexpr int kBarrierdQEmpty = 2, kBarrierdQFull = 4;
@@ -386,11 +396,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
           pipe_q.producer_acquire(write);
           auto* bar_q = pipe_q.producer_get_barrier(write);
-          copy(kp.tma_q.with(*bar_q, 0), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
+          copy(kp.tma_q.with(*bar_q, 0, reused), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
           SM90_BULK_COPY_G2S::copy(kp.lse2 + rows, bar_q, ss.lse2[write.index()], kBlockM * sizeof(float));
           pipe_do.producer_acquire(write);
           auto* bar_do = pipe_do.producer_get_barrier(write);
-          copy(kp.tma_do.with(*bar_do, 0), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
+          copy(kp.tma_do.with(*bar_do, 0, reused), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
           SM90_BULK_COPY_G2S::copy(kp.delta + rows, bar_do, ss.delta[write.index()], kBlockM * sizeof(float));
           ++write;
         }
@@ -466,7 +476,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
               if (loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty, (loads - 1) & 1);
               Barrier::arrive_and_expect_tx(&ss.bias_full, T::kBytesBias);
-              copy(kp.tma_bias.with(ss.bias_full, 0), tBgB(_, _, _, m), tBsB);
+              copy(kp.tma_bias.with(ss.bias_full, 0, streamed), tBgB(_, _, _, m), tBsB);
               ++loads;
             }
           }
@@ -474,7 +484,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
     } else if (T::kBiasTiles && warp_in_group == 3) {
       if constexpr (T::kBiasTiles) {
-        if (bp.dbias != nullptr)
+        // FLEXSPARSE_CUDA_DEBUG bit 32768: no zeros (wrong dbias outside the listed blocks;
+        // a timing probe of the zero fill only).
+        if (bp.dbias != nullptr && !(p.debug & 32768))
           zero_unlisted_dbias<T>(bp, b, hk, kb, n_block * kBlockN,
                                  reinterpret_cast<uint32_t*>(smem_raw + T::kBiasOffset + T::kBytesBias));
       }
