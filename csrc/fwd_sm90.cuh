@@ -94,10 +94,18 @@ namespace flexsparse::sm90 {
 // kPlain: built without the dense mask, the partial bitmaps and the per-score read of
 // more than kMaxStagedRanges column ranges (launch_fwd_schedule picks it for calls that
 // have none of them), so that their per-work-tile pointers hold no registers.
+// kBiasTiles: the serial schedule with each key tile's (128 x kBlockN) bias tile loaded by
+// TMA into shared memory (one buffer, in place of the O staging buffer: the epilogue stores
+// from registers) and read with ldmatrix, instead of per-score global loads
+// (docs/perf-notes.md C49; prepared, taken only with FLEXSPARSE_CUDA_DEBUG bit 65536).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
-          int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false>
+          int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
+          bool kBiasTiles_ = false>
 struct FwdTraits {
   using Element = Element_;
+  static constexpr bool kBiasTiles = kBiasTiles_;
+  static_assert(!kBiasTiles_ || (!kOverlap_ && !kTmaStore_),
+                "bias tiles: the serial schedule, whose O staging buffer they take");
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPlain = kPlain_;
   static constexpr bool kTmaStore = kTmaStore_;
@@ -186,7 +194,20 @@ struct FwdTraits {
     int work_tile;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
+    // kBiasTiles: the bias buffer holds the current key tile's bias (bias_full) until both
+    // consumer warpgroups have read it (bias_empty: every consumer thread arrives).
+    cutlass::arch::ClusterTransactionBarrier::ValueType bias_full;
+    cutlass::arch::ClusterBarrier::ValueType bias_empty;
   };
+  // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
+  // in a buffer past SharedStorage.
+  using SmemLayoutBias = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
+  static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
+  static constexpr int kSmemBytes = kBiasTiles ? kBiasOffset + kBytesBias : sizeof(SharedStorage);
+  using TmaBias = conditional_t<kBiasTiles,
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutBias{},
+                             Shape<Int<kBlockM>, Int<kBlockN>>{}, _1{})), int>;
 
   struct KernelParams {
     AttentionParams p;
@@ -194,6 +215,8 @@ struct FwdTraits {
     TmaKV tma_k;
     TmaKV tma_v;
     TmaO tma_o;   // kTmaStore only
+    TmaBias tma_bias;   // kBiasTiles only
+    int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
   };
 };
 
@@ -244,6 +267,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   if (threadIdx.x == 0) {
     Barrier::init(&ss.barrier_q, 1);
     cutlass::arch::ClusterBarrier::init(&ss.barrier_q_empty, T::kMmaThreads);
+    if (T::kBiasTiles) {
+      Barrier::init(&ss.bias_full, 1);
+      cutlass::arch::ClusterBarrier::init(&ss.bias_empty, T::kMmaThreads);
+    }
   }
   typename T::Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
   typename T::Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
@@ -254,6 +281,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+  Tensor sBias = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw + T::kBiasOffset)),
+                             typename T::SmemLayoutBias{});   // kBiasTiles
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -270,6 +299,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // The key/value pipeline runs on across work tiles. Each work tile (and the final
       // "no more") is one phase of barrier_q and of barrier_q_empty.
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+      int bias_loads = 0;   // kBiasTiles: bias tiles loaded so far (the buffer's phase)
       int w = blockIdx.x;
       for (int k = 0;; ++k) {
         if (k > 0) cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty, (k - 1) & 1);
@@ -303,6 +333,17 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                make_coord(_, 0));
         Tensor tKgK = cta_k.partition_S(gK);
         Tensor tVgV = cta_v.partition_S(gV);
+        // kBiasTiles: this work tile's rows of the bias, by key tile
+        auto bias_tiles = [&] {
+          if constexpr (T::kBiasTiles) {
+            Tensor mB = kp.tma_bias.get_tma_tensor(make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches));
+            Tensor gB = local_tile(mB(_, _, h / p.bias_head_div, kp.bias_batches == 1 ? 0 : b),
+                                   Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(m_block, _));
+            return kp.tma_bias.get_slice(0).partition_S(gB);             // (TMA, M, N, n)
+          } else {
+            return 0;
+          }
+        }();
         FWD_TRACE_START(2, k == (p.debug >> 16));
         do {
           FWD_TRACE(0);
@@ -314,6 +355,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           FWD_TRACE(2);
           copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
                tVsV(_, _, _, write.index()));
+          if constexpr (T::kBiasTiles) {
+            // one buffer: the last tile's bias must have been read by every consumer thread
+            if (bias_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty, (bias_loads - 1) & 1);
+            Barrier::arrive_and_expect_tx(&ss.bias_full, T::kBytesBias);
+            copy(kp.tma_bias.with(ss.bias_full, 0), bias_tiles(_, _, _, n),
+                 kp.tma_bias.get_slice(0).partition_D(sBias));
+            ++bias_loads;
+          }
           FWD_TRACE(3);
           ++write;
           FWD_TRACE_NEXT();
@@ -474,7 +523,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           x.cr_vals[e] = v;
         }
       }
-      if (has_bias) {
+      if (has_bias && !T::kBiasTiles) {   // (kBiasTiles: read_bias_tile, after the product)
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
           CUTLASS_PRAGMA_UNROLL
@@ -660,6 +709,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
     // Every consumer thread has read the query tile (its last QK^T is complete).
     auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty); };
+    // kBiasTiles: the bias tile read into S's fragment layout; tiles read so far.
+    auto s2r_bias = [&] {
+      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_qk);
+      else return 0;
+    }();
+    int bias_reads = 0;
     // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
     typename T::PipelineState read, read_k, read_v;
     for (int k = 0;; ++k) {
@@ -684,7 +739,31 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         load_extras(x);
         FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         pipe_k.consumer_wait(read);
-        gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        if constexpr (T::kBiasTiles) {
+          // The tile's bias from shared memory into the pairs finish_scores adds, while the
+          // product runs; then the buffer is free for the next tile's.
+          gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+          Barrier::wait(&ss.bias_full, bias_reads & 1);
+          Tensor tBrB = make_tensor<Element>(tSrS.layout());
+          auto thr_b = s2r_bias.get_thread_slice(tid);
+          copy(s2r_bias, thr_b.partition_S(sBias), thr_b.retile_D(tBrB));
+          cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
+          ++bias_reads;
+          Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kCols; c += 2) {
+              const Element lo = Bv(r, c), hi = Bv(r, c + 1);
+              x.bias_pairs[r][c / 2] = uint32_t(reinterpret_cast<const uint16_t&>(lo)) |
+                                       (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+            }
+          }
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrS);
+        } else {
+          gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        }
         pipe_k.consumer_release(read);
         finish_scores(tSrS, x);
         float alpha[kRows];
@@ -911,7 +990,20 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
                     take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
-      {}};
+      {}, {}};
+  if constexpr (T::kBiasTiles) {
+    // The bias's (Lq, Lk, heads, batches); a broadcast mode has extent 1 and any valid stride.
+    kp.bias_heads = p.Hq / p.bias_head_div;
+    kp.bias_batches = p.bias_sb == 0 ? 1 : p.B;
+    const int64_t plane = p.bias_sq * p.Lq;
+    kp.tma_bias = make_tma_copy(
+        SM90_TMA_LOAD{},
+        make_tensor(make_gmem_ptr(static_cast<Element const*>(p.bias)),
+                    make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches),
+                    make_stride(p.bias_sq, _1{}, p.bias_sh == 0 ? plane : p.bias_sh,
+                                p.bias_sb == 0 ? plane : p.bias_sb)),
+        typename T::SmemLayoutBias{}, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}, _1{});
+  }
   if constexpr (T::kTmaStore) {
     kp.tma_o = make_tma_copy(
         SM90_TMA_STORE{},
@@ -920,7 +1012,8 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
         typename T::SmemLayoutO{}, Shape<_64, Int<T::kHeadDim>>{}, _1{});
   }
   auto kernel = fwd_kernel<T>;
-  const int smem = sizeof(typename T::SharedStorage);
+  static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
+  const int smem = T::kSmemBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Persistent: one CTA per SM (the shared memory allows no more), each looping over work
   // tiles; FLEXSPARSE_CUDA_DEBUG bit 64 launches one CTA per work tile instead (A/Bs).
@@ -930,6 +1023,14 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   const int ctas = (p.debug & 64) ? n_work : std::min(n_work, sm_count());
   kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// Whether TMA can read the bias by tiles: keys contiguous, no broadcast over queries,
+// 16-byte aligned base and strides, no softcap (as the backward's bias_tiles_call).
+inline bool fwd_bias_tiles_ok(AttentionParams const& p) {
+  const auto a8 = [](int64_t s) { return s % 8 == 0; };
+  return p.bias != nullptr && p.softcap == 0.f && p.bias_sk == 1 && p.bias_sq != 0 && a8(p.bias_sq) &&
+         a8(p.bias_sh) && a8(p.bias_sb) && reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
 }
 
 // The overlapped schedule where asked for and applicable (no bias), else the serial one;
@@ -948,10 +1049,19 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
     return;
   }
-  if (overlap && p.bias == nullptr)
+  if (overlap && p.bias == nullptr) {
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma>>(p, stream);
-  else
-    launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, kTma>>(p, stream);
+    return;
+  }
+  if constexpr (kHeadDim <= 128) {
+    // Prepared, not yet run on a GPU: taken only with FLEXSPARSE_CUDA_DEBUG bit 65536 (in
+    // -DFLEXSPARSE_FWD_TRACE builds the bits from 16 up pick the traced work tile instead).
+    if ((p.debug & 65536) && fwd_bias_tiles_ok(p)) {
+      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, false, false, true>>(p, stream);
+      return;
+    }
+  }
+  launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, kTma>>(p, stream);
 }
 
 }  // namespace flexsparse::sm90

@@ -218,6 +218,24 @@ def test_bias_tiles(mask, D):
     check(B, Hq, Hkv, L, L, D, m, torch.float16, bias_shape=(1, Hkv, L, L))
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_forward_bias_tiles(D, monkeypatch):
+    """The forward's bias tiles (FwdTraits::kBiasTiles: TMA into shared memory, ldmatrix into
+    the score fragments), taken only with FLEXSPARSE_CUDA_DEBUG bit 65536 until measured:
+    masks with partial tiles, GQA with an Hkv-head bias, a length no tile divides (L % 8 == 0
+    for TMA), fully masked rows."""
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "65536")
+    torch.manual_seed(D + 1)
+    B, Hq, Hkv, L = 2, 4, 2, 904
+    for m in (M.causal(), M.document([300, 411, 193]), M.sliding_window(170)):
+        check(B, Hq, Hkv, L, L, D, m, torch.bfloat16, bias_shape=(B, Hq, L, L))
+    check(1, Hq, Hkv, L, L, D, M.causal(), torch.float16, bias_shape=(1, Hkv, L, L))
+    dm = torch.rand(1, 2, 400, 400, device=T.DEV) < 0.5
+    dm[:, :, 100:250] = False
+    out, lse = check(1, 2, 2, 400, 400, D, M.dense(dm), torch.float16, bias_shape=(1, 2, 400, 400))[:2]
+    assert torch.all(out[:, :, 100:250] == 0) and torch.all(lse[:, :, 100:250] == -float("inf"))
+
+
 def _bias_grads(q, k, v, bias, desc, dout, backend):
     q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     out = flexsparse.attention(q, k, v, desc, bias=bias, backend=backend)
