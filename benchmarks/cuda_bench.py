@@ -5,7 +5,8 @@ path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible
     python -m benchmarks.cuda_bench [rows] [--no-bwd]   rows: kind@L[@D],... (default: a quick set)
 
 Kinds as in benchmarks.bench.make_case; "sliding<W>" is a sliding window of W tokens (the
-default rows include W = 64, 256 and 4096 besides 1024: issue 16's small windows).
+default rows include W = 64, 256 and 4096 besides 1024: issue 16's small windows), and
+"causal_bias" a causal mask with a trainable (B, H, L, L) bias (its gradient timed too).
 """
 import sys
 
@@ -29,7 +30,7 @@ except Exception:  # not installed: the column stays empty
     HAS_FLASH = False
 DEFAULT = ("full@8192,causal@8192,causal@16384,document@8192,document@16384,sliding@8192,prefix_lm@16384,"
            "shared_question@16384,block_sparse@8192,full@8192@64,causal@8192@64,"
-           "sliding64@8192,sliding256@8192,sliding4096@8192,sliding256@8192@64")
+           "sliding64@8192,sliding256@8192,sliding4096@8192,sliding256@8192@64,causal_bias@8192")
 
 
 def bench(fn):
