@@ -60,15 +60,30 @@ def _cuda_op_takes(s: torch.Tensor, k: int) -> bool:
             and torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::topk_rows", "CUDA"))
 
 
+# Candidate entries (rows x segments x k, over the leading dims) that one pass of
+# _segmented_topk holds; more rows go in row chunks. Each entry costs 14 bytes at once
+# (int32 position, int64 gather index, 16-bit score): 2^24 entries, ~235 MB, where all
+# rows at once took 1.4 GB at 128K keys, k = 256 (more than torch.topk's own 1.0 GB).
+SEGMENT_CANDIDATES = 1 << 24
+
+
 def _segmented_topk(s: torch.Tensor, k: int, causal: bool, r0: int, Lq: int, select,
-                    seg: int) -> torch.Tensor:
+                    seg: int, max_candidates: int = SEGMENT_CANDIDATES) -> torch.Tensor:
     """Ascending top-k positions of rows longer than `seg` keys through a selector of rows of
     at most `seg` keys, `select(scores, k, causal, row0, num_queries)` (topk_rows' contract).
     Each segment's top k, then the top k of those candidates: every key the row keeps is
     among its segment's top k (a segment keeps its keys above the row's threshold and its
     first ties in position order, at least as many as the row keeps there), and the
-    candidates are in position order, so the ties the row keeps are its first ones too."""
-    Lk = s.shape[-1]
+    candidates are in position order, so the ties the row keeps are its first ones too.
+    Rows go in chunks of at most `max_candidates` candidate entries."""
+    rows, Lk = s.shape[-2], s.shape[-1]
+    lead = math.prod(s.shape[:-2])
+    per_row = max(1, lead * -(-Lk // seg) * k)
+    step = max(1, max_candidates // per_row)
+    if step < rows:
+        return torch.cat([_segmented_topk(s[..., a:a + step, :], k, causal, r0 + a, Lq, select, seg,
+                                          max_candidates)
+                          for a in range(0, rows, step)], dim=-2)
     parts = []
     for s0 in range(0, Lk, seg):
         s1 = min(Lk, s0 + seg)

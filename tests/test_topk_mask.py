@@ -169,3 +169,8 @@ def test_segmented_topk_equals_the_whole_row(causal, k):
         want = _select_first_ties(chunk, k, causal, r0, Lq)
         got = _segmented_topk(chunk, k, causal, r0, Lq, _select_first_ties, seg)
         assert torch.equal(got, want), (r0, got, want)
+        # in row chunks of 1, 2 and 4 rows (candidates per row: 2 lead x 4 segments x k)
+        for per in (1, 2, 4):
+            got = _segmented_topk(chunk, k, causal, r0, Lq, _select_first_ties, seg,
+                                  max_candidates=per * 2 * 4 * k)
+            assert torch.equal(got, want), (r0, per)
