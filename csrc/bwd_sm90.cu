@@ -40,12 +40,10 @@ static bool plain_call(BackwardParams const& p) {
 // instead (A/Bs).
 static bool bias_tiles_call(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
-  const auto aligned = [](const void* ptr, int64_t s1, int64_t s2, int64_t s3) {
-    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s1 % 8 == 0 && s2 % 8 == 0 && s3 % 8 == 0;
-  };
-  if (f.bias == nullptr || (f.D != 64 && f.D != 128) || f.softcap != 0.f || (f.debug & 512)) return false;
-  if (f.bias_sk != 1 || f.bias_sq == 0 || !aligned(f.bias, f.bias_sq, f.bias_sh, f.bias_sb)) return false;
-  return p.dbias == nullptr || (p.dbias_sk == 1 && aligned(p.dbias, p.dbias_sq, p.dbias_sh, p.dbias_sb));
+  if (!bias_tma_readable(f) || (f.D != 64 && f.D != 128) || f.softcap != 0.f || (f.debug & 512)) return false;
+  return p.dbias == nullptr ||
+         (p.dbias_sk == 1 && p.dbias_sq % 8 == 0 && p.dbias_sh % 8 == 0 && p.dbias_sb % 8 == 0 &&
+          reinterpret_cast<uintptr_t>(p.dbias) % 16 == 0);
 }
 
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {

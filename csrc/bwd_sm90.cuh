@@ -1045,18 +1045,9 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
                     typename T::SmemLayoutK{}, tile_k, _1{}),
       {}, {}};   // the bias's TMA: below
   if constexpr (T::kBiasTiles) {
-    // The bias's (Lq, Lk, heads, batches); a broadcast mode has extent 1 and any valid stride.
-    kp.bias_heads = p.Hq / p.bias_head_div;
-    kp.bias_batches = p.bias_sb == 0 ? 1 : p.B;
-    const int64_t plane = p.bias_sq * p.Lq;
     auto tile_b = Shape<Int<T::kBlockM>, Int<T::kBlockN>>{};
-    kp.tma_bias = make_tma_copy(
-        SM90_TMA_LOAD{},
-        make_tensor(make_gmem_ptr(static_cast<Element const*>(p.bias)),
-                    make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches),
-                    make_stride(p.bias_sq, _1{}, p.bias_sh == 0 ? plane : p.bias_sh,
-                                p.bias_sb == 0 ? plane : p.bias_sb)),
-        typename T::SmemLayoutBias{}, tile_b, _1{});
+    kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{}, tile_b, kp.bias_heads,
+                                         kp.bias_batches);
     if (bp.dbias != nullptr)
       kp.tma_dbias = make_tma_copy(
           SM90_TMA_STORE{},

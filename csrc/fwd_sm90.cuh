@@ -992,17 +992,9 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
                     Shape<Int<T::kBlockN>, Int<T::kHeadDim>>{}, _1{}),
       {}, {}};
   if constexpr (T::kBiasTiles) {
-    // The bias's (Lq, Lk, heads, batches); a broadcast mode has extent 1 and any valid stride.
-    kp.bias_heads = p.Hq / p.bias_head_div;
-    kp.bias_batches = p.bias_sb == 0 ? 1 : p.B;
-    const int64_t plane = p.bias_sq * p.Lq;
-    kp.tma_bias = make_tma_copy(
-        SM90_TMA_LOAD{},
-        make_tensor(make_gmem_ptr(static_cast<Element const*>(p.bias)),
-                    make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches),
-                    make_stride(p.bias_sq, _1{}, p.bias_sh == 0 ? plane : p.bias_sh,
-                                p.bias_sb == 0 ? plane : p.bias_sb)),
-        typename T::SmemLayoutBias{}, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}, _1{});
+    kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{},
+                                         Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}, kp.bias_heads,
+                                         kp.bias_batches);
   }
   if constexpr (T::kTmaStore) {
     kp.tma_o = make_tma_copy(
@@ -1025,13 +1017,9 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Whether TMA can read the bias by tiles: keys contiguous, no broadcast over queries,
-// 16-byte aligned base and strides, no softcap (as the backward's bias_tiles_call).
-inline bool fwd_bias_tiles_ok(AttentionParams const& p) {
-  const auto a8 = [](int64_t s) { return s % 8 == 0; };
-  return p.bias != nullptr && p.softcap == 0.f && p.bias_sk == 1 && p.bias_sq != 0 && a8(p.bias_sq) &&
-         a8(p.bias_sh) && a8(p.bias_sb) && reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
-}
+// The calls FwdTraits::kBiasTiles kernels take: a bias TMA can read by tiles, no softcap
+// (as the backward's bias_tiles_call).
+inline bool fwd_bias_tiles_ok(AttentionParams const& p) { return bias_tma_readable(p) && p.softcap == 0.f; }
 
 // The overlapped schedule where asked for and applicable (no bias), else the serial one;
 // overlapped, the plain kernel where the call allows. The TMA-store epilogue's staging

@@ -3,6 +3,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include <stdexcept>
 #include <string>
 
@@ -19,6 +21,14 @@
 namespace flexsparse {
 
 enum class DType { kFloat16, kBFloat16 };
+
+// Whether TMA can move the bias by tiles (the bias-tile kernels, forward and backward):
+// keys contiguous, no broadcast over queries, 16-byte aligned base and strides.
+inline bool bias_tma_readable(AttentionTensors const& p) {
+  const auto a8 = [](int64_t stride) { return stride % 8 == 0; };
+  return p.bias != nullptr && p.bias_sk == 1 && p.bias_sq != 0 && a8(p.bias_sq) && a8(p.bias_sh) &&
+         a8(p.bias_sb) && reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
+}
 
 // Hopper forward: out and lse for every query row (fully masked rows: 0 and -inf).
 void fwd_sm90(AttentionParams const& p, DType dtype, cudaStream_t stream);

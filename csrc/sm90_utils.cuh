@@ -6,6 +6,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "params.h"
+
 namespace flexsparse::sm90 {
 using namespace cute;
 
@@ -21,6 +23,23 @@ inline int sm_count() {
     cached[dev] = n > 0 ? n : 132;
   }
   return cached[dev];
+}
+
+// The TMA load of bias tiles (bias_tma_readable holds): the bias as (Lq, Lk, heads,
+// batches), keys contiguous, where a broadcast head or batch mode has extent 1 (and any
+// valid stride); `heads` and `batches` are set to those extents, for the kernel's
+// coordinates (query head h reads bias head h / bias_head_div; batch 0 when broadcast).
+template <class Element, class SmemLayout, class Tile>
+auto make_bias_tma(AttentionParams const& p, SmemLayout smem_layout, Tile tile, int& heads, int& batches) {
+  heads = p.Hq / p.bias_head_div;
+  batches = p.bias_sb == 0 ? 1 : p.B;
+  const int64_t plane = p.bias_sq * p.Lq;
+  return make_tma_copy(SM90_TMA_LOAD{},
+                       make_tensor(make_gmem_ptr(static_cast<Element const*>(p.bias)),
+                                   make_shape(p.Lq, p.Lk, heads, batches),
+                                   make_stride(p.bias_sq, _1{}, p.bias_sh == 0 ? plane : p.bias_sh,
+                                               p.bias_sb == 0 ? plane : p.bias_sb)),
+                       smem_layout, tile, _1{});
 }
 
 // C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.
