@@ -41,9 +41,7 @@ static bool plain_call(BackwardParams const& p) {
 static bool bias_tiles_call(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   if (!bias_tma_readable(f) || (f.D != 64 && f.D != 128) || f.softcap != 0.f || (f.debug & 512)) return false;
-  return p.dbias == nullptr ||
-         (p.dbias_sk == 1 && p.dbias_sq % 8 == 0 && p.dbias_sh % 8 == 0 && p.dbias_sb % 8 == 0 &&
-          reinterpret_cast<uintptr_t>(p.dbias) % 16 == 0);
+  return p.dbias == nullptr || tma_tileable(p.dbias, p.dbias_sq, p.dbias_sk, p.dbias_sh, p.dbias_sb);
 }
 
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
@@ -53,9 +51,11 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
     else bwd_sm90_hd<128, 64, false, true>(p, dtype, stream);
     return;
   }
-  // The other kernels write dbias only where the descriptor lists a block.
+  // The other kernels write dbias only where the descriptor lists a block. (dbias is the
+  // op's contiguous (B, Hq, Lq, Lk) tensor in the query's 16-bit dtype.)
   if (p.dbias != nullptr)
-    CUDA_CHECK(cudaMemsetAsync(p.dbias, 0, static_cast<size_t>(p.fwd.B) * p.fwd.Hq * p.fwd.Lq * p.fwd.Lk * 2,
+    CUDA_CHECK(cudaMemsetAsync(p.dbias, 0,
+                               static_cast<size_t>(p.fwd.B) * p.fwd.Hq * p.fwd.Lq * p.fwd.Lk * sizeof(uint16_t),
                                stream));
   // FLEXSPARSE_CUDA_DEBUG bit 256: the general kernel for plain calls too (same-run A/Bs).
   const bool plain = plain_call(p) && !(p.fwd.debug & 256);

@@ -274,6 +274,8 @@ __device__ void zero_unlisted_dbias(BackwardParams const& bp, int b, int hk, int
     for (int c0 = 0; c0 < n_qb; c0 += kChunk) {
       for (int w = lane; w < T::kZeroBitmapWords; w += 32) bitmap[w] = 0;
       __syncwarp();
+      // (the lists' rows read again per chunk, more than one only past 4096 query blocks:
+      // held across the stores below they spilled at this warp's 24 registers)
       ListRow lists[2] = {ListRow(p.q_partial, b, h, kb), ListRow(p.q_full, b, h, kb)};
       for (int l = 0; l < 2; ++l)
         for (int t = lane; t < lists[l].count; t += 32) {

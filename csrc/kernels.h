@@ -22,12 +22,15 @@ namespace flexsparse {
 
 enum class DType { kFloat16, kBFloat16 };
 
-// Whether TMA can move the bias by tiles (the bias-tile kernels, forward and backward):
-// keys contiguous, no broadcast over queries, 16-byte aligned base and strides.
+// Whether TMA can move (query rows x keys) tiles of a 16-bit (B, H, Lq, Lk) tensor with
+// these element strides: keys contiguous, rows not broadcast, row, head and batch strides
+// in whole 16 bytes, a 16-byte aligned base (the bias-tile kernels' bias and dbias).
+inline bool tma_tileable(const void* ptr, int64_t s_row, int64_t s_key, int64_t s_head, int64_t s_batch) {
+  return ptr != nullptr && s_key == 1 && s_row != 0 && s_row % 8 == 0 && s_head % 8 == 0 &&
+         s_batch % 8 == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
 inline bool bias_tma_readable(AttentionTensors const& p) {
-  const auto a8 = [](int64_t stride) { return stride % 8 == 0; };
-  return p.bias != nullptr && p.bias_sk == 1 && p.bias_sq != 0 && a8(p.bias_sq) && a8(p.bias_sh) &&
-         a8(p.bias_sb) && reinterpret_cast<uintptr_t>(p.bias) % 16 == 0;
+  return tma_tileable(p.bias, p.bias_sq, p.bias_sk, p.bias_sh, p.bias_sb);
 }
 
 // Hopper forward: out and lse for every query row (fully masked rows: 0 and -inf).

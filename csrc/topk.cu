@@ -17,10 +17,10 @@
 //    keys above T, then the first k - #(keys > T) keys equal to T.
 // fp32 scores (kWide) have 32-bit keys; shared memory holds their top 16 bits, so step 2
 // finds the top half T_hi of the threshold. The keys whose top half is T_hi (the
-// candidates) are then read again from global memory: their bottom halves and columns go
-// to a list in shared memory (kCandidates per row; more, and each count of the bottom-half
-// search reads the row again), where the same bit-by-bit search finds the bottom half of
-// T. Step 3 compares whole keys, reading again only the candidates' scores.
+// candidates) are then read again from global memory: their bottom halves go to a list in
+// shared memory (kCandidates per row; more, and each count of the bottom-half search reads
+// the row again), where the same bit-by-bit search finds the bottom half of T. Step 3
+// compares whole keys, reading again only the candidates' scores.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -181,7 +181,7 @@ topk_rows_kernel(TopkParams p) {
     ties = p.k - count_at_least(team, keys8, n_chunks8, threshold + 1);
     if constexpr (kWide) {
       // The bottom half among the `ties` keys still to keep from the candidates (top half
-      // == threshold): listed as (bottom half << 16 | column) while they fit.
+      // == threshold): their bottom halves listed while they fit.
       const uint32_t top = threshold;
       uint32_t* list = reinterpret_cast<uint32_t*>(keys + n_pad);
       int* listed = reinterpret_cast<int*>(list + kCandidates);
@@ -191,7 +191,7 @@ topk_rows_kernel(TopkParams p) {
       for (int c = team.tid; c < n; c += team.kThreads) {
         if (keys[c] != top) continue;
         const int slot = atomicAdd(listed, 1);
-        if (slot < kCandidates) list[slot] = ((key_of(c) & 0xFFFFu) << 16) | uint32_t(c);
+        if (slot < kCandidates) list[slot] = key_of(c) & 0xFFFFu;
       }
       team.sum(0);   // (every candidate is listed and counted)
       __syncwarp();
@@ -200,7 +200,7 @@ topk_rows_kernel(TopkParams p) {
       auto count_bottom = [&](uint32_t bound) {
         int cnt = 0;
         if (n_listed <= kCandidates) {
-          for (int e = team.tid; e < n_listed; e += team.kThreads) cnt += (list[e] >> 16) >= bound;
+          for (int e = team.tid; e < n_listed; e += team.kThreads) cnt += list[e] >= bound;
         } else {
           for (int c = team.tid; c < n; c += team.kThreads)
             if (keys[c] == top) cnt += (key_of(c) & 0xFFFFu) >= bound;

@@ -61,9 +61,9 @@ def _cuda_op_takes(s: torch.Tensor, k: int) -> bool:
 
 
 # Candidate entries (rows x segments x k, over the leading dims) that one pass of
-# _segmented_topk holds; more rows go in row chunks. Each entry costs 14 bytes at once
-# (int32 position, int64 gather index, 16-bit score): 2^24 entries, ~235 MB, where all
-# rows at once took 1.4 GB at 128K keys, k = 256 (more than torch.topk's own 1.0 GB).
+# _segmented_topk holds; more rows go in row chunks. Each entry costs 14-16 bytes at once
+# (int32 position, int64 gather index, the score): 2^24 entries, 235-270 MB, where all rows
+# at once took 1.4 GB at 128K bf16 keys, k = 256 (more than torch.topk's own 1.0 GB).
 SEGMENT_CANDIDATES = 1 << 24
 
 
