@@ -189,9 +189,18 @@ struct BwdTraits {
   // kBiasTiles: the bias tile's buffer, past SharedStorage (so that the other kernels'
   // shared memory does not grow).
   static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
-  // and the dbias zero filler's bitmap of listed query blocks, kZeroBitmapWords words.
+  // and the dbias zero filler's bitmap of listed query blocks, kZeroBitmapWords words,
+  // then its tile of zeros: (kZeroRows, kBlockN), row-major and unswizzled (all entries are
+  // the same), TMA-stored over the blocks the lists leave out.
   static constexpr int kZeroBitmapWords = 128;
-  static constexpr int kSmemBytes = kBiasTiles ? kBiasOffset + kBytesBias + 4 * kZeroBitmapWords
+  static constexpr int kZeroRows = 32;
+  static constexpr int kZeroOffset = kBiasOffset + kBytesBias + 4 * kZeroBitmapWords;
+  static_assert(kZeroOffset % 128 == 0, "a TMA source in shared memory is 128-byte aligned");
+  using SmemLayoutZero = Layout<Shape<Int<kZeroRows>, Int<kBlockN>>, Stride<Int<kBlockN>, _1>>;
+  using TmadBiasZero = conditional_t<kBiasTiles,
+      decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutZero{},
+                             Shape<Int<kZeroRows>, Int<kBlockN>>{}, _1{})), int>;
+  static constexpr int kSmemBytes = kBiasTiles ? kZeroOffset + kZeroRows * kBlockN * sizeof(Element)
                                                : sizeof(SharedStorage);
 
   struct KernelParams {
@@ -209,6 +218,7 @@ struct BwdTraits {
     TmaK tma_v;
     TmadBias tma_dbias;   // kBiasTiles (dbias wanted)
     TmaBias tma_bias;     // kBiasTiles
+    TmadBiasZero tma_dbias_zero;   // kBiasTiles (dbias wanted): the zero tile's stores
     int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
   };
 };
@@ -252,25 +262,38 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
 }
 
-// dbias zeroes where the descriptor lists no block: one warp writes, for each query head of
-// the CTA's group, zeros to the CTA's keys in the rows of every query block that neither
-// q list of its key block holds (the kernel's steps write the listed blocks by TMA), so
-// that dbias needs no zero fill before the kernel. The listed blocks are marked in a
-// shared-memory bitmap, kZeroBitmapWords * 32 query blocks at a time. Needs dbias rows of
-// whole 16-byte pieces (Lk % 8 == 0, as the TMA store does).
+// dbias zeroes where the descriptor lists no block: one warp stores, for each query head of
+// the CTA's group, the shared-memory tile of zeros by TMA over the CTA's keys in the rows of
+// every query block that neither q list of its key block holds (the kernel's steps write
+// the listed blocks by TMA), so that dbias needs no zero fill before the kernel. The
+// tensor map clips at Lq and Lk. (Plain 16-byte stores from this warp, at ~20 instructions
+// per store, took 1.6 ms per call at 8K: docs/perf-notes.md C50.) The listed blocks are
+// marked in a shared-memory bitmap, kZeroBitmapWords * 32 query blocks at a time; each lane
+// takes every 32nd query block of a chunk.
 template <class T>
-__device__ void zero_unlisted_dbias(BackwardParams const& bp, int b, int hk, int kb, int j0,
-                                    uint32_t* bitmap) {
-  using Element = typename T::Element;
+__device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, int hk, int kb,
+                                    int n_block, uint32_t* bitmap,
+                                    typename T::Element* zeros) {
+  BackwardParams const& bp = kp.bp;
   AttentionParams const& p = bp.fwd;
   constexpr int kChunk = 32 * T::kZeroBitmapWords;   // query blocks per bitmap
+  constexpr int kZeroRows = T::kZeroRows;
   const int lane = threadIdx.x % 32;
   const int group = p.Hq / p.Hkv;
   const int n_qb = (p.Lq + p.block_q - 1) / p.block_q;
-  const int pieces = min(T::kBlockN, p.Lk - j0) / 8;   // 16-byte pieces per row
+  constexpr int kZeroPieces = kZeroRows * T::kBlockN * sizeof(typename T::Element) / 16;
+  for (int i = lane; i < kZeroPieces; i += 32) reinterpret_cast<uint4*>(zeros)[i] = make_uint4(0, 0, 0, 0);
+  cutlass::arch::fence_view_async_shared();   // the zeros visible to the TMA unit
+  __syncwarp();
+  auto cta = kp.tma_dbias_zero.get_slice(0);
+  Tensor tZsZ = cta.partition_S(make_tensor(make_smem_ptr(zeros), typename T::SmemLayoutZero{}));
+  Tensor mZ = kp.tma_dbias_zero.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
+  const int tiles_per_block = p.block_q / kZeroRows;
+  const int row_tiles = (p.Lq + kZeroRows - 1) / kZeroRows;
   for (int g = 0; g < group; ++g) {
     const int h = hk * group + g;
-    Element* db = static_cast<Element*>(bp.dbias) + b * bp.dbias_sb + h * bp.dbias_sh + j0;
+    Tensor tZgZ = cta.partition_D(local_tile(mZ(_, _, h, b), Shape<Int<kZeroRows>, Int<T::kBlockN>>{},
+                                             make_coord(_, n_block)));   // (TMA, 1, 1, row tile)
     for (int c0 = 0; c0 < n_qb; c0 += kChunk) {
       for (int w = lane; w < T::kZeroBitmapWords; w += 32) bitmap[w] = 0;
       __syncwarp();
@@ -284,19 +307,16 @@ __device__ void zero_unlisted_dbias(BackwardParams const& bp, int b, int hk, int
         }
       __syncwarp();
       const int c1 = min(n_qb, c0 + kChunk);
-      for (int qb = c0; qb < c1; ++qb) {
+      for (int qb = c0 + lane; qb < c1; qb += 32) {
         if ((bitmap[(qb - c0) / 32] >> ((qb - c0) % 32)) & 1u) continue;
-        const int r0 = qb * p.block_q, n = min(p.block_q, p.Lq - r0) * pieces;
-        for (int x = lane; x < n; x += 32) {
-          const int r = x / pieces, c = x % pieces;
-          uint4* dst = reinterpret_cast<uint4*>(db + (int64_t)(r0 + r) * bp.dbias_sq + 8 * c);
-          if (p.debug & 16384) __stcs(dst, make_uint4(0, 0, 0, 0));   // (streaming: bwd_kernel's l2_hints)
-          else *dst = make_uint4(0, 0, 0, 0);
-        }
+        const int t1 = min((qb + 1) * tiles_per_block, row_tiles);
+        for (int t = qb * tiles_per_block; t < t1; ++t) copy(kp.tma_dbias_zero, tZsZ, tZgZ(_, _, _, t));
       }
+      tma_store_arrive();
       __syncwarp();
     }
   }
+  tma_store_wait<0>();   // the zeros are read before the CTA's shared memory goes
 }
 
 template <class T>
@@ -322,7 +342,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const bool lane_leader = cute::elect_one_sync();
   // L2 policies of the TMA loads. kBiasTiles with FLEXSPARSE_CUDA_DEBUG bit 16384 (not
   // measured yet): query and dO tiles, which every key tile of their head reads again,
-  // evict-last; the bias tiles (and the dbias zeros), read or written once, 6 GB per call
+  // evict-last; the bias tiles, read once, 6 GB per call
   // at 8K with dbias, evict-first, so that they do not push the reused tiles out of L2
   // (FlashAttention-3 gives its reused tiles EVICT_LAST). Otherwise the default policy.
   const bool l2_hints = T::kBiasTiles && (p.debug & 16384);
@@ -489,8 +509,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // FLEXSPARSE_CUDA_DEBUG bit 32768: no zeros (wrong dbias outside the listed blocks;
         // a timing probe of the zero fill only).
         if (bp.dbias != nullptr && !(p.debug & 32768))
-          zero_unlisted_dbias<T>(bp, b, hk, kb, n_block * kBlockN,
-                                 reinterpret_cast<uint32_t*>(smem_raw + T::kBiasOffset + T::kBytesBias));
+          zero_unlisted_dbias<T>(kp, b, hk, kb, n_block,
+                                 reinterpret_cast<uint32_t*>(smem_raw + T::kBiasOffset + T::kBytesBias),
+                                 reinterpret_cast<Element*>(smem_raw + T::kZeroOffset));
       }
     }
   } else {
@@ -1045,7 +1066,7 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
                     typename T::SmemLayoutK{}, tile_k, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
                     typename T::SmemLayoutK{}, tile_k, _1{}),
-      {}, {}};   // the bias's TMA: below
+      {}, {}, {}};   // the bias's TMAs: below
   if constexpr (T::kBiasTiles) {
     auto tile_b = Shape<Int<T::kBlockM>, Int<T::kBlockN>>{};
     kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{}, tile_b, kp.bias_heads,
@@ -1056,6 +1077,12 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
           make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
                       make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb)),
           typename T::SmemLayoutBias{}, tile_b, _1{});
+    if (bp.dbias != nullptr)
+      kp.tma_dbias_zero = make_tma_copy(
+          SM90_TMA_STORE{},
+          make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
+                      make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb)),
+          typename T::SmemLayoutZero{}, Shape<Int<T::kZeroRows>, Int<T::kBlockN>>{}, _1{});
   }
   auto kernel = bwd_kernel<T>;
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");

@@ -97,7 +97,7 @@ namespace flexsparse::sm90 {
 // kBiasTiles: the serial schedule with each key tile's (128 x kBlockN) bias tile loaded by
 // TMA into shared memory (one buffer, in place of the O staging buffer: the epilogue stores
 // from registers) and read with ldmatrix, instead of per-score global loads
-// (docs/perf-notes.md C49; prepared, taken only with FLEXSPARSE_CUDA_DEBUG bit 65536).
+// (docs/perf-notes.md C49). Biased calls take it where fwd_bias_tiles_ok holds.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
           bool kBiasTiles_ = false>
@@ -741,13 +741,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_k.consumer_wait(read);
         if constexpr (T::kBiasTiles) {
           // The tile's bias from shared memory into the pairs finish_scores adds, while the
-          // product runs; then the buffer is free for the next tile's.
+          // product runs.
           gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
           Barrier::wait(&ss.bias_full, bias_reads & 1);
           Tensor tBrB = make_tensor<Element>(tSrS.layout());
           auto thr_b = s2r_bias.get_thread_slice(tid);
           copy(s2r_bias, thr_b.partition_S(sBias), thr_b.retile_D(tBrB));
-          cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
           ++bias_reads;
           Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
           CUTLASS_PRAGMA_UNROLL
@@ -766,6 +765,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         pipe_k.consumer_release(read);
         finish_scores(tSrS, x);
+        if constexpr (T::kBiasTiles) {
+          // The bias buffer is free once this thread's ldmatrix has returned its data, which
+          // the scores just computed from it prove. (Arriving right after the ldmatrix let
+          // the next tile's TMA overwrite the buffer before the read was served, queued
+          // behind the QK^T wgmma's operand reads: wrong scores where the bias sits in L2,
+          // docs/perf-notes.md C49.)
+          warpgroup_fence_operand(tSrS);
+          cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
+        }
         float alpha[kRows];
         softmax(tSrS, alpha);
         rescale_o(alpha);
@@ -1042,9 +1050,10 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
     return;
   }
   if constexpr (kHeadDim <= 128) {
-    // Prepared, not yet run on a GPU: taken only with FLEXSPARSE_CUDA_DEBUG bit 65536 (in
-    // -DFLEXSPARSE_FWD_TRACE builds the bits from 16 up pick the traced work tile instead).
-    if ((p.debug & 65536) && fwd_bias_tiles_ok(p)) {
+    // Bias tiles where the bias allows them; FLEXSPARSE_CUDA_DEBUG bit 65536: the per-score
+    // loads instead (A/Bs; in -DFLEXSPARSE_FWD_TRACE builds the bits from 16 up pick the
+    // traced work tile instead).
+    if (fwd_bias_tiles_ok(p) && !(p.debug & 65536)) {
       launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, false, false, true>>(p, stream);
       return;
     }

@@ -56,15 +56,16 @@ def main():
             continue
         run(f"[debug {schedule}] bias hd64", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
         run(f"[debug {schedule}] bias hd256", 1, 2, 2, 200, 200, 256, M.causal(), bias=True)
-        # the bias-tile backward (TMA bias/dbias, dbias zeroed where no block is listed)
+        # the bias-tile kernels (TMA bias tiles; the backward's dbias zeroed by TMA where no
+        # block is listed)
         run(f"[debug {schedule}] bias tiles hd128 document", 1, 2, 1, 520, 520, 128,
             M.document([100, 220, 200]), bias=True)
     if not only or "bias" in only:
-        # the forward's bias tiles (FLEXSPARSE_CUDA_DEBUG bit 65536 until measured)
+        # (the cases above take the forward's bias tiles; bit 65536: its per-score-load kernel)
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "65536"
-        run("[debug 65536] forward bias tiles hd128 document", 1, 2, 1, 520, 520, 128,
+        run("[debug 65536] forward bias loads hd128 document", 1, 2, 1, 520, 520, 128,
             M.document([100, 220, 200]), bias=True)
-        run("[debug 65536] forward bias tiles hd64 causal", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
+        run("[debug 65536] forward bias loads hd64 causal", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
 
 
 if __name__ == "__main__":
