@@ -80,10 +80,13 @@ def make_case(kind, B, L, device="cuda"):
     def causal_mod(b, h, q, kv):
         return q >= kv
 
+    if kind.endswith("_bias"):     # any row with a trainable (B, H, L, L) bias, e.g. causal_bias
+        fs_mask, mod, per_head, _, _ = make_case(kind[:-len("_bias")], B, L, device)
+        return fs_mask, mod, per_head, None, True
     if kind == "full":
         return M.full(), None, False, False, False
-    if kind in ("causal", "causal_bias"):
-        return M.causal(), causal_mod, False, True, kind == "causal_bias"
+    if kind == "causal":
+        return M.causal(), causal_mod, False, True, False
     if kind.startswith("sliding"):     # "sliding" (window 1024) or "sliding<W>", e.g. sliding256
         W = int(kind[len("sliding"):] or 1024)
 

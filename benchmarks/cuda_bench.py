@@ -6,7 +6,8 @@ path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible
 
 Kinds as in benchmarks.bench.make_case; "sliding<W>" is a sliding window of W tokens (the
 default rows include W = 64, 256 and 4096 besides 1024: issue 16's small windows), and
-"causal_bias" a causal mask with a trainable (B, H, L, L) bias (its gradient timed too).
+"<kind>_bias" (causal_bias, document_bias, sliding256_bias, ...) that mask with a trainable
+(B, H, L, L) bias (its gradient timed too).
 """
 import sys
 

@@ -52,6 +52,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         scale = 1.0 / math.sqrt(D)
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: must be a float, got {type(scale).__name__}")
+    softcap_given = softcap is not None    # (a bool while tracing too, unlike the value)
     if softcap is None:
         softcap = 0.0                  # 0: no softcap (as in the op, and flash-attn's API)
     elif not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
@@ -67,7 +68,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         t is not None and t.requires_grad for t in (query, key, value, bias))
     if backend == "auto":
         backend = backends.choose(query, key, value, bias, mt, needs_grad, desc.block_size,
-                                  deterministic)
+                                  deterministic, softcap_given)
     else:
         reasons = backends.call_not_supported_reasons(backend, query, key, value, bias, mt,
                                                       *desc.block_size, needs_grad,

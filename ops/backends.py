@@ -62,7 +62,7 @@ def block_size_reasons(name, query, mask: MaskTensors, block_q, block_k) -> list
 
 
 def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
-           block_size=(128, 128), deterministic: bool = False) -> str:
+           block_size=(128, 128), deterministic: bool = False, softcap: bool = False) -> str:
     """The first backend in preference order that supports these inputs; "cuda" only where
     its table of measurements says it wins (cuda_backend.preferred_for).
 
@@ -77,7 +77,7 @@ def choose(query, key, value, bias, mask: MaskTensors, needs_grad: bool = True,
             name, query, key, value, bias, mask, *block_size, needs_grad, deterministic)
 
     if runs("cuda") and _REGISTRY["cuda"].preferred_for(query, key, value, bias, mask,
-                                                         needs_grad, deterministic):
+                                                         needs_grad, deterministic, softcap):
         return "cuda"
     for name in _AUTO_ORDER:
         if runs(name):
@@ -171,12 +171,13 @@ def _check_cuda_op_backward_args(grad_out, grad_lse, query, key, value, out, lse
     mask_checks.check_backward(grad_out, grad_lse, query, value, out, lse)
 
 
-def _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic):
+def _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic, softcap):
     # The raw op resolves "auto" as if gradients were wanted, so that its forward and
     # backward always agree.
     if backend != "auto":
         return backend
-    return choose(query, key, value, bias, mask, True, (block_q, block_k), deterministic)
+    return choose(query, key, value, bias, mask, True, (block_q, block_k), deterministic,
+                  softcap != 0.0)
 
 
 def _check_data(mask, query, key, block_q, block_k):
@@ -190,7 +191,8 @@ def _attention_impl(query, key, value, bias, *rest):
     block_q, block_k, scale, softcap, _, deterministic = rest[_N_MASK:]
     _check_data(mask, query, key, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
-    backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
+    backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic,
+                       softcap)
     return get(backend).forward(query, key, value, bias, mask, block_q, block_k, scale, softcap,
                                 deterministic, options)
 
@@ -201,7 +203,8 @@ def _attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, bi
     block_q, block_k, scale, softcap, _, deterministic, bias_requires_grad = rest[_N_MASK:]
     _check_data(mask, query, key, block_q, block_k)
     mask = complete_mask(mask, query.shape[2], key.shape[2], block_q, block_k, query.device)
-    backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic)
+    backend = _resolve(backend, query, key, value, bias, mask, block_q, block_k, deterministic,
+                       softcap)
     return get(backend).backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask,
                                  block_q, block_k, scale, softcap, deterministic, bias_requires_grad,
                                  options)

@@ -12,6 +12,7 @@ deterministic=True, from csrc/index_bwd.cu (no float atomics; index_backward_ker
 import os
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import triton_indices
 
@@ -62,20 +63,31 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     return reasons
 
 
-# Where "auto" picks this backend: head dims 64, 128 and 256, no bias, no dense mask, and with
-# gradients also where the CUDA backward can run them (not deterministic). Measured on the
-# H100 in the same runs as the Triton kernels (docs/benchmarks.md, 2026-11-26, three runs):
-# forward and backward ahead of Triton on every block-mask row, full, causal, prefix-LM,
-# shared-question and block-sparse (1.2-1.4x) and the partial-heavy document and
-# sliding-window rows (1.1-1.3x since the interval test and the backward's stores, C26 and
-# C28), hd64 included (1.02-1.05x forward, 1.07-1.16x backward). Behind with a trainable
-# bias (forward 209 vs 365 TFLOP/s); dense masks and partial bitmaps (converted mask_mods,
-# overlapping index lists) not measured against Triton, so they stay there too. hd256 (H200,
-# 2026-11-26, full/causal 8K, document 16K, sliding 8K): forward 1.5-1.8x Triton (613 vs
-# 343 TFLOP/s causal), backward 3.6-4.8x (395 vs 82).
+# Where "auto" picks this backend: head dims 64, 128 and 256, no dense mask, and with
+# gradients also where the CUDA backward can run them (not deterministic); with a bias,
+# see AUTO_BIAS below. Measured on the H100 in the same runs as the Triton kernels
+# (docs/benchmarks.md, 2026-11-26, three runs): forward and backward ahead of Triton on
+# every block-mask row, full, causal, prefix-LM, shared-question and block-sparse
+# (1.2-1.4x) and the partial-heavy document and sliding-window rows (1.1-1.3x since the
+# interval test and the backward's stores, C26 and C28), hd64 included (1.02-1.05x
+# forward, 1.07-1.16x backward). Dense masks and partial bitmaps (converted mask_mods,
+# overlapping index lists) are not measured against Triton, so they stay there. hd256
+# (H200, 2026-11-26, full/causal 8K, document 16K, sliding 8K): forward 1.5-1.8x Triton
+# (613 vs 343 TFLOP/s causal), backward 3.6-4.8x (395 vs 82).
 # Partial-block shares beyond the measured rows' (up to about half the listed blocks:
 # windows under 1024, many tiny documents) are not measured either; the rule extends to them.
 AUTO_HEAD_DIMS = (64, 128, 256)
+# With a bias (H200, 2026-11-27, 8K, B=2, H=16, bias (B, H, L, L), cuda_bench, both backends
+# in one process; docs/benchmarks.md), where the bias-tile kernels run (keys contiguous,
+# Lk % 8 == 0, no softcap: csrc's fwd_bias_tiles_ok / bias_tiles_call):
+# - hd128 with its gradient: backward 1.23-1.34x Triton on causal, prefix-LM and full,
+#   0.96-1.02x on documents and windows (there both write the mostly-zero dbias at about
+#   the same speed); forward 0.94-1.01x. CUDA for training, Triton for the forward alone.
+# - hd64: forward 1.21-1.45x, backward 0.94x (causal) to 1.10x (documents, windows):
+#   CUDA either way.
+# Other head dims, a softcap, or rows TMA cannot read run the per-score kernels, far slower
+# (backward 84 against Triton's 317 before the tiles, C47): Triton.
+AUTO_BIAS = {64: "always", 128: "with_grad"}
 # The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
 # 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.
@@ -83,17 +95,30 @@ AUTO_DETERMINISTIC = False
 
 
 def preferred_for(query, key, value, bias, mask, needs_grad: bool,
-                  deterministic: bool = False) -> bool:
+                  deterministic: bool = False, softcap: bool = False) -> bool:
     """Whether "auto" should run these inputs here (call_not_supported_reasons found
-    none): the table above, from shapes only (no host sync, so also inside torch.compile).
-    Not for index masks until bench_indices has measured where the CUDA index forward
-    beats Triton's."""
+    none): the table above, from shapes, strides and flags only (no host sync, so also
+    inside torch.compile). `softcap`: whether one is given. Not for index masks until
+    bench_indices has measured where the CUDA index forward beats Triton's."""
     if mask.attn_indices is not None:
         return False
     if needs_grad and deterministic and not AUTO_DETERMINISTIC:
         return False
-    return (query.shape[-1] in AUTO_HEAD_DIMS and bias is None and mask.dense_mask is None
-            and mask.partial_bits is None)
+    if mask.dense_mask is not None or mask.partial_bits is not None:
+        return False
+    D = query.shape[-1]
+    if bias is None:
+        return D in AUTO_HEAD_DIMS
+    rule = next((r for d, r in AUTO_BIAS.items() if D == d), None)
+    if rule is None or softcap or (rule == "with_grad" and not needs_grad):
+        return False
+    # The bias-tile kernels' TMA: contiguous keys, one row per query (not broadcast), rows of
+    # whole 16-byte pieces. Only where that is known without a guard: under torch.compile
+    # with dynamic lengths "Lk % 8 == 0" is not, and a guard would compile the graph again
+    # for lengths that are not multiples of 8; those calls stay on Triton.
+    return all(statically_known_true(c) for c in (
+        bias.shape[-1] != 1, bias.stride(-1) == 1, bias.shape[-2] != 1,
+        key.shape[2] % 8 == 0, bias.stride(-2) % 8 == 0))
 
 
 # The backward kernels (csrc/bwd_sm90.cuh): 64-row query steps over 128-key tiles (64-key

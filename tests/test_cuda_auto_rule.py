@@ -20,7 +20,22 @@ def test_preferred_for():
     assert pick(q[..., :64], q, q, None, blocks, needs_grad=False)
     assert pick(torch.empty(1, 2, 256, 256), q, q, None, blocks, needs_grad=True)
     assert not pick(torch.empty(1, 2, 256, 96), q, q, None, blocks, needs_grad=False)
-    assert not pick(q, q, q, torch.empty(1, 2, 256, 256), blocks, needs_grad=False)
+    # a bias: hd128 with its gradient, hd64 always, where the bias-tile kernels run
+    bias = torch.empty(1, 2, 256, 256)
+    assert not pick(q, q, q, bias, blocks, needs_grad=False)
+    assert pick(q, q, q, bias, blocks, needs_grad=True)
+    q64 = q[..., :64]
+    assert pick(q64, q64, q64, bias, blocks, needs_grad=False)
+    assert pick(q64, q64, q64, bias.expand(3, 2, 256, 256), blocks, needs_grad=True)
+    assert not pick(q, q, q, bias, blocks, needs_grad=True, softcap=True)
+    q256 = torch.empty(1, 2, 256, 256)
+    assert not pick(q256, q256, q256, bias, blocks, needs_grad=True)
+    odd = torch.empty(1, 2, 250, 128)
+    assert not pick(odd, odd, odd, torch.empty(1, 2, 250, 250), blocks, needs_grad=True)
+    assert not pick(q, q, q, torch.empty(1, 2, 1, 256), blocks, needs_grad=True)   # one row for all
+    assert not pick(q, q, q, torch.empty(1, 2, 256, 1), blocks, needs_grad=True)
+    assert not pick(q, q, q, torch.empty(1, 2, 256, 256).transpose(-1, -2), blocks, needs_grad=True)
+    assert not pick(q, q, q, bias, blocks, needs_grad=True, deterministic=True)
     assert not pick(q, q, q, None, blocks, needs_grad=True, deterministic=True)
     assert pick(q, q, q, None, blocks, needs_grad=False, deterministic=True)
     dense = MaskTensors(**_lists(), dense_mask=torch.ones(1, 1, 256, 256, dtype=torch.bool))
@@ -30,3 +45,23 @@ def test_preferred_for():
     assert not pick(q, q, q, None, bits, needs_grad=False)
     index = MaskTensors(attn_indices=torch.zeros(1, 1, 256, 4, dtype=torch.int32))
     assert not pick(q, q, q, None, index, needs_grad=False)
+
+
+def test_bias_rule_adds_no_guard_under_compile():
+    """The bias rule's shape and stride conditions (Lk % 8 == 0, ...) are read only where
+    known without a guard: one frame over lengths that are and are not multiples of 8,
+    where the compiled rule keeps such calls on Triton (eagerly they go to CUDA)."""
+    from torch._dynamo.testing import CompileCounter
+
+    blocks = MaskTensors(**_lists())
+
+    def rule(q, bias):
+        return torch.full((1,), float(C.preferred_for(q, q, q, bias, blocks, needs_grad=True)))
+
+    counter = CompileCounter()
+    compiled = torch.compile(rule, backend=counter, fullgraph=True, dynamic=True)
+    for L in (256, 250, 264):
+        q, bias = torch.empty(1, 2, L, 128), torch.empty(1, 2, L, L)
+        assert compiled(q, bias).item() == 0.0
+        assert rule(q, bias).item() == float(L % 8 == 0)
+    assert counter.frame_count == 1
