@@ -94,18 +94,19 @@ namespace flexsparse::sm90 {
 // kPlain: built without the dense mask, the partial bitmaps and the per-score read of
 // more than kMaxStagedRanges column ranges (launch_fwd_schedule picks it for calls that
 // have none of them), so that their per-work-tile pointers hold no registers.
-// kBiasTiles: the serial schedule with each key tile's (128 x kBlockN) bias tile loaded by
-// TMA into shared memory (one buffer, in place of the O staging buffer: the epilogue stores
-// from registers) and read with ldmatrix, instead of per-score global loads
-// (docs/perf-notes.md C49). Biased calls take it where fwd_bias_tiles_ok holds.
+// kBiasTiles: each key tile's (128 x kBlockN) bias loaded by TMA into shared memory, one
+// (64 x kBlockN) half per consumer warpgroup (in place of the O staging buffer: the
+// epilogue stores from registers), and read with ldmatrix, instead of per-score global
+// loads (docs/perf-notes.md C49, C51); serial schedule: while QK^T runs, overlapped: in
+// finish_scores. Biased calls take it where fwd_bias_tiles_ok holds.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
           bool kBiasTiles_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kBiasTiles = kBiasTiles_;
-  static_assert(!kBiasTiles_ || (!kOverlap_ && !kTmaStore_),
-                "bias tiles: the serial schedule, whose O staging buffer they take");
+  static_assert(!kBiasTiles_ || (!kTmaStore_ && !kPlain_),
+                "bias tiles take the O staging buffer's place");
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPlain = kPlain_;
   static constexpr bool kTmaStore = kTmaStore_;
@@ -194,20 +195,26 @@ struct FwdTraits {
     int work_tile;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
-    // kBiasTiles: the bias buffer holds the current key tile's bias (bias_full) until both
-    // consumer warpgroups have read it (bias_empty: every consumer thread arrives).
-    cutlass::arch::ClusterTransactionBarrier::ValueType bias_full;
-    cutlass::arch::ClusterBarrier::ValueType bias_empty;
+    // kBiasTiles: consumer warpgroup w's half of the bias buffer holds its 64 rows of the
+    // current key tile's bias (bias_full[w]) until its threads have used them
+    // (bias_empty[w]: each of its 128 threads arrives), so that the warpgroups, half a
+    // tile apart in the overlapped schedule, free and refill their halves independently.
+    cutlass::arch::ClusterTransactionBarrier::ValueType bias_full[2];
+    cutlass::arch::ClusterBarrier::ValueType bias_empty[2];
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
   // in a buffer past SharedStorage.
-  using SmemLayoutBias = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
+  // One warpgroup's half: (64, kBlockN).
+  using SmemLayoutBias = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kBlockN>>{}));
+  static constexpr uint32_t kBytesBias = 64 * kBlockN * sizeof(Element);   // per half
   static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
-  static constexpr int kSmemBytes = kBiasTiles ? kBiasOffset + kBytesBias : sizeof(SharedStorage);
+  static constexpr int kSmemBytes = kBiasTiles ? kBiasOffset + 2 * kBytesBias : sizeof(SharedStorage);
+  // One warpgroup's share of S = Q K^T, for the bias halves' shared-to-register copy.
+  using TiledMmaQKWarpgroup = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>()));
   using TmaBias = conditional_t<kBiasTiles,
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutBias{},
-                             Shape<Int<kBlockM>, Int<kBlockN>>{}, _1{})), int>;
+                             Shape<_64, Int<kBlockN>>{}, _1{})), int>;
 
   struct KernelParams {
     AttentionParams p;
@@ -268,8 +275,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Barrier::init(&ss.barrier_q, 1);
     cutlass::arch::ClusterBarrier::init(&ss.barrier_q_empty, T::kMmaThreads);
     if (T::kBiasTiles) {
-      Barrier::init(&ss.bias_full, 1);
-      cutlass::arch::ClusterBarrier::init(&ss.bias_empty, T::kMmaThreads);
+      for (int w = 0; w < 2; ++w) {
+        Barrier::init(&ss.bias_full[w], 1);
+        cutlass::arch::ClusterBarrier::init(&ss.bias_empty[w], 128);
+      }
     }
   }
   typename T::Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
@@ -281,8 +290,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
-  Tensor sBias = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw + T::kBiasOffset)),
-                             typename T::SmemLayoutBias{});   // kBiasTiles
+  // kBiasTiles: warpgroup w's half of the bias buffer
+  auto bias_half = [&](int w) {
+    return make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw + T::kBiasOffset + w * T::kBytesBias)),
+                       typename T::SmemLayoutBias{});
+  };
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -333,13 +345,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                make_coord(_, 0));
         Tensor tKgK = cta_k.partition_S(gK);
         Tensor tVgV = cta_v.partition_S(gV);
-        // kBiasTiles: this work tile's rows of the bias, by key tile
+        // kBiasTiles: the bias of this head in (64, kBlockN) tiles
         auto bias_tiles = [&] {
           if constexpr (T::kBiasTiles) {
             Tensor mB = kp.tma_bias.get_tma_tensor(make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches));
             Tensor gB = local_tile(mB(_, _, h / p.bias_head_div, kp.bias_batches == 1 ? 0 : b),
-                                   Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(m_block, _));
-            return kp.tma_bias.get_slice(0).partition_S(gB);             // (TMA, M, N, n)
+                                   Shape<_64, Int<kBlockN>>{}, make_coord(_, _));
+            return kp.tma_bias.get_slice(0).partition_S(gB);             // (TMA, M, N, m, n)
           } else {
             return 0;
           }
@@ -356,11 +368,19 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
                tVsV(_, _, _, write.index()));
           if constexpr (T::kBiasTiles) {
-            // one buffer: the last tile's bias must have been read by every consumer thread
-            if (bias_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty, (bias_loads - 1) & 1);
-            Barrier::arrive_and_expect_tx(&ss.bias_full, T::kBytesBias);
-            copy(kp.tma_bias.with(ss.bias_full, 0), bias_tiles(_, _, _, n),
-                 kp.tma_bias.get_slice(0).partition_D(sBias));
+            // Each warpgroup's half once that warpgroup has used the last tile's. A half
+            // wholly past Lq is not loaded (its rows are never stored): the barrier
+            // completes on the arrival alone.
+            for (int w = 0; w < 2; ++w) {
+              if (bias_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty[w], (bias_loads - 1) & 1);
+              if ((m_block * 2 + w) * 64 < p.Lq) {
+                Barrier::arrive_and_expect_tx(&ss.bias_full[w], T::kBytesBias);
+                copy(kp.tma_bias.with(ss.bias_full[w], 0), bias_tiles(_, _, _, m_block * 2 + w, n),
+                     kp.tma_bias.get_slice(0).partition_D(bias_half(w)));
+              } else {
+                Barrier::arrive(&ss.bias_full[w]);
+              }
+            }
             ++bias_loads;
           }
           FWD_TRACE(3);
@@ -405,9 +425,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int col_base = get<1>(coord(0, 0));
 
     const float LOG2E = 1.4426950408889634f;
-    // The overlapped schedule is built without the bias code (its registers would spill
-    // beside S, P and O in flight); launch_fwd runs biased calls on the serial one.
-    const bool has_bias = !T::kOverlap && p.bias != nullptr;
+    // The overlapped schedule is built without the per-score bias loads (their registers
+    // would spill beside S, P and O in flight): biased calls run it only with bias tiles,
+    // read from shared memory inside finish_scores.
+    const bool has_bias = (!T::kOverlap || T::kBiasTiles) && p.bias != nullptr;
     const bool has_softcap = p.softcap > 0.f;
     // Without bias or softcap the row max is kept on the raw scores and the scale is
     // folded into exp2's argument (one FFMA per score); else scores are taken to the
@@ -531,6 +552,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
     };
+    // kBiasTiles: the bias tile read into S's fragment layout; tiles read so far.
+    auto s2r_bias = [&] {
+      if constexpr (T::kBiasTiles)
+        return make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, typename T::TiledMmaQKWarpgroup{});
+      else
+        return 0;
+    }();
+    int bias_reads = 0;
     // Scores of a finished QK^T: to the log2 domain where needed (softcap, bias), invisible
     // ones to -inf. Always inlined: called twice in the overlapped loop, it is past NVVM's
     // inlining threshold, and a call would put the score fragment in local memory.
@@ -561,7 +590,25 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
       // timing only).
       const bool check = (x.partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk;
-      if (log2_scores) {
+      if constexpr (T::kBiasTiles && T::kOverlap) {
+        // The overlapped schedule reads the tile's bias here, after the product: held
+        // from before it, 32 more registers beside S, P and O in flight would spill (C48).
+        // The buffer is free once the scores have used the data (as in the serial loop).
+        Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
+        Tensor tBrB = make_tensor<Element>(tSrS.layout());
+        auto thr_b = s2r_bias.get_thread_slice(wg_tid);
+        copy(s2r_bias, thr_b.partition_S(bias_half(wg)), thr_b.retile_D(tBrB));
+        Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r)
+            S(r, c) = fmaf(S(r, c), p.scale * LOG2E, LOG2E * static_cast<float>(Bv(r, c)));
+        }
+        warpgroup_fence_operand(tSrS);
+        cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[wg]);
+        ++bias_reads;
+      } else if (log2_scores) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
           CUTLASS_PRAGMA_UNROLL
@@ -709,12 +756,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
     // Every consumer thread has read the query tile (its last QK^T is complete).
     auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty); };
-    // kBiasTiles: the bias tile read into S's fragment layout; tiles read so far.
-    auto s2r_bias = [&] {
-      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_qk);
-      else return 0;
-    }();
-    int bias_reads = 0;
     // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
     typename T::PipelineState read, read_k, read_v;
     for (int k = 0;; ++k) {
@@ -743,10 +784,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // The tile's bias from shared memory into the pairs finish_scores adds, while the
           // product runs.
           gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-          Barrier::wait(&ss.bias_full, bias_reads & 1);
+          Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
           Tensor tBrB = make_tensor<Element>(tSrS.layout());
-          auto thr_b = s2r_bias.get_thread_slice(tid);
-          copy(s2r_bias, thr_b.partition_S(sBias), thr_b.retile_D(tBrB));
+          auto thr_b = s2r_bias.get_thread_slice(wg_tid);
+          copy(s2r_bias, thr_b.partition_S(bias_half(wg)), thr_b.retile_D(tBrB));
           ++bias_reads;
           Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
           CUTLASS_PRAGMA_UNROLL
@@ -772,7 +813,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // behind the QK^T wgmma's operand reads: wrong scores where the bias sits in L2,
           // docs/perf-notes.md C49.)
           warpgroup_fence_operand(tSrS);
-          cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
+          cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[wg]);
         }
         float alpha[kRows];
         softmax(tSrS, alpha);
@@ -1001,7 +1042,7 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
       {}, {}};
   if constexpr (T::kBiasTiles) {
     kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{},
-                                         Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}, kp.bias_heads,
+                                         Shape<_64, Int<T::kBlockN>>{}, kp.bias_heads,
                                          kp.bias_batches);
   }
   if constexpr (T::kTmaStore) {
@@ -1029,9 +1070,10 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
 // (as the backward's bias_tiles_call).
 inline bool fwd_bias_tiles_ok(AttentionParams const& p) { return bias_tma_readable(p) && p.softcap == 0.f; }
 
-// The overlapped schedule where asked for and applicable (no bias), else the serial one;
-// overlapped, the plain kernel where the call allows. The TMA-store epilogue's staging
-// buffer fits beside the pipeline up to head dim 128.
+// The overlapped schedule where asked for and applicable (no bias, or a bias by tiles),
+// else the serial one; overlapped, the plain kernel where the call allows. The TMA-store
+// epilogue's staging buffer fits beside the pipeline up to head dim 128 (the bias tiles
+// take its place).
 template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
   constexpr bool kTma = kHeadDim <= 128;
@@ -1050,11 +1092,15 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
     return;
   }
   if constexpr (kHeadDim <= 128) {
-    // Bias tiles where the bias allows them; FLEXSPARSE_CUDA_DEBUG bit 65536: the per-score
-    // loads instead (A/Bs; in -DFLEXSPARSE_FWD_TRACE builds the bits from 16 up pick the
-    // traced work tile instead).
+    // Bias tiles where the bias allows them, overlapped unless FLEXSPARSE_CUDA_DEBUG bit 32
+    // asks for the serial schedule (docs/perf-notes.md C51: hd64 192 -> 261 TFLOP/s over
+    // the serial one, hd128 even); bit 65536: the per-score loads instead (A/Bs; in
+    // -DFLEXSPARSE_FWD_TRACE builds the bits from 16 up pick the traced work tile instead).
     if (fwd_bias_tiles_ok(p) && !(p.debug & 65536)) {
-      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, false, false, true>>(p, stream);
+      if (overlap)
+        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, false, true>>(p, stream);
+      else
+        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, false, false, true>>(p, stream);
       return;
     }
   }

@@ -224,15 +224,19 @@ def test_forward_bias_tiles(D, monkeypatch):
     the score fragments), which biased calls take where the bias rows allow TMA: masks with
     partial tiles, GQA with an Hkv-head bias, a length no tile divides (L % 8 == 0 for TMA),
     fully masked rows. Small enough that the bias sits in L2, where the buffer's reuse
-    raced once (docs/perf-notes.md C49); the per-score-load kernel (FLEXSPARSE_CUDA_DEBUG
-    bit 65536) on the same inputs too."""
+    raced once (docs/perf-notes.md C49). The default is the overlapped schedule (C51); the
+    serial one (FLEXSPARSE_CUDA_DEBUG bit 32) and the per-score-load kernel (bit 65536) on
+    the same inputs too. L = 904 leaves the last query tile's second half past Lq (its
+    bias half is not loaded)."""
     torch.manual_seed(D + 1)
     B, Hq, Hkv, L = 2, 4, 2, 904
     for m in (M.causal(), M.document([300, 411, 193]), M.sliding_window(170)):
         check(B, Hq, Hkv, L, L, D, m, torch.bfloat16, bias_shape=(B, Hq, L, L))
-    with monkeypatch.context() as mp:
-        mp.setenv("FLEXSPARSE_CUDA_DEBUG", "65536")
-        check(B, Hq, Hkv, L, L, D, M.causal(), torch.bfloat16, bias_shape=(B, Hq, L, L))
+    for bits in ("32", "65536"):
+        with monkeypatch.context() as mp:
+            mp.setenv("FLEXSPARSE_CUDA_DEBUG", bits)
+            check(B, Hq, Hkv, L, L, D, M.document([300, 411, 193]), torch.bfloat16,
+                  bias_shape=(B, Hq, L, L))
     check(1, Hq, Hkv, L, L, D, M.causal(), torch.float16, bias_shape=(1, Hkv, L, L))
     dm = torch.rand(1, 2, 400, 400, device=T.DEV) < 0.5
     dm[:, :, 100:250] = False
