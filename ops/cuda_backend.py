@@ -83,8 +83,8 @@ AUTO_HEAD_DIMS = (64, 128, 256)
 # - hd128 with its gradient: backward 1.23-1.34x Triton on causal, prefix-LM and full,
 #   0.96-1.02x on documents and windows (there both write the mostly-zero dbias at about
 #   the same speed); forward 0.94-1.01x. CUDA for training, Triton for the forward alone.
-# - hd64: forward 1.21-1.45x, backward 0.94x (causal) to 1.10x (documents, windows):
-#   CUDA either way.
+# - hd64: forward 1.21-1.45x (1.71-1.76x since the overlapped bias forward, C51),
+#   backward 0.94x (causal) to 1.10x (documents, windows): CUDA either way.
 # Other head dims, a softcap, or rows TMA cannot read run the per-score kernels, far slower
 # (backward 84 against Triton's 317 before the tiles, C47): Triton.
 AUTO_BIAS = {64: "always", 128: "with_grad"}
