@@ -203,8 +203,7 @@ struct FwdTraits {
     cutlass::arch::ClusterBarrier::ValueType bias_empty[2];
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
-  // in a buffer past SharedStorage.
-  // One warpgroup's half: (64, kBlockN).
+  // in a buffer past SharedStorage, as two halves of (64, kBlockN), one per warpgroup.
   using SmemLayoutBias = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kBlockN>>{}));
   static constexpr uint32_t kBytesBias = 64 * kBlockN * sizeof(Element);   // per half
   static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
@@ -807,8 +806,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         pipe_k.consumer_release(read);
         finish_scores(tSrS, x);
         if constexpr (T::kBiasTiles) {
-          // The bias buffer is free once this thread's ldmatrix has returned its data, which
-          // the scores just computed from it prove. (Arriving right after the ldmatrix let
+          // The warpgroup's half is free once this thread's ldmatrix has returned its data,
+          // which the scores just computed from it prove. (Arriving right after the ldmatrix let
           // the next tile's TMA overwrite the buffer before the read was served, queued
           // behind the QK^T wgmma's operand reads: wrong scores where the bias sits in L2,
           // docs/perf-notes.md C49.)
