@@ -1070,18 +1070,14 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
     auto tile_b = Shape<Int<T::kBlockM>, Int<T::kBlockN>>{};
     kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{}, tile_b, kp.bias_heads,
                                          kp.bias_batches);
-    if (bp.dbias != nullptr)
-      kp.tma_dbias = make_tma_copy(
-          SM90_TMA_STORE{},
-          make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
-                      make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb)),
-          typename T::SmemLayoutBias{}, tile_b, _1{});
-    if (bp.dbias != nullptr)
-      kp.tma_dbias_zero = make_tma_copy(
-          SM90_TMA_STORE{},
-          make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
-                      make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb)),
-          typename T::SmemLayoutZero{}, Shape<Int<T::kZeroRows>, Int<T::kBlockN>>{}, _1{});
+    if (bp.dbias != nullptr) {
+      // dbias (Lq, Lk, Hq, B): the steps' tiles, and the zero tile over unlisted blocks
+      auto dbias = make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
+                               make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb));
+      kp.tma_dbias = make_tma_copy(SM90_TMA_STORE{}, dbias, typename T::SmemLayoutBias{}, tile_b, _1{});
+      kp.tma_dbias_zero = make_tma_copy(SM90_TMA_STORE{}, dbias, typename T::SmemLayoutZero{},
+                                        Shape<Int<T::kZeroRows>, Int<T::kBlockN>>{}, _1{});
+    }
   }
   auto kernel = bwd_kernel<T>;
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");

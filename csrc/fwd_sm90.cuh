@@ -559,6 +559,24 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         return 0;
     }();
     int bias_reads = 0;
+    // kBiasTiles: this warpgroup's half of the next tile's bias, once loaded, into tBrB
+    // (S's fragment layout).
+    auto read_bias_tile = [&](auto& tBrB) {
+      if constexpr (T::kBiasTiles) {
+        Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
+        auto thr_b = s2r_bias.get_thread_slice(wg_tid);
+        copy(s2r_bias, thr_b.partition_S(bias_half(wg)), thr_b.retile_D(tBrB));
+        ++bias_reads;
+      }
+    };
+    // The warpgroup's half is free once this thread's ldmatrix has returned its data, which
+    // the scores just computed from it (tSrS) prove. (Arriving right after the ldmatrix let
+    // the next tile's TMA overwrite the buffer before the read was served, queued behind the
+    // QK^T wgmma's operand reads: wrong scores where the bias sits in L2, perf-notes C49.)
+    auto release_bias_tile = [&](auto& tSrS) {
+      warpgroup_fence_operand(tSrS);
+      cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[wg]);
+    };
     // Scores of a finished QK^T: to the log2 domain where needed (softcap, bias), invisible
     // ones to -inf. Always inlined: called twice in the overlapped loop, it is past NVVM's
     // inlining threshold, and a call would put the score fragment in local memory.
@@ -592,11 +610,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if constexpr (T::kBiasTiles && T::kOverlap) {
         // The overlapped schedule reads the tile's bias here, after the product: held
         // from before it, 32 more registers beside S, P and O in flight would spill (C48).
-        // The buffer is free once the scores have used the data (as in the serial loop).
-        Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
         Tensor tBrB = make_tensor<Element>(tSrS.layout());
-        auto thr_b = s2r_bias.get_thread_slice(wg_tid);
-        copy(s2r_bias, thr_b.partition_S(bias_half(wg)), thr_b.retile_D(tBrB));
+        read_bias_tile(tBrB);
         Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
@@ -604,9 +619,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           for (int r = 0; r < kRows; ++r)
             S(r, c) = fmaf(S(r, c), p.scale * LOG2E, LOG2E * static_cast<float>(Bv(r, c)));
         }
-        warpgroup_fence_operand(tSrS);
-        cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[wg]);
-        ++bias_reads;
+        release_bias_tile(tSrS);
       } else if (log2_scores) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
@@ -783,11 +796,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // The tile's bias from shared memory into the pairs finish_scores adds, while the
           // product runs.
           gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-          Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
           Tensor tBrB = make_tensor<Element>(tSrS.layout());
-          auto thr_b = s2r_bias.get_thread_slice(wg_tid);
-          copy(s2r_bias, thr_b.partition_S(bias_half(wg)), thr_b.retile_D(tBrB));
-          ++bias_reads;
+          read_bias_tile(tBrB);
           Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) {
@@ -805,15 +815,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         pipe_k.consumer_release(read);
         finish_scores(tSrS, x);
-        if constexpr (T::kBiasTiles) {
-          // The warpgroup's half is free once this thread's ldmatrix has returned its data,
-          // which the scores just computed from it prove. (Arriving right after the ldmatrix let
-          // the next tile's TMA overwrite the buffer before the read was served, queued
-          // behind the QK^T wgmma's operand reads: wrong scores where the bias sits in L2,
-          // docs/perf-notes.md C49.)
-          warpgroup_fence_operand(tSrS);
-          cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[wg]);
-        }
+        if constexpr (T::kBiasTiles) release_bias_tile(tSrS);
         float alpha[kRows];
         softmax(tSrS, alpha);
         rescale_o(alpha);
