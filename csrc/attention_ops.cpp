@@ -317,12 +317,15 @@ std::tuple<Tensor, Tensor> cuda_attention(
   if (p.B * p.Hq * p.Lq == 0) return {out, lse};
   auto stream = at::cuda::getCurrentCUDAStream();
   // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);
-  // FLEXSPARSE_CUDA_DEBUG bit 128 runs the static schedule instead.
-  Tensor tile_counter = at::empty({1}, query.options().dtype(at::kInt));
-  if (!(p.debug & 128)) {
-    C10_CUDA_CHECK(cudaMemsetAsync(tile_counter.data_ptr(), 0, sizeof(int), stream));
-    p.tile_counter = tile_counter.data_ptr<int>();
-  }
+  // FLEXSPARSE_CUDA_DEBUG bit 128 runs the static schedule instead. Biased calls: the
+  // redo queue after it (AttentionParams::redo), its count and bitmap zeroed by the same
+  // memset.
+  const int n_work = (p.Lq + 127) / 128 * p.Hq * p.B;
+  const int64_t zeroed = p.bias != nullptr ? 2 + redo_words(n_work) : 1;
+  Tensor tile_counter = at::empty({zeroed + (p.bias != nullptr ? n_work : 0)}, query.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(tile_counter.data_ptr(), 0, zeroed * sizeof(int), stream));
+  if (!(p.debug & 128)) p.tile_counter = tile_counter.data_ptr<int>();
+  if (p.bias != nullptr) p.redo = tile_counter.data_ptr<int>() + 1;
   fwd_sm90(p, dtype_of(query), stream);
   return {out, lse};
 }

@@ -18,6 +18,8 @@
 // Skipped blocks are never loaded. Rows past Lq and columns past Lk come from TMA as
 // zeros and are masked here; out and lse of rows past Lq are not written.
 // Layout after FlashAttention-3's hopper/ forward (collective mainloop + epilogue).
+#include <cmath>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -97,8 +99,9 @@ namespace flexsparse::sm90 {
 // kBiasTiles: each key tile's (128 x kBlockN) bias loaded by TMA into shared memory, one
 // (64 x kBlockN) half per consumer warpgroup (in place of the O staging buffer: the
 // epilogue stores from registers), and read with ldmatrix, instead of per-score global
-// loads (docs/perf-notes.md C49, C51); serial schedule: while QK^T runs, overlapped: in
-// finish_scores. Biased calls take it where fwd_bias_tiles_ok holds.
+// loads (docs/perf-notes.md C49, C51). Serial schedule: read with ldmatrix while QK^T
+// runs. Overlapped schedule (kBiasMma): added to S by the tensor cores, see below.
+// Biased calls take bias tiles where fwd_bias_tiles_ok holds.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
           bool kBiasTiles_ = false>
@@ -207,7 +210,34 @@ struct FwdTraits {
   using SmemLayoutBias = decltype(tile_to_shape(SmemAtom{}, Shape<_64, Int<kBlockN>>{}));
   static constexpr uint32_t kBytesBias = 64 * kBlockN * sizeof(Element);   // per half
   static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
-  static constexpr int kSmemBytes = kBiasTiles ? kBiasOffset + 2 * kBytesBias : sizeof(SharedStorage);
+  // kBiasMma: the overlapped schedule adds the bias tile to S on the tensor cores, in the
+  // same wgmma batch as S = Q K^T and in the same shape (64 x kBlockN x 16), so that the
+  // accumulator chains as between QK^T's own k-steps: for each band of 16 query rows,
+  // S += (c I)[rows of the band] x Bias[band rows, keys], the identity as A (a window of
+  // one tall (112 x 16) tile: rows 48..63 hold c I) and the bias half as the MN-major B
+  // operand (its (queries, keys) tile read as (keys, queries)), with c = 1 / scale. S then
+  // holds s + bias / scale and the softmax is the unbiased one (scale folded into exp2's
+  // argument): no bias value passes through registers (the ldmatrix, the 16-bit-to-float
+  // conversions and two float operations per score go; perf-notes C52). c is one 16-bit
+  // value: calls where it is off 1 / scale by more than 2^-12 take the serial kernel
+  // (fwd_bias_mma_ok). An infinite bias entry makes NaN scores in its key's column of the
+  // band (inf * 0): the row max propagates NaN, and the work tiles where it shows are
+  // queued (AttentionParams::redo) for the serial kernel, which launch_fwd_schedule runs
+  // after this one over that queue only.
+  static constexpr bool kBiasMma = kBiasTiles && kOverlap;
+  using SmemLayoutIdentity = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<Element>{},
+                                                    Shape<_112, _16>{}, Step<_2, _1>{}));
+  using SmemLayoutIdentityWindow = decltype(tile_to_shape(GMMA::Layout_K_INTER_Atom<Element>{},
+                                                          Shape<_64, _16>{}, Step<_2, _1>{}));
+  using SmemLayoutBiasT = decltype(composition(
+      SmemLayoutBias{}, make_ordered_layout(Shape<Int<kBlockN>, _64>{}, Step<_2, _1>{})));
+  static constexpr int kIdentityOffset = kBiasOffset + 2 * kBytesBias;
+  static constexpr int kBytesIdentity = 112 * 16 * sizeof(Element);
+  using TiledMmaBias = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, _16>,
+                           GMMA::Major::K, GMMA::Major::MN>()));
+  static constexpr int kSmemBytes = !kBiasTiles ? int(sizeof(SharedStorage))
+                                    : kIdentityOffset + (kBiasMma ? kBytesIdentity : 0);
   // One warpgroup's share of S = Q K^T, for the bias halves' shared-to-register copy.
   using TiledMmaQKWarpgroup = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>()));
@@ -242,7 +272,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   // running at one time share the keys and values of a few heads in L2; with
   // reverse_tiles the heaviest query tiles of a head come first.
   const int n_m = (p.Lq + kBlockM - 1) / kBlockM;
-  const int n_work = n_m * p.Hq * p.B;
+  const int n_work = p.redo_pass ? p.redo[0] : n_m * p.Hq * p.B;
   // Kernel tiles per descriptor key block; the tiles of a work tile are read front to
   // back (TileCursor: a tile_at(t) lookup per tile cost ~45 instructions per warp,
   // docs/perf-notes.md C30).
@@ -282,6 +312,17 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   }
   typename T::Pipeline pipe_k(ss.pipe_k, pipe_params, Shape<_1, _1, _1>{});
   typename T::Pipeline pipe_v(ss.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  // kBiasMma: the tall identity tile, c I in rows 48..63 (c: 1 / scale in 16 bits).
+  if constexpr (T::kBiasMma) {
+    Tensor sI = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw + T::kIdentityOffset)),
+                            typename T::SmemLayoutIdentity{});
+    const Element c = Element(1.f / p.scale);
+    for (int e = threadIdx.x; e < 112 * 16; e += T::kThreads) {
+      const int r = e / 16, k = e % 16;
+      sI(r, k) = r - 48 == k ? c : Element(0.f);
+    }
+    cutlass::arch::fence_view_async_shared();   // generic-proxy writes, read by wgmma
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
@@ -319,8 +360,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Barrier::arrive(&ss.barrier_q);
           break;
         }
-        set_work_tile(w);
-        ss.work_tile = w;
+        const int wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
+        set_work_tile(wt);
+        ss.work_tile = wt;
         // The next work tile is taken once this one's loads are issued (about kStages
         // tiles before the consumers finish it), not earlier: a CTA holding a claimed
         // tile it cannot start yet unbalances the end of the grid.
@@ -362,17 +404,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           FWD_TRACE(1);
           copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
                tKsK(_, _, _, write.index()));
-          pipe_v.producer_acquire(write);
-          FWD_TRACE(2);
-          copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
-               tVsV(_, _, _, write.index()));
           if constexpr (T::kBiasTiles) {
-            // Each warpgroup's half once that warpgroup has used the last tile's. A half
-            // wholly past Lq is not loaded (its rows are never stored): the barrier
-            // completes on the arrival alone.
+            // Each warpgroup's half once that warpgroup has used the last tile's (its S
+            // complete), before V: V's stage frees later (at the P V two tiles back), and
+            // a bias load behind it reached the consumers too late (perf-notes C52). A
+            // half wholly past Lq is not loaded (its rows are never stored): the barrier
+            // completes on the arrival alone. (FLEXSPARSE_CUDA_DEBUG bit 524288: no bias
+            // loads at all; wrong results, timing only.)
             for (int w = 0; w < 2; ++w) {
               if (bias_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty[w], (bias_loads - 1) & 1);
-              if ((m_block * 2 + w) * 64 < p.Lq) {
+              if ((m_block * 2 + w) * 64 < p.Lq && !(p.debug & 524288)) {
                 Barrier::arrive_and_expect_tx(&ss.bias_full[w], T::kBytesBias);
                 copy(kp.tma_bias.with(ss.bias_full[w], 0), bias_tiles(_, _, _, m_block * 2 + w, n),
                      kp.tma_bias.get_slice(0).partition_D(bias_half(w)));
@@ -382,6 +423,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
             ++bias_loads;
           }
+          pipe_v.producer_acquire(write);
+          FWD_TRACE(2);
+          copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
+               tVsV(_, _, _, write.index()));
           FWD_TRACE(3);
           ++write;
           FWD_TRACE_NEXT();
@@ -427,7 +472,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // The overlapped schedule is built without the per-score bias loads (their registers
     // would spill beside S, P and O in flight): biased calls run it only with bias tiles,
     // read from shared memory inside finish_scores.
-    const bool has_bias = (!T::kOverlap || T::kBiasTiles) && p.bias != nullptr;
+    // (kBiasMma: the tensor cores add the bias; nothing here reads it.)
+    const bool has_bias = !T::kBiasMma && (!T::kOverlap || T::kBiasTiles) && p.bias != nullptr;
     const bool has_softcap = p.softcap > 0.f;
     // Without bias or softcap the row max is kept on the raw scores and the scale is
     // folded into exp2's argument (one FFMA per score); else scores are taken to the
@@ -607,20 +653,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
       // timing only).
       const bool check = (x.partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk;
-      if constexpr (T::kBiasTiles && T::kOverlap) {
-        // The overlapped schedule reads the tile's bias here, after the product: held
-        // from before it, 32 more registers beside S, P and O in flight would spill (C48).
-        Tensor tBrB = make_tensor<Element>(tSrS.layout());
-        read_bias_tile(tBrB);
-        Tensor Bv = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < kCols; ++c) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kRows; ++r)
-            S(r, c) = fmaf(S(r, c), p.scale * LOG2E, LOG2E * static_cast<float>(Bv(r, c)));
-        }
-        release_bias_tile(tSrS);
-      } else if (log2_scores) {
+      if (log2_scores) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
           CUTLASS_PRAGMA_UNROLL
@@ -734,6 +767,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
       if (x.staged) buf ^= 1;
     };
+    // kBiasMma: whether a row of this thread's in the current work tile met a NaN score
+    // (an infinite bias entry; the work tile then goes to the redo queue).
+    bool nan_scores = false;
     // Online softmax: the new row max, P = exp2(s - max) in place of the scores, the running
     // sums, and alpha = exp2(m_old - m_new), the factor for the running output.
     auto softmax = [&](FragS& tSrS, float (&alpha)[kRows]) {
@@ -742,7 +778,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       for (int r = 0; r < kRows; ++r) {
         float m = row_max[r];
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < kCols; ++c) m = fmaxf(m, S(r, c));
+        for (int c = 0; c < kCols; ++c) m = T::kBiasMma ? fmax_nan(m, S(r, c)) : fmaxf(m, S(r, c));
+        // (Rows past Lq may read a bias half that was not loaded: not theirs to report.)
+        if constexpr (T::kBiasMma) nan_scores |= m != m && i0 + row_base + 8 * r < p.Lq;
         m = quad_max(m);
         const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
         alpha[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
@@ -781,6 +819,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     clear(tOrO);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+    nan_scores = false;
     // (Nothing listed: no tile, and the epilogue writes 0 and -inf.)
     int n;
     bool partial;
@@ -843,20 +882,64 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       FragP tOrP1 = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
       float alpha[kRows];
       bool v_in_flight = false;   // an O += P V is issued and its V stage not yet released
-      // Issue S = Q K^T of the tile, holding this warpgroup's turn at the tensor cores.
+      // kBiasMma: S += (c I) Bias, band by band of 16 query rows, wgmmas of QK^T's shape
+      // issued after QK^T's own k-steps in one batch (no fence between them: the
+      // accumulator chains as between k-steps).
+      typename T::TiledMmaBias mma_bias;
+      auto issue_bias_bands = [&](FragS& tSrS) {
+        if constexpr (T::kBiasMma) {
+          auto wg_b = mma_bias.get_thread_slice(0);
+          Tensor sBt = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(
+                                       smem_raw + T::kBiasOffset + wg * T::kBytesBias)),
+                                   typename T::SmemLayoutBiasT{});
+          Tensor tBsB = wg_b.partition_fragment_B(sBt);   // (MMA, 1, 4): the 4 bands
+          mma_bias.accumulate_ = GMMA::ScaleOut::One;
+          CUTLASS_PRAGMA_UNROLL
+          for (int band = 0; band < 4; ++band) {
+            // The window of the tall tile from row 48 - 16 band: c I in the band's rows.
+            Tensor sI = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(
+                                        smem_raw + T::kIdentityOffset) + (6 - 2 * band) * 128),
+                                    typename T::SmemLayoutIdentityWindow{});
+            Tensor tIsI = wg_b.partition_fragment_A(sI);   // (MMA, 1, 1)
+            cute::gemm(mma_bias, tIsI(_, _, 0), tBsB(_, _, band), tSrS);
+          }
+        }
+      };
+      // Issue S = Q K^T of the tile (kBiasMma: + its bias), holding this warpgroup's turn at
+      // the tensor cores.
       auto issue_qk = [&](TileExtras& x, FragS& tSrS) {
         FWD_TRACE(0);
         load_extras(x);
         pipe_k.consumer_wait(read_k);
+        if constexpr (T::kBiasMma) {
+          Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
+          ++bias_reads;
+        }
         FWD_TRACE(1);
         issue_begin();
         FWD_TRACE(2);
-        gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        if constexpr (T::kBiasMma) {
+          warpgroup_fence_operand(tSrS);
+          warpgroup_arrive();
+          mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+          CUTLASS_PRAGMA_UNROLL
+          for (int k = 0; k < size<2>(tSrQ); ++k) {
+            cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k, read_k.index()), tSrS);
+            mma_qk.accumulate_ = GMMA::ScaleOut::One;
+          }
+          if (!(p.debug & 262144)) issue_bias_bands(tSrS);   // (bit 262144: probe, no bias)
+          warpgroup_commit_batch();
+          warpgroup_fence_operand(tSrS);
+        } else {
+          gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        }
         FWD_TRACE(3);
       };
+      // S (and its bias wgmmas) complete: the K stage and the bias half are free.
       auto release_k = [&] {
         pipe_k.consumer_release(read_k);
         ++read_k;
+        if constexpr (T::kBiasMma) cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[wg]);
       };
       auto release_v = [&] {
         pipe_v.consumer_release(read_v);
@@ -944,6 +1027,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
 
     // ------------------------------------------------------------------ epilogue
+    // kBiasMma: a work tile with NaN scores goes to the redo queue, once (its out and lse
+    // are written below all the same, and overwritten by the redo pass).
+    if constexpr (T::kBiasMma) {
+      if (__any_sync(0xffffffffu, nan_scores) && tid % 32 == 0 && p.redo != nullptr) {
+        const unsigned bit = 1u << (w % 32);
+        if (!(atomicOr(reinterpret_cast<unsigned*>(p.redo + 1) + w / 32, bit) & bit))
+          p.redo[1 + redo_words(n_work) + atomicAdd(p.redo, 1)] = w;
+      }
+    }
     // O / l and the lse per row (rows past Lq are never written), then O to memory.
     float* lse = p.lse + ((int64_t)b * p.Hq + h) * p.Lq;
     Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
@@ -1062,7 +1154,8 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   // Work tiles past the grid come from p.tile_counter (zeroed by the caller) or, without
   // it, in a static round-robin.
   const int n_work = (p.Lq + T::kBlockM - 1) / T::kBlockM * p.Hq * p.B;
-  const int ctas = (p.debug & 64) ? n_work : std::min(n_work, sm_count());
+  // (The redo pass's work tiles are known on the device only: a full persistent grid.)
+  const int ctas = (p.debug & 64) && !p.redo_pass ? n_work : std::min(n_work, sm_count());
   kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -1070,6 +1163,15 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
 // The calls FwdTraits::kBiasTiles kernels take: a bias TMA can read by tiles, no softcap
 // (as the backward's bias_tiles_call).
 inline bool fwd_bias_tiles_ok(AttentionParams const& p) { return bias_tma_readable(p) && p.softcap == 0.f; }
+
+// The calls FwdTraits::kBiasMma kernels take: 1 / scale is within 2^-12 of a 16-bit value
+// (its identity tile's). True for the default scales of head dims 64 and 256 (exact) and
+// 128 (bf16: 1.1e-4 off).
+template <class Element>
+inline bool fwd_bias_mma_ok(AttentionParams const& p) {
+  const float c = 1.f / p.scale;
+  return std::isfinite(c) && c > 0.f && std::fabs(float(Element(c)) - c) <= c * (1.f / 4096);
+}
 
 // The overlapped schedule where asked for and applicable (no bias, or a bias by tiles),
 // else the serial one; overlapped, the plain kernel where the call allows. The TMA-store
@@ -1097,11 +1199,22 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
     // asks for the serial schedule (docs/perf-notes.md C51: hd64 192 -> 261 TFLOP/s over
     // the serial one, hd128 even); bit 65536: the per-score loads instead (A/Bs; in
     // -DFLEXSPARSE_FWD_TRACE builds the bits from 16 up pick the traced work tile instead).
+    using Serial = FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, false, false, true>;
     if (fwd_bias_tiles_ok(p) && !(p.debug & 65536)) {
-      if (overlap)
+      if (overlap && p.redo != nullptr && fwd_bias_mma_ok<Element>(p)) {
+        // The bias on the tensor cores (kBiasMma), then the serial kernel over the work
+        // tiles it queued (infinite bias entries), as a second launch that ends at once
+        // where none were. FLEXSPARSE_CUDA_DEBUG bit 131072: no second launch (A/Bs).
         launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, false, true>>(p, stream);
-      else
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, false, false, true>>(p, stream);
+        if (!(p.debug & 131072)) {
+          AttentionParams redo = p;
+          redo.redo_pass = true;
+          redo.tile_counter = nullptr;
+          launch_fwd<Serial>(redo, stream);
+        }
+      } else {
+        launch_fwd<Serial>(p, stream);
+      }
       return;
     }
   }

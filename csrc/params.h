@@ -76,11 +76,23 @@ struct AttentionParams : AttentionTensors {
   // work-tile order; nullptr: a static round-robin over the grid.
   int* tile_counter = nullptr;
   int debug = 0;                      // FLEXSPARSE_CUDA_DEBUG bits (probes, see fwd_sm90.cuh)
+  // The forward's redo queue (FwdTraits::kBiasMma kernels): work tiles whose scores came
+  // out NaN, to be run again by the serial kernel. redo[0]: how many are queued;
+  // redo[1 .. 1 + redo_words(...)]: one bit per work tile (queued once); the list of work
+  // tiles follows. The caller zeroes the count and the bits. nullptr: no queue.
+  int* redo = nullptr;
+  bool redo_pass = false;             // this launch runs the queued work tiles only
 
   BlockListParams kv_partial, kv_full;   // per query block
   BlockListParams q_partial, q_full;     // per key block (backward)
   PredicateParams pred;
 };
+
+// The 32-bit words of AttentionParams::redo's bitmap for n_work work tiles.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int redo_words(int n_work) { return (n_work + 31) / 32; }
 
 // The backward: gradients of out (and optionally lse) to dq, dk, dv and dbias.
 struct BackwardParams {

@@ -94,6 +94,13 @@ __device__ __forceinline__ auto convert_type(Tensor<Engine, Layout> const& t) {
 }
 
 // Max / sum over the 4 threads of a quad, which hold one accumulator row between them.
+// max(a, b), NaN if either is (fmaxf drops a NaN).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));

@@ -16,14 +16,18 @@ from flexsparse import masks as M  # noqa: E402
 from flexsparse.ops import cuda_backend  # noqa: E402
 
 
-def run(name, B, Hq, Hkv, Lq, Lk, D, mask, *, bias=False, backward=True):
+def run(name, B, Hq, Hkv, Lq, Lk, D, mask, *, bias=False, backward=True, bias_inf=False):
     torch.manual_seed(len(name))
     dt = torch.bfloat16
     grad = backward and cuda_backend.has_backward()
     q = torch.randn(B, Hq, Lq, D, device="cuda", dtype=dt, requires_grad=grad)
     k = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=grad)
     v = torch.randn(B, Hkv, Lk, D, device="cuda", dtype=dt, requires_grad=grad)
-    b = torch.randn(B, Hq, Lq, Lk, device="cuda", dtype=dt, requires_grad=grad) if bias else None
+    b = torch.randn(B, Hq, Lq, Lk, device="cuda", dtype=dt) if bias else None
+    if bias_inf:   # -inf entries: the forward's redo queue and its second launch
+        b[torch.rand(b.shape, device="cuda") < 0.01] = -float("inf")
+    if b is not None:
+        b.requires_grad_(grad)
     out = flexsparse.attention(q, k, v, mask, bias=b, backend="cuda")
     if grad:
         out.float().square().sum().backward()
@@ -62,6 +66,9 @@ def main():
             M.document([100, 220, 200]), bias=True)
     if not only or "bias" in only:
         # (the cases above take the forward's bias tiles; bit 65536: its per-score-load kernel)
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
+        run("forward bias -inf entries hd128 (redo queue)", 1, 2, 1, 520, 520, 128,
+            M.document([100, 220, 200]), bias=True, bias_inf=True)
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "65536"
         run("[debug 65536] forward bias loads hd128 document", 1, 2, 1, 520, 520, 128,
             M.document([100, 220, 200]), bias=True)

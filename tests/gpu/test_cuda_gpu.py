@@ -244,6 +244,31 @@ def test_forward_bias_tiles(D, monkeypatch):
     assert torch.all(out[:, :, 100:250] == 0) and torch.all(lse[:, :, 100:250] == -float("inf"))
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_forward_bias_infinities(D, monkeypatch):
+    """A bias with -inf entries (a mask passed as a bias). The overlapped forward adds the
+    bias on the tensor cores (FwdTraits::kBiasMma), where an infinite entry times the
+    identity's zeros is NaN: the work tiles where a NaN score shows are queued and run
+    again by the serial kernel (docs/perf-notes.md C52). Scattered -inf entries (most work
+    tiles), rows that the bias hides wholly (0 / -inf), a head without any (not redone),
+    and the redo pass switched off (FLEXSPARSE_CUDA_DEBUG bit 131072) must differ."""
+    torch.manual_seed(D + 7)
+    B, Hq, Hkv, L = 1, 4, 2, 904
+    bias = torch.randn(B, Hq, L, L, device=T.DEV)
+    bias[:, :3][torch.rand(B, 3, L, L, device=T.DEV) < 0.01] = -float("inf")
+    bias[:, 1, 300:420] = -float("inf")
+    out, lse = check(B, Hq, Hkv, L, L, D, M.causal(), torch.bfloat16, bias=bias)[:2]
+    assert torch.all(out[:, 1, 300:420] == 0) and torch.all(lse[:, 1, 300:420] == -float("inf"))
+    # Without the redo pass the tiles with infinities keep NaN: the queue is what fixes them.
+    q, k, v = (torch.randn(B, h, L, D, device=T.DEV, dtype=torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "131072")
+    raw = flexsparse.attention(q, k, v, M.causal(), bias=bias.bfloat16(), backend="cuda")
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    fixed = flexsparse.attention(q, k, v, M.causal(), bias=bias.bfloat16(), backend="cuda")
+    assert torch.isnan(raw[:, :3]).any() and not torch.isnan(fixed).any()
+    torch.testing.assert_close(raw[:, 3], fixed[:, 3], atol=0, rtol=0)
+
+
 def _bias_grads(q, k, v, bias, desc, dout, backend):
     q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     out = flexsparse.attention(q, k, v, desc, bias=bias, backend=backend)

@@ -64,11 +64,13 @@ def grads(fn, q, k, v, bias, dtype, dout, dlse, backward=True):
 
 
 def check(B, Hq, Hkv, Lq, Lk, D, mask, dtype, *, bias_shape=None, softcap=None,
-          deterministic=False, desc=None, backend="triton", backward=True):
+          deterministic=False, desc=None, backend="triton", backward=True, bias=None):
+    """bias: a given bias (float32) in place of a random one of bias_shape."""
     q = torch.randn(B, Hq, Lq, D, device=DEV)
     k = torch.randn(B, Hkv, Lk, D, device=DEV)
     v = torch.randn(B, Hkv, Lk, D, device=DEV)
-    bias = None if bias_shape is None else torch.randn(bias_shape, device=DEV)
+    if bias is None and bias_shape is not None:
+        bias = torch.randn(bias_shape, device=DEV)
     scale = 1.0 / math.sqrt(D)
     if desc is None:
         desc = (mask if mask is not None else M.full()).compile(B, Hq, Hkv, Lq, Lk, device=DEV)
