@@ -82,12 +82,15 @@ AUTO_HEAD_DIMS = (64, 128, 256)
 # Lk % 8 == 0, no softcap: csrc's fwd_bias_tiles_ok / bias_tiles_call):
 # - hd128 with its gradient: backward 1.23-1.34x Triton on causal, prefix-LM and full,
 #   0.96-1.02x on documents and windows (there both write the mostly-zero dbias at about
-#   the same speed); forward 0.94-1.01x. CUDA for training, Triton for the forward alone.
+#   the same speed). The forward since the bias joins S on the tensor cores (H100,
+#   2026-11-27, perf-notes C52): 1.37x causal, 1.45x full, 1.39x prefix-LM, 1.08x
+#   document; a scale whose inverse is no 16-bit value within 2^-12 takes the serial
+#   kernel, at Triton's speed (1.0x). CUDA either way.
 # - hd64: forward 1.21-1.45x (1.71-1.76x since the overlapped bias forward, C51),
 #   backward 0.94x (causal) to 1.10x (documents, windows): CUDA either way.
 # Other head dims, a softcap, or rows TMA cannot read run the per-score kernels, far slower
 # (backward 84 against Triton's 317 before the tiles, C47): Triton.
-AUTO_BIAS = {64: "always", 128: "with_grad"}
+AUTO_BIAS = {64: "always", 128: "always"}
 # The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
 # 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.
