@@ -111,7 +111,7 @@ struct BwdTraits {
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<_64, Int<kDqSplitRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+                           kBiasTiles ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
       conditional_t<kDqSplitRows, Wg2x1, Wg1x2>{}));
 
   using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
@@ -119,8 +119,11 @@ struct BwdTraits {
       SmemAtomK{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));      // also dO
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also V
   // dS stored (queries, keys) with queries contiguous: the MN-major A operand of dQ.
+  // kBiasTiles: keys contiguous instead (the K-major A operand), which is dbias's layout in
+  // global memory, so that each buffer is also the dbias tile's TMA store source.
   using SmemLayoutdS = decltype(tile_to_shape(
-      GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+      conditional_t<kBiasTiles, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_MN_SW128_Atom<Element>>{},
+      Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   // Transposed views of the same bytes.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
@@ -547,20 +550,20 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       else return 0;
     }();
     // dS^T to shared memory with stmatrix: a key row's adjacent queries are contiguous in
-    // the MN-major dS layout, so the untransposed 8x8 matrices of the accumulator fit.
-    auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    // the MN-major dS layout, so the untransposed 8x8 matrices of the accumulator fit
+    // (kBiasTiles: keys contiguous, stmatrix.trans).
+    auto smem_copy_ds = [&] {
+      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+      else return make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    }();
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(tid);
     Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);   // where this thread's dS^T goes
     Tensor tPsP = thr_copy_ds.partition_D(sPt);      // and its P^T (split queries)
-    // kBiasTiles: the step's bias tile read as S^T fragments (ldmatrix.trans), and its dbias
-    // written back in place (stmatrix.trans) for the TMA store.
+    // kBiasTiles: the step's bias tile read as S^T fragments (ldmatrix.trans). Its dbias is
+    // dS itself: the TMA store reads it from the step's dS buffer (kBiasTiles' layout).
     Tensor sBiasT = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBiasT{});
     auto s2r_bias = [&] {
       if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma_sdp);
-      else return 0;
-    }();
-    auto r2s_dbias = [&] {
-      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
       else return 0;
     }();
     const bool store_dbias = T::kBiasTiles && bp.dbias != nullptr;
@@ -742,7 +745,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // P^T while the dP^T product still runs, so that the exponentials overlap the
           // tensor cores; then dS^T. kBiasTiles (no softcap): the bias from the step's tile
           // in shared memory, and dbias (= dS^T before the softmax scale) back into it.
-          Tensor tBrB = make_tensor<Element>(tSrS.layout());   // kBiasTiles: bias, then dbias
+          Tensor tBrB = make_tensor<Element>(tSrS.layout());   // kBiasTiles: the bias
           Tensor Bias = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
           if constexpr (T::kBiasTiles) {
             // FLEXSPARSE_CUDA_DEBUG bit 8192: the bias tile is read without waiting for it (one
@@ -779,16 +782,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             for (int r = 0; r < kRows; ++r) {
               dP(r, c) = S(r, c) * (dP(r, c) - d.x);
               dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
-              if constexpr (T::kBiasTiles) {
-                Bias(r, c) = static_cast<Element>(dP(r, c));
-                Bias(r, c + 1) = static_cast<Element>(dP(r, c + 1));
-              }
-            }
-          }
-          if constexpr (T::kBiasTiles) {
-            if (store_dbias) {   // (made visible to the TMA store by the fence before the dS barrier)
-              auto thr = r2s_dbias.get_thread_slice(tid);
-              copy(r2s_dbias, thr.retile_S(tBrB), thr.partition_D(sBiasT));
             }
           }
         } else if constexpr (!T::kBiasTiles) {
@@ -850,32 +843,35 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
           copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
+          // kBiasTiles: the last step's dbias store has read its dS buffer before anyone
+          // passes this barrier (the next step writes that buffer).
+          if constexpr (T::kBiasTiles) {
+            if (store_dbias && tid == 0) tma_store_wait<0>();
+          }
           cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
           if constexpr (T::kBiasTiles) {
-            // FLEXSPARSE_CUDA_DEBUG bit 4096: no dbias store (wrong dbias; timing probes only).
-            if (store_dbias && tid == 0 && !(p.debug & 4096)) {   // the step's dbias tile, clipped to (Lq, Lk) by TMA
-              Tensor sBias = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBias{});
-              Tensor mdB = kp.tma_dbias.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
-              auto cta_db = kp.tma_dbias.get_slice(0);
-              copy(kp.tma_dbias, cta_db.partition_S(sBias),
-                   cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
-                                                 make_coord(m, n_block))));
-              tma_store_arrive();
+            if (tid == 0) {
+              // FLEXSPARSE_CUDA_DEBUG bit 4096: no dbias store (wrong dbias; timing probes only).
+              if (store_dbias && !(p.debug & 4096)) {   // the step's dbias tile, clipped to (Lq, Lk) by TMA
+                Tensor sdB = make_tensor(make_smem_ptr(ss.ds.data() + buf * T::kBlockM * T::kBlockN),
+                                         typename T::SmemLayoutBias{});
+                Tensor mdB = kp.tma_dbias.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
+                auto cta_db = kp.tma_dbias.get_slice(0);
+                copy(kp.tma_dbias, cta_db.partition_S(sdB),
+                     cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                                                   make_coord(m, n_block))));
+                tma_store_arrive();
+              }
+              // The bias buffer is free: every thread has used its bias registers (the
+              // barrier), so the next step's tile loads while this one's products run.
+              if (p.debug & 8192) Barrier::wait(&ss.bias_full, step & 1);
+              cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
             }
           }
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
           gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           pipe_do.consumer_release(read);
           gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
-          if constexpr (T::kBiasTiles) {
-            // The bias buffer is free once every thread has read it (the dS barrier) and the
-            // dbias store has read it back out.
-            if (tid == 0) {
-              if (p.debug & 8192) Barrier::wait(&ss.bias_full, step & 1);
-              if (store_dbias) tma_store_wait<0>();
-              cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
-            }
-          }
         }
         warpgroup_fence_operand(tdQrdQ);
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
@@ -892,6 +888,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         ++read;
         ++step;
       }
+    }
+    // kBiasTiles: the last dbias store has read its dS buffer before the epilogue reuses
+    // shared memory (and before the CTA's shared memory goes).
+    if constexpr (T::kBiasTiles) {
+      if (store_dbias && tid == 0) tma_store_wait<0>();
     }
 
     // ------------------------------------------------------------------ epilogue
