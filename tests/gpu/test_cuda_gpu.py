@@ -269,6 +269,20 @@ def test_forward_bias_infinities(D, monkeypatch):
     torch.testing.assert_close(raw[:, 3], fixed[:, 3], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("scale", [0.1, 0.07])
+def test_forward_bias_scales(scale):
+    """The overlapped bias forward multiplies the bias by a 16-bit 1 / scale on the tensor
+    cores (FwdTraits::kBiasMma): 1 / 0.1 = 10 is exact there, 1 / 0.07 is not within 2^-12
+    of a bf16 value and takes the serial kernel (fwd_bias_mma_ok). Both against Triton."""
+    torch.manual_seed(int(scale * 100))
+    B, H, L, D = 1, 2, 520, 128
+    q, k, v = (torch.randn(B, H, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(B, H, L, L, device=T.DEV, dtype=torch.bfloat16)
+    got = flexsparse.attention(q, k, v, M.causal(), bias=bias, scale=scale, backend="cuda")
+    want = flexsparse.attention(q, k, v, M.causal(), bias=bias, scale=scale, backend="triton")
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def _bias_grads(q, k, v, bias, desc, dout, backend):
     q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     out = flexsparse.attention(q, k, v, desc, bias=bias, backend=backend)
