@@ -108,8 +108,8 @@ template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverl
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kBiasTiles = kBiasTiles_;
-  static_assert(!kBiasTiles_ || (!kTmaStore_ && !kPlain_),
-                "bias tiles take the O staging buffer's place");
+  static_assert(!kBiasTiles_ || !kTmaStore_, "bias tiles take the O staging buffer's place");
+  static_assert(!kBiasTiles_ || !kPlain_ || kOverlap_, "bias tiles in a plain kernel: overlapped only");
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPlain = kPlain_;
   static constexpr bool kTmaStore = kTmaStore_;
@@ -1205,7 +1205,13 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
         // The bias on the tensor cores (kBiasMma), then the serial kernel over the work
         // tiles it queued (infinite bias entries), as a second launch that ends at once
         // where none were. FLEXSPARSE_CUDA_DEBUG bit 131072: no second launch (A/Bs).
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, false, true>>(p, stream);
+        // FLEXSPARSE_CUDA_DEBUG bit 4194304: the plain build of it where the call allows
+        // (ptxas: 48 B of spills at hd128 against the general build's 232; not yet run on a
+        // GPU, perf-notes C53).
+        if (plain && (p.debug & 4194304))
+          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, true>>(p, stream);
+        else
+          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, false, true>>(p, stream);
         if (!(p.debug & 131072)) {
           AttentionParams redo = p;
           redo.redo_pass = true;
