@@ -123,8 +123,7 @@ def info(args):
         print(f"cuda backend: forward and backward hd 64/128/256 "
               f"(backward kernels built: {C.has_backward()})")
         dims = "/".join(map(str, C.AUTO_HEAD_DIMS))
-        with_bias = ", ".join(f"hd {d} {'with its gradient' if r == 'with_grad' else 'always'}"
-                              for d, r in C.AUTO_BIAS.items())
+        with_bias = "hd " + "/".join(map(str, C.AUTO_BIAS_HEAD_DIMS))
         print(f'"auto" takes cuda for: block masks at hd {dims} without a dense mask or bitmaps, '
               f"for training only when not deterministic; with a bias ({with_bias}; no softcap, "
               f"keys contiguous, Lk % 8 == 0); triton otherwise (measured table: "

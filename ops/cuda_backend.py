@@ -65,7 +65,7 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
 
 # Where "auto" picks this backend: head dims 64, 128 and 256, no dense mask, and with
 # gradients also where the CUDA backward can run them (not deterministic); with a bias,
-# see AUTO_BIAS below. Measured on the H100 in the same runs as the Triton kernels
+# see AUTO_BIAS_HEAD_DIMS below. Measured on the H100 in the same runs as the Triton kernels
 # (docs/benchmarks.md, 2026-11-26, three runs): forward and backward ahead of Triton on
 # every block-mask row, full, causal, prefix-LM, shared-question and block-sparse
 # (1.2-1.4x) and the partial-heavy document and sliding-window rows (1.1-1.3x since the
@@ -90,7 +90,7 @@ AUTO_HEAD_DIMS = (64, 128, 256)
 #   backward 0.94x (causal) to 1.10x (documents, windows): CUDA either way.
 # Other head dims, a softcap, or rows TMA cannot read run the per-score kernels, far slower
 # (backward 84 against Triton's 317 before the tiles, C47): Triton.
-AUTO_BIAS = {64: "always", 128: "always"}
+AUTO_BIAS_HEAD_DIMS = (64, 128)
 # The deterministic backward (dQ added in key-tile order, each CTA waiting its turn) is
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
 # 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.
@@ -112,8 +112,7 @@ def preferred_for(query, key, value, bias, mask, needs_grad: bool,
     D = query.shape[-1]
     if bias is None:
         return D in AUTO_HEAD_DIMS
-    rule = next((r for d, r in AUTO_BIAS.items() if D == d), None)
-    if rule is None or softcap or (rule == "with_grad" and not needs_grad):
+    if D not in AUTO_BIAS_HEAD_DIMS or softcap:
         return False
     # The bias-tile kernels' TMA: contiguous keys, one row per query (not broadcast), rows of
     # whole 16-byte pieces. Only where that is known without a guard: under torch.compile

@@ -370,7 +370,7 @@ def test_auto_picks_cuda_where_measured_faster():
     """backend="auto": cuda for block masks at hd 64, 128 and 256 (measured faster forward and
     backward, partial-heavy documents included), with grad too when the backward kernels
     are built and the call is not deterministic; with a bias, cuda at hd128 and hd64 where
-    the bias-tile kernels run (AUTO_BIAS), triton otherwise."""
+    the bias-tile kernels run (AUTO_BIAS_HEAD_DIMS), triton otherwise."""
     from flexsparse.ops import backends as B
     L = 4096
     q = torch.randn(1, 2, L, 128, device=T.DEV, dtype=torch.bfloat16)
@@ -386,7 +386,7 @@ def test_auto_picks_cuda_where_measured_faster():
     assert B.choose(q64, q64, q64, None, mt, False, bs) == "cuda"
     q256 = torch.randn(1, 2, L, 256, device=T.DEV, dtype=torch.bfloat16)
     assert B.choose(q256, q256, q256, None, mt, True, bs) == ("cuda" if BACKWARD else "triton")
-    # a bias (AUTO_BIAS): hd128 and hd64 on the bias-tile kernels, else Triton
+    # a bias (AUTO_BIAS_HEAD_DIMS): hd128 and hd64 on the bias-tile kernels, else Triton
     bias = torch.zeros(1, 2, L, L, device=T.DEV, dtype=torch.bfloat16)
     assert B.choose(q, q, q, bias, mt, False, bs) == "cuda"
     assert B.choose(q, q, q, bias, mt, True, bs) == ("cuda" if BACKWARD else "triton")
