@@ -471,8 +471,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const float LOG2E = 1.4426950408889634f;
     // The overlapped schedule is built without the per-score bias loads (their registers
     // would spill beside S, P and O in flight): biased calls run it only with bias tiles,
-    // read from shared memory inside finish_scores.
-    // (kBiasMma: the tensor cores add the bias; nothing here reads it.)
+    // which the tensor cores add (kBiasMma), so nothing here reads the bias.
     const bool has_bias = !T::kBiasMma && (!T::kOverlap || T::kBiasTiles) && p.bias != nullptr;
     const bool has_softcap = p.softcap > 0.f;
     // Without bias or softcap the row max is kept on the raw scores and the scale is
@@ -589,7 +588,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           x.cr_vals[e] = v;
         }
       }
-      if (has_bias && !T::kBiasTiles) {   // (kBiasTiles: read_bias_tile, after the product)
+      if (has_bias && !T::kBiasTiles) {   // (kBiasTiles: read_bias_tile, while the product runs)
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
           CUTLASS_PRAGMA_UNROLL
@@ -888,6 +887,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       typename T::TiledMmaBias mma_bias;
       auto issue_bias_bands = [&](FragS& tSrS) {
         if constexpr (T::kBiasMma) {
+          if (p.debug & 262144) return;   // (bit 262144: probe, no bias wgmmas)
           auto wg_b = mma_bias.get_thread_slice(0);
           Tensor sBt = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(
                                        smem_raw + T::kBiasOffset + wg * T::kBytesBias)),
@@ -918,21 +918,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         FWD_TRACE(1);
         issue_begin();
         FWD_TRACE(2);
-        if constexpr (T::kBiasMma) {
-          warpgroup_fence_operand(tSrS);
-          warpgroup_arrive();
-          mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-          CUTLASS_PRAGMA_UNROLL
-          for (int k = 0; k < size<2>(tSrQ); ++k) {
-            cute::gemm(mma_qk, tSrQ(_, _, k), tSrK(_, _, k, read_k.index()), tSrS);
-            mma_qk.accumulate_ = GMMA::ScaleOut::One;
-          }
-          if (!(p.debug & 262144)) issue_bias_bands(tSrS);   // (bit 262144: probe, no bias)
-          warpgroup_commit_batch();
-          warpgroup_fence_operand(tSrS);
-        } else {
+        if constexpr (T::kBiasMma)
+          gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS, [&] { issue_bias_bands(tSrS); });
+        else
           gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
-        }
         FWD_TRACE(3);
       };
       // S (and its bias wgmmas) complete: the K stage and the bias half are free.
@@ -1028,7 +1017,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
     // ------------------------------------------------------------------ epilogue
     // kBiasMma: a work tile with NaN scores goes to the redo queue, once (its out and lse
-    // are written below all the same, and overwritten by the redo pass).
+    // are written below all the same, and overwritten by the redo pass). (A kBiasMma
+    // launch is never the redo pass, so n_work counts all the work tiles here.)
     if constexpr (T::kBiasMma) {
       if (__any_sync(0xffffffffu, nan_scores) && tid % 32 == 0 && p.redo != nullptr) {
         const unsigned bit = 1u << (w % 32);

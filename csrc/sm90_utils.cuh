@@ -42,10 +42,16 @@ auto make_bias_tma(AttentionParams const& p, SmemLayout smem_layout, Tile tile, 
                        smem_layout, tile, _1{});
 }
 
+struct NoWgmma {
+  __device__ void operator()() const {}
+};
+
 // C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.
 // wait >= 0: wait until at most `wait` batches are in flight before returning.
-template <bool zero_init, int wait, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+// more(): further wgmmas of the same batch, issued after A * B's (e.g. onto C).
+template <bool zero_init, int wait, class TiledMma, class TA, class TB, class TC, class More = NoWgmma>
+__device__ __forceinline__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC,
+                                     More const& more = More{}) {
   constexpr bool kRegA = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(tCrA));
   warpgroup_fence_operand(tCrC);
@@ -56,6 +62,7 @@ __device__ __forceinline__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB con
     cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
+  more();
   warpgroup_commit_batch();
   if constexpr (wait >= 0) warpgroup_wait<wait>();
   warpgroup_fence_operand(tCrC);
@@ -93,7 +100,6 @@ __device__ __forceinline__ auto convert_type(Tensor<Engine, Layout> const& t) {
   return out;
 }
 
-// Max / sum over the 4 threads of a quad, which hold one accumulator row between them.
 // max(a, b), NaN if either is (fmaxf drops a NaN).
 __device__ __forceinline__ float fmax_nan(float a, float b) {
   float r;
@@ -101,6 +107,7 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return r;
 }
 
+// Max / sum over the 4 threads of a quad, which hold one accumulator row between them.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
