@@ -320,7 +320,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // FLEXSPARSE_CUDA_DEBUG bit 128 runs the static schedule instead. Biased calls: the
   // redo queue after it (AttentionParams::redo), its count and bitmap zeroed by the same
   // memset.
-  const int n_work = (p.Lq + 127) / 128 * p.Hq * p.B;
+  const int n_work = fwd_work_tiles(p);
   const int64_t zeroed = p.bias != nullptr ? 2 + redo_words(n_work) : 1;
   Tensor tile_counter = at::empty({zeroed + (p.bias != nullptr ? n_work : 0)}, query.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemsetAsync(tile_counter.data_ptr(), 0, zeroed * sizeof(int), stream));

@@ -117,7 +117,7 @@ struct FwdTraits {
   static constexpr int kProducerRegs = 504 - 2 * kConsumerRegs_;
   static_assert(kProducerRegs >= 24 && kConsumerRegs_ % 8 == 0, "setmaxnreg: 24..256, multiples of 8");
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = kFwdBlockM;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -1143,7 +1143,7 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   // tiles; FLEXSPARSE_CUDA_DEBUG bit 64 launches one CTA per work tile instead (A/Bs).
   // Work tiles past the grid come from p.tile_counter (zeroed by the caller) or, without
   // it, in a static round-robin.
-  const int n_work = (p.Lq + T::kBlockM - 1) / T::kBlockM * p.Hq * p.B;
+  const int n_work = fwd_work_tiles(p);
   // (The redo pass's work tiles are known on the device only: a full persistent grid.)
   const int ctas = (p.debug & 64) && !p.redo_pass ? n_work : std::min(n_work, sm_count());
   kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);

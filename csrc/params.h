@@ -88,6 +88,10 @@ struct AttentionParams : AttentionTensors {
   PredicateParams pred;
 };
 
+// The forward's work tiles: query tiles of kFwdBlockM rows, per (batch, head).
+constexpr int kFwdBlockM = 128;
+inline int fwd_work_tiles(const AttentionParams& p) { return (p.Lq + kFwdBlockM - 1) / kFwdBlockM * p.Hq * p.B; }
+
 // The 32-bit words of AttentionParams::redo's bitmap for n_work work tiles.
 #ifdef __CUDACC__
 __host__ __device__
