@@ -1195,10 +1195,9 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
         // The bias on the tensor cores (kBiasMma), then the serial kernel over the work
         // tiles it queued (infinite bias entries), as a second launch that ends at once
         // where none were. FLEXSPARSE_CUDA_DEBUG bit 131072: no second launch (A/Bs).
-        // FLEXSPARSE_CUDA_DEBUG bit 4194304: the plain build of it where the call allows
-        // (ptxas: 48 B of spills at hd128 against the general build's 232; not yet run on a
-        // GPU, perf-notes C53).
-        if (plain && (p.debug & 4194304))
+        // The plain build of it where the call allows (bit 1024: the general one): 48 B of
+        // spills at hd128 against 232, and 0-10% faster (docs/perf-notes.md C54).
+        if (plain)
           launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, true>>(p, stream);
         else
           launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, false, true>>(p, stream);
