@@ -152,6 +152,9 @@ struct BwdTraits {
   using SmemLayoutBiasT = decltype(composition(
       SmemLayoutBias{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
   static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
+  // Bias buffers: two where shared memory has room (head dim 64), so that the next step's
+  // tile loads while this one's is read; one at head dim 128 (13 KB were free).
+  static constexpr int kBiasBufs = kHeadDim <= 64 ? 2 : 1;
   // (Lq, Lk, bias heads, bias batches), keys contiguous; dbias (Lq, Lk, Hq, B).
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
                                              GmemShape{}, GmemStride{}));
@@ -184,12 +187,12 @@ struct BwdTraits {
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
-    // kBiasTiles: the bias buffer is loaded (bias_full) and free again once the step has
-    // read it and its dbias store has left it (bias_empty).
-    cutlass::arch::ClusterTransactionBarrier::ValueType bias_full;
-    cutlass::arch::ClusterBarrier::ValueType bias_empty;
+    // kBiasTiles: a bias buffer is loaded (bias_full) and free again once the step has
+    // read it (bias_empty).
+    cutlass::arch::ClusterTransactionBarrier::ValueType bias_full[kBiasBufs];
+    cutlass::arch::ClusterBarrier::ValueType bias_empty[kBiasBufs];
   };
-  // kBiasTiles: the bias tile's buffer, past SharedStorage (so that the other kernels'
+  // kBiasTiles: the bias tiles' buffers, past SharedStorage (so that the other kernels'
   // shared memory does not grow).
   static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
   // and the dbias zero filler's bitmap of listed query blocks, kZeroBitmapWords words,
@@ -197,7 +200,8 @@ struct BwdTraits {
   // the same), TMA-stored over the blocks the lists leave out.
   static constexpr int kZeroBitmapWords = 128;
   static constexpr int kZeroRows = 32;
-  static constexpr int kZeroOffset = kBiasOffset + kBytesBias + 4 * kZeroBitmapWords;
+  static constexpr int kZeroBitmapOffset = kBiasOffset + kBiasBufs * kBytesBias;
+  static constexpr int kZeroOffset = kZeroBitmapOffset + 4 * kZeroBitmapWords;
   static_assert(kZeroOffset % 128 == 0, "a TMA source in shared memory is 128-byte aligned");
   using SmemLayoutZero = Layout<Shape<Int<kZeroRows>, Int<kBlockN>>, Stride<Int<kBlockN>, _1>>;
   using TmadBiasZero = conditional_t<kBiasTiles,
@@ -363,8 +367,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   pipe_params.num_consumers = T::kMmaThreads;
   if (threadIdx.x == 0) Barrier::init(&ss.barrier_kv, 1);
   if (T::kBiasTiles && threadIdx.x == 0) {
-    Barrier::init(&ss.bias_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.bias_empty, 1);
+    for (int i = 0; i < T::kBiasBufs; ++i) {
+      Barrier::init(&ss.bias_full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.bias_empty[i], 1);
+    }
   }
   typename T::Pipeline pipe_q(ss.pipe_q, pipe_params, Shape<_1, _1, _1>{});
   typename T::Pipeline pipe_do(ss.pipe_do, pipe_params, Shape<_1, _1, _1>{});
@@ -382,6 +388,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutdSt{});
   Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename T::SmemLayoutdSt{});   // split queries
   Element* bias_smem = reinterpret_cast<Element*>(smem_raw + T::kBiasOffset);   // kBiasTiles
+  // The bias tile of step s is in buffer s & (bufs - 1), its (s >> bias_shift)-th load there.
+  // FLEXSPARSE_CUDA_DEBUG bit 1048576: one buffer at head dim 64 too (A/Bs).
+  const int bias_shift = (T::kBiasBufs == 2 && !(p.debug & 1048576)) ? 1 : 0;
+  const int bias_mask = (1 << bias_shift) - 1;
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -479,13 +489,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
       if (lane == 0) tma_store_wait<0>();       // shared memory outlives the reductions
     } else if (T::kBiasTiles && warp_in_group == 2) {
-      // bias tiles: one per step, into the single buffer once the last step is done with it
+      // bias tiles: one per step, into buffer (load % kBiasBufs) once the step that read it
+      // last is done with it
       if constexpr (T::kBiasTiles) {
         if (lane_leader) {
-          Tensor sBias = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBias{});
           Tensor mB = kp.tma_bias.get_tma_tensor(make_shape(p.Lq, p.Lk, kp.bias_heads, kp.bias_batches));
           auto cta_b = kp.tma_bias.get_slice(0);
-          Tensor tBsB = cta_b.partition_D(sBias);
           auto tile_b = Shape<Int<kBlockM>, Int<kBlockN>>{};
           const int bb = kp.bias_batches == 1 ? 0 : b;
           int loads = 0;
@@ -498,9 +507,14 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             bool partial;
             while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
               if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
-              if (loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty, (loads - 1) & 1);
-              Barrier::arrive_and_expect_tx(&ss.bias_full, T::kBytesBias);
-              copy(kp.tma_bias.with(ss.bias_full, 0, streamed), tBgB(_, _, _, m), tBsB);
+              const int buf = loads & bias_mask;
+              if (loads > bias_mask)
+                cutlass::arch::ClusterBarrier::wait(&ss.bias_empty[buf], ((loads >> bias_shift) - 1) & 1);
+              Barrier::arrive_and_expect_tx(&ss.bias_full[buf], T::kBytesBias);
+              Tensor sBias = make_tensor(make_smem_ptr(bias_smem + buf * kBlockM * kBlockN),
+                                         typename T::SmemLayoutBias{});
+              copy(kp.tma_bias.with(ss.bias_full[buf], 0, streamed), tBgB(_, _, _, m),
+                   cta_b.partition_D(sBias));
               ++loads;
             }
           }
@@ -512,7 +526,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // a timing probe of the zero fill only).
         if (bp.dbias != nullptr && !(p.debug & 32768))
           zero_unlisted_dbias<T>(kp, b, hk, kb, n_block,
-                                 reinterpret_cast<uint32_t*>(smem_raw + T::kBiasOffset + T::kBytesBias),
+                                 reinterpret_cast<uint32_t*>(smem_raw + T::kZeroBitmapOffset),
                                  reinterpret_cast<Element*>(smem_raw + T::kZeroOffset));
       }
     }
@@ -561,7 +575,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Tensor tPsP = thr_copy_ds.partition_D(sPt);      // and its P^T (split queries)
     // kBiasTiles: the step's bias tile read as S^T fragments (ldmatrix.trans). Its dbias is
     // dS itself: the TMA store reads it from the step's dS buffer (kBiasTiles' layout).
-    Tensor sBiasT = make_tensor(make_smem_ptr(bias_smem), typename T::SmemLayoutBiasT{});
     auto s2r_bias = [&] {
       if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma_sdp);
       else return 0;
@@ -750,8 +763,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if constexpr (T::kBiasTiles) {
             // FLEXSPARSE_CUDA_DEBUG bit 8192: the bias tile is read without waiting for it (one
             // thread waits at the step's end; wrong results, a probe of its latency only).
-            if (!(p.debug & 8192)) Barrier::wait(&ss.bias_full, step & 1);
+            const int bias_buf = step & bias_mask;
+            if (!(p.debug & 8192)) Barrier::wait(&ss.bias_full[bias_buf], (step >> bias_shift) & 1);
             auto thr = s2r_bias.get_thread_slice(tid);
+            Tensor sBiasT = make_tensor(make_smem_ptr(bias_smem + bias_buf * kBlockM * kBlockN),
+                                        typename T::SmemLayoutBiasT{});
             copy(s2r_bias, thr.partition_S(sBiasT), thr.retile_D(tBrB));
           }
           CUTLASS_PRAGMA_UNROLL
@@ -864,8 +880,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               }
               // The bias buffer is free: every thread has used its bias registers (the
               // barrier), so the next step's tile loads while this one's products run.
-              if (p.debug & 8192) Barrier::wait(&ss.bias_full, step & 1);
-              cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty);
+              if (p.debug & 8192) Barrier::wait(&ss.bias_full[step & bias_mask], (step >> bias_shift) & 1);
+              cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[step & bias_mask]);
             }
           }
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).

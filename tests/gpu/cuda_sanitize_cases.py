@@ -64,6 +64,9 @@ def main():
         # block is listed)
         run(f"[debug {schedule}] bias tiles hd128 document", 1, 2, 1, 520, 520, 128,
             M.document([100, 220, 200]), bias=True)
+        # (hd64: two bias buffers in the backward, the heads of a group one after another)
+        run(f"[debug {schedule}] bias tiles hd64 document gqa", 1, 4, 2, 520, 520, 64,
+            M.document([100, 220, 200]), bias=True)
     if not only or "bias" in only:
         # (the cases above take the forward's bias tiles; bit 65536: its per-score-load kernel)
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
