@@ -269,6 +269,47 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
 }
 
+// The same, the accumulator's lines kept in L2 ahead of others (evict-last).
+__device__ __forceinline__ void bulk_reduce_add_keep(float* gmem, const float* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;\n"
+               :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes),
+                  "l"(uint64_t(TMA::CacheHintSm90::EVICT_LAST)) : "memory");
+}
+
+// A TMA store of one box with an L2 eviction-priority hint (CuTe's SM90_TMA_STORE takes
+// none): what copy(tma, src, dst) issues for a (TMA, 1, 1) partition, plus .L2::cache_hint.
+struct TmaStoreHinted {
+  uint64_t policy;
+  __device__ void operator()(void const* desc, void const* smem, int32_t c0, int32_t c1) const {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1], %4;"
+                 :: "l"(desc), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1), "l"(policy) : "memory");
+  }
+  __device__ void operator()(void const* desc, void const* smem, int32_t c0, int32_t c1, int32_t c2) const {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;"
+                 :: "l"(desc), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+                 : "memory");
+  }
+  __device__ void operator()(void const* desc, void const* smem, int32_t c0, int32_t c1, int32_t c2,
+                             int32_t c3) const {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4, %5}], [%1], %6;"
+                 :: "l"(desc), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "l"(policy) : "memory");
+  }
+};
+
+template <class Tma, class Src, class Dst>
+__device__ __forceinline__ void tma_store(Tma const& tma, Src const& src, Dst&& dst, bool evict_first) {
+  if (!evict_first) {
+    copy(tma, src, dst);
+    return;
+  }
+  auto crd = dst(_, 0, 0).data().coord_;
+  cute::detail::explode_tuple(TmaStoreHinted{uint64_t(TMA::CacheHintSm90::EVICT_FIRST)},
+                              cute::make_tuple(static_cast<void const*>(tma.get_tma_descriptor()),
+                                               static_cast<void const*>(raw_pointer_cast(src(_, 0, 0).data()))),
+                              cute::seq<0, 1>{}, crd, cute::tuple_seq<decltype(crd)>{});
+}
+
 // dbias zeroes where the descriptor lists no block: one warp stores, for each query head of
 // the CTA's group, the shared-memory tile of zeros by TMA over the CTA's keys in the rows of
 // every query block that neither q list of its key block holds (the kernel's steps write
@@ -297,6 +338,9 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
   Tensor mZ = kp.tma_dbias_zero.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
   const int tiles_per_block = p.block_q / kZeroRows;
   const int row_tiles = (p.Lq + kZeroRows - 1) / kZeroRows;
+  // FLEXSPARSE_CUDA_DEBUG bit 2097152: the zeros and the dbias tiles stored evict-first in L2
+  // (a probe: whether their 4 GB per call push the reused query, dO and dq_accum lines out).
+  const bool evict_first = p.debug & 2097152;
   for (int g = 0; g < group; ++g) {
     const int h = hk * group + g;
     Tensor tZgZ = cta.partition_D(local_tile(mZ(_, _, h, b), Shape<Int<kZeroRows>, Int<T::kBlockN>>{},
@@ -317,7 +361,8 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
       for (int qb = c0 + lane; qb < c1; qb += 32) {
         if ((bitmap[(qb - c0) / 32] >> ((qb - c0) % 32)) & 1u) continue;
         const int t1 = min((qb + 1) * tiles_per_block, row_tiles);
-        for (int t = qb * tiles_per_block; t < t1; ++t) copy(kp.tma_dbias_zero, tZsZ, tZgZ(_, _, _, t));
+        for (int t = qb * tiles_per_block; t < t1; ++t)
+          tma_store(kp.tma_dbias_zero, tZsZ, tZgZ(_, _, _, t), evict_first);
       }
       tma_store_arrive();
       __syncwarp();
@@ -472,7 +517,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               if (!(p.debug & 2048)) {
                 CUTLASS_PRAGMA_UNROLL
                 for (int e = 0; e < T::kDqReducePieces; ++e)
-                  bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
+                  // FLEXSPARSE_CUDA_DEBUG bit 4194304 (probe): the reductions evict-last in L2
+                  if (p.debug & 4194304) bulk_reduce_add_keep(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
+                  else bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
               }
               tma_store_arrive();
               if (flag != nullptr) {
@@ -873,9 +920,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                          typename T::SmemLayoutBias{});
                 Tensor mdB = kp.tma_dbias.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
                 auto cta_db = kp.tma_dbias.get_slice(0);
-                copy(kp.tma_dbias, cta_db.partition_S(sdB),
-                     cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
-                                                   make_coord(m, n_block))));
+                tma_store(kp.tma_dbias, cta_db.partition_S(sdB),
+                          cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                                                        make_coord(m, n_block))),
+                          p.debug & 2097152);
                 tma_store_arrive();
               }
               // The bias buffer is free: every thread has used its bias registers (the
