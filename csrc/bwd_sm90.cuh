@@ -297,17 +297,29 @@ struct TmaStoreHinted {
   }
 };
 
+// One TMA mode of a partition, box by box as Copy_Atom::call peels it (a (64 x 128) tile in
+// 128-byte swizzled rows is two 64-key boxes), each stored with the policy.
+template <class Tma, class Src, class Dst>
+__device__ __forceinline__ void tma_store_boxes(Tma const& tma, Src const& src, Dst const& dst, uint64_t policy) {
+  if constexpr (is_constant<Tma::NumValSrc, decltype(size(src))>::value) {
+    auto crd = dst.data().coord_;
+    cute::detail::explode_tuple(TmaStoreHinted{policy},
+                                cute::make_tuple(static_cast<void const*>(tma.get_tma_descriptor()),
+                                                 static_cast<void const*>(raw_pointer_cast(src.data()))),
+                                cute::seq<0, 1>{}, crd, cute::tuple_seq<decltype(crd)>{});
+  } else {
+    auto s = tensor<0>(src);
+    auto d = tensor<0>(dst);
+    CUTE_UNROLL
+    for (int i = 0; i < size<1>(s); ++i) tma_store_boxes(tma, s(_, i), d(_, i), policy);
+  }
+}
+
+// copy(tma, src, dst) of a (TMA, 1, 1) partition, evict-first in L2 where asked.
 template <class Tma, class Src, class Dst>
 __device__ __forceinline__ void tma_store(Tma const& tma, Src const& src, Dst&& dst, bool evict_first) {
-  if (!evict_first) {
-    copy(tma, src, dst);
-    return;
-  }
-  auto crd = dst(_, 0, 0).data().coord_;
-  cute::detail::explode_tuple(TmaStoreHinted{uint64_t(TMA::CacheHintSm90::EVICT_FIRST)},
-                              cute::make_tuple(static_cast<void const*>(tma.get_tma_descriptor()),
-                                               static_cast<void const*>(raw_pointer_cast(src(_, 0, 0).data()))),
-                              cute::seq<0, 1>{}, crd, cute::tuple_seq<decltype(crd)>{});
+  if (evict_first) tma_store_boxes(tma, src(_, 0, 0), dst(_, 0, 0), uint64_t(TMA::CacheHintSm90::EVICT_FIRST));
+  else copy(tma, src, dst);
 }
 
 // dbias zeroes where the descriptor lists no block: one warp stores, for each query head of
