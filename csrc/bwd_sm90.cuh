@@ -269,13 +269,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
 }
 
-// The same, the accumulator's lines kept in L2 ahead of others (evict-last).
-__device__ __forceinline__ void bulk_reduce_add_keep(float* gmem, const float* smem, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;\n"
-               :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes),
-                  "l"(uint64_t(TMA::CacheHintSm90::EVICT_LAST)) : "memory");
-}
-
 // A TMA store of one box with an L2 eviction-priority hint (CuTe's SM90_TMA_STORE takes
 // none): what copy(tma, src, dst) issues for a (TMA, 1, 1) partition, plus .L2::cache_hint.
 struct TmaStoreHinted {
@@ -350,9 +343,8 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
   Tensor mZ = kp.tma_dbias_zero.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
   const int tiles_per_block = p.block_q / kZeroRows;
   const int row_tiles = (p.Lq + kZeroRows - 1) / kZeroRows;
-  // FLEXSPARSE_CUDA_DEBUG bit 2097152: the zeros and the dbias tiles stored evict-first in L2
-  // (a probe: whether their 4 GB per call push the reused query, dO and dq_accum lines out).
-  const bool evict_first = p.debug & 2097152;
+  // The zeros leave evict-first in L2, as the dbias tiles do (see bwd_kernel's l2_hints).
+  const bool evict_first = !(p.debug & 2097152);
   for (int g = 0; g < group; ++g) {
     const int h = hk * group + g;
     Tensor tZgZ = cta.partition_D(local_tile(mZ(_, _, h, b), Shape<Int<kZeroRows>, Int<T::kBlockN>>{},
@@ -404,11 +396,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
   const bool lane_leader = cute::elect_one_sync();
-  // L2 policies of the TMA loads. kBiasTiles with FLEXSPARSE_CUDA_DEBUG bit 16384: query
-  // and dO tiles, which every key tile of their head reads again, evict-last; the bias
-  // tiles, read once, evict-first (FlashAttention-3 gives its reused tiles EVICT_LAST).
-  // Measured within 1% of the default policy (perf-notes C50), so the default stays.
-  const bool l2_hints = T::kBiasTiles && (p.debug & 16384);
+  // L2 policies of the bias-tile kernels, whose bias, dbias and zeros stream ~6 GB per
+  // causal 8K call through L2: query and dO tiles, which every key tile of their head
+  // reads again, evict-last; bias tiles (read once), dbias tiles and zeros (written once)
+  // evict-first. 4-10% on the H100's bias rows (docs/perf-notes.md C55). FLEXSPARSE_CUDA_DEBUG
+  // bit 16384: the loads without hints, bit 2097152: the stores without (A/Bs).
+  const bool l2_hints = T::kBiasTiles && !(p.debug & 16384);
+  const bool store_hints = T::kBiasTiles && !(p.debug & 2097152);
   const auto reused = l2_hints ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
   const auto streamed = l2_hints ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
   // Named barriers (0 is __syncthreads): 1 both consumer warpgroups (dS); 2, 3 and 4, 5 a
@@ -529,9 +523,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               if (!(p.debug & 2048)) {
                 CUTLASS_PRAGMA_UNROLL
                 for (int e = 0; e < T::kDqReducePieces; ++e)
-                  // FLEXSPARSE_CUDA_DEBUG bit 4194304 (probe): the reductions evict-last in L2
-                  if (p.debug & 4194304) bulk_reduce_add_keep(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
-                  else bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
+                  bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
               }
               tma_store_arrive();
               if (flag != nullptr) {
@@ -935,7 +927,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                 tma_store(kp.tma_dbias, cta_db.partition_S(sdB),
                           cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
                                                         make_coord(m, n_block))),
-                          p.debug & 2097152);
+                          store_hints);
                 tma_store_arrive();
               }
               // The bias buffer is free: every thread has used its bias registers (the
