@@ -42,6 +42,52 @@ auto make_bias_tma(AttentionParams const& p, SmemLayout smem_layout, Tile tile, 
                        smem_layout, tile, _1{});
 }
 
+// A TMA store of one box with an L2 eviction-priority hint (CuTe's SM90_TMA_STORE takes
+// none): what copy(tma, src, dst) issues for a (TMA, 1, 1) partition, plus .L2::cache_hint.
+struct TmaStoreHinted {
+  uint64_t policy;
+  __device__ void operator()(void const* desc, void const* smem, int32_t c0, int32_t c1) const {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3}], [%1], %4;"
+                 :: "l"(desc), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1), "l"(policy) : "memory");
+  }
+  __device__ void operator()(void const* desc, void const* smem, int32_t c0, int32_t c1, int32_t c2) const {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;"
+                 :: "l"(desc), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+                 : "memory");
+  }
+  __device__ void operator()(void const* desc, void const* smem, int32_t c0, int32_t c1, int32_t c2,
+                             int32_t c3) const {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4, %5}], [%1], %6;"
+                 :: "l"(desc), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "l"(policy) : "memory");
+  }
+};
+
+// One TMA mode of a partition, box by box as Copy_Atom::call peels it (a (64 x 128) tile in
+// 128-byte swizzled rows is two 64-key boxes), each stored with the policy.
+template <class Tma, class Src, class Dst>
+__device__ __forceinline__ void tma_store_boxes(Tma const& tma, Src const& src, Dst const& dst, uint64_t policy) {
+  if constexpr (is_constant<Tma::NumValSrc, decltype(size(src))>::value) {
+    auto crd = dst.data().coord_;
+    cute::detail::explode_tuple(TmaStoreHinted{policy},
+                                cute::make_tuple(static_cast<void const*>(tma.get_tma_descriptor()),
+                                                 static_cast<void const*>(raw_pointer_cast(src.data()))),
+                                cute::seq<0, 1>{}, crd, cute::tuple_seq<decltype(crd)>{});
+  } else {
+    auto s = tensor<0>(src);
+    auto d = tensor<0>(dst);
+    CUTE_UNROLL
+    for (int i = 0; i < size<1>(s); ++i) tma_store_boxes(tma, s(_, i), d(_, i), policy);
+  }
+}
+
+// copy(tma, src, dst) of a (TMA, 1, 1) partition, evict-first in L2 where asked.
+template <class Tma, class Src, class Dst>
+__device__ __forceinline__ void tma_store(Tma const& tma, Src const& src, Dst&& dst, bool evict_first) {
+  if (evict_first) tma_store_boxes(tma, src(_, 0, 0), dst(_, 0, 0), uint64_t(TMA::CacheHintSm90::EVICT_FIRST));
+  else copy(tma, src, dst);
+}
+
 struct NoWgmma {
   __device__ void operator()() const {}
 };
