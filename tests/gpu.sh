@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|trace|ibwd|topk|hf|probe ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|trace|ibwd|topk|hf|probe|step ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -111,6 +111,12 @@ if [[ " $parts " == *" trace "* ]]; then
   echo "trace build: $(( $(date +%s) - t0 )) s"
   PYTHONPATH="$tr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
     ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
+fi
+# Issue 16's whole step: fwd+bwd with a tensor-holding mask built every step against its
+# descriptor compiled once (eager and compiled), 8K.
+if [[ " $parts " == *" step "* ]]; then
+  timeout "${T_STEP:-240}" python3 -m benchmarks.step_bench ${STEP_ARGS:-} 2>&1 | grep -v Warning \
+    | tee "$OUT/step_bench.md"
 fi
 if want cudabench; then
   timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \
