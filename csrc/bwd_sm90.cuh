@@ -153,7 +153,7 @@ struct BwdTraits {
       SmemLayoutBias{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
   static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
   // Bias buffers: two where shared memory has room (head dim 64), so that the next step's
-  // tile loads while this one's is read; one at head dim 128 (13 KB were free).
+  // tile loads while this one's is read; one at head dim 128 (a second is 4 KB over 227 KB).
   static constexpr int kBiasBufs = kHeadDim <= 64 ? 2 : 1;
   // (Lq, Lk, bias heads, bias batches), keys contiguous; dbias (Lq, Lk, Hq, B).
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
@@ -297,7 +297,7 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
   Tensor mZ = kp.tma_dbias_zero.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
   const int tiles_per_block = p.block_q / kZeroRows;
   const int row_tiles = (p.Lq + kZeroRows - 1) / kZeroRows;
-  // The zeros leave evict-first in L2, as the dbias tiles do (see bwd_kernel's l2_hints).
+  // The zeros leave evict-first in L2, as the dbias tiles do (bwd_kernel's store_hints).
   const bool evict_first = !(p.debug & 2097152);
   for (int g = 0; g < group; ++g) {
     const int h = hk * group + g;
@@ -494,7 +494,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
       if (lane == 0) tma_store_wait<0>();       // shared memory outlives the reductions
     } else if (T::kBiasTiles && warp_in_group == 2) {
-      // bias tiles: one per step, into buffer (load % kBiasBufs) once the step that read it
+      // bias tiles: one per step, into buffer (load & bias_mask) once the step that read it
       // last is done with it
       if constexpr (T::kBiasTiles) {
         if (lane_leader) {
