@@ -34,18 +34,19 @@ def doc_lengths(L, n=8, device="cuda"):
     return lens
 
 
-def cases(L):
-    """name -> (make: () -> a fresh flexsparse mask, FlexAttention mask_mod or None)."""
-    lens = doc_lengths(L)
-    doc_id = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), lens)
-    prefix = torch.tensor([L // 4], device="cuda")
+def cases(L, device="cuda", heads=H):
+    """name -> (make: () -> a fresh flexsparse mask holding `device` tensors, FlexAttention
+    mask_mod or None)."""
+    lens = doc_lengths(L, device=device)
+    doc_id = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+    prefix = torch.tensor([L // 4], device=device)
     starts = torch.cumsum(lens, 0) - lens
     # FlashMask column ranges of the document mask: column j hides rows past its document
     ends = torch.repeat_interleave(starts + lens, lens).to(torch.int32)
     cr = ends.view(1, 1, L, 1).contiguous()
     nb = -(-L // BLOCK)
-    layout = torch.rand(1, H, nb, nb, device="cuda") < 0.2
-    layout |= torch.eye(nb, dtype=torch.bool, device="cuda")
+    layout = torch.rand(1, heads, nb, nb, device=device) < 0.2
+    layout |= torch.eye(nb, dtype=torch.bool, device=device)
 
     def document_mod(b, h, q, kv):
         return (doc_id[q] == doc_id[kv]) & (q >= kv)

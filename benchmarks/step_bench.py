@@ -7,8 +7,8 @@ backward through autograd, as a training step runs it).
     python -m benchmarks.step_bench [--L 8192] [--B 2] [--H 16] [--D 128] [--device cuda]
                                     [--reps 30] [--no-compile]
 
-Masks: document(lengths tensor), prefix_lm(tensor), column_ranges(tensor),
-block_sparse(layout). Times: median ms per step over `reps` steps (GPU drained after each,
+Masks: benchmarks.build_bench's cases (document(lengths tensor), prefix_lm(tensor),
+column_ranges(tensor), block_sparse(layout)). Times: median ms per step over `reps` steps (GPU drained after each,
 so host and kernel time both count). Each row also checks that both ways give the same
 output (max abs difference).
 """
@@ -19,28 +19,13 @@ import time
 import torch
 
 import flexsparse
-from flexsparse import masks as M
+from benchmarks import build_bench
 
 
-def tensor_masks(B, H, L, device, block=128):
-    """name -> () -> a fresh mask holding device tensors (as a data loader would hand it)."""
-    n_docs = 8
-    lens = torch.full((n_docs,), L // n_docs, device=device)
-    lens[-1] += L - int(lens.sum())
-    prefix = torch.full((B,), L // 4, device=device)
-    starts = torch.cumsum(lens, 0) - lens
-    ends = torch.repeat_interleave(starts + lens, lens).to(torch.int32)   # document as FlashMask
-    startend = ends.view(1, 1, L, 1).contiguous()
-    nb = -(-L // block)
-    g = torch.Generator(device=device).manual_seed(L)
-    layout = torch.rand(1, H, nb, nb, device=device, generator=g) < 0.2
-    layout |= torch.eye(nb, dtype=torch.bool, device=device)
-    return {
-        "document(lengths tensor)": lambda: M.document(lens),
-        "prefix_lm(tensor)": lambda: M.prefix_lm(prefix),
-        "column_ranges(tensor)": lambda: M.column_ranges(startend, causal=True),
-        "block_sparse(layout)": lambda: M.block_sparse(layout, block),
-    }
+def tensor_masks(H, L, device):
+    """name -> () -> a fresh mask holding device tensors (as a data loader would hand it):
+    build_bench's per-step cases."""
+    return {name: make for name, (make, _) in build_bench.cases(L, device, H).items()}
 
 
 def attend(q, k, v, mask):
@@ -83,7 +68,7 @@ def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtyp
     if compile_too:
         modes.append(("compiled", stepper(torch.compile(attend, fullgraph=True, dynamic=True))))
     rows = []
-    for name, make in tensor_masks(B, H, L, device).items():
+    for name, make in tensor_masks(H, L, device).items():
         desc = make().compile(B, H, H, L, L, device=device)
         for mode, fn in modes:
             once = fn(q, k, v, desc, grad_out)
