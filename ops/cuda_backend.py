@@ -88,6 +88,9 @@ AUTO_HEAD_DIMS = (64, 128, 256)
 #   kernel, at Triton's speed (1.0x). CUDA either way.
 # - hd64: forward 1.21-1.45x (1.71-1.76x since the overlapped bias forward, C51),
 #   backward 0.94x (causal) to 1.10x (documents, windows): CUDA either way.
+# Latest (H100, 2026-11-27, commit 60de431, perf-notes C54-C55): forward 1.32-1.40x at hd128
+# (document 1.18x), 1.86x at hd64; backward 1.19-1.32x at hd128 (document 1.01x), 1.25x at
+# hd64. The rule stands.
 # Other head dims, a softcap, or rows TMA cannot read run the per-score kernels, far slower
 # (backward 84 against Triton's 317 before the tiles, C47): Triton.
 AUTO_BIAS_HEAD_DIMS = (64, 128)
