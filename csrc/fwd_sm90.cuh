@@ -397,18 +397,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             return 0;
           }
         }();
-        // FLEXSPARSE_CUDA_DEBUG bit 8388608 (kBiasTiles; a probe, not yet measured): K and V,
-        // which every query tile of their head reads again, evict-last in L2 and the bias,
-        // read once, evict-first (the backward's hints, perf-notes C55).
-        const bool l2_hints = T::kBiasTiles && (p.debug & 8388608);
-        const auto reused = l2_hints ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
-        const auto streamed = l2_hints ? TMA::CacheHintSm90::EVICT_FIRST : TMA::CacheHintSm90::EVICT_NORMAL;
         FWD_TRACE_START(2, k == (p.debug >> 16));
         do {
           FWD_TRACE(0);
           pipe_k.producer_acquire(write);
           FWD_TRACE(1);
-          copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0, reused), tKgK(_, _, _, n),
+          copy(kp.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, _, _, n),
                tKsK(_, _, _, write.index()));
           if constexpr (T::kBiasTiles) {
             // Each warpgroup's half once that warpgroup has used the last tile's (its S
@@ -421,7 +415,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               if (bias_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.bias_empty[w], (bias_loads - 1) & 1);
               if ((m_block * 2 + w) * 64 < p.Lq && !(p.debug & 524288)) {
                 Barrier::arrive_and_expect_tx(&ss.bias_full[w], T::kBytesBias);
-                copy(kp.tma_bias.with(ss.bias_full[w], 0, streamed), bias_tiles(_, _, _, m_block * 2 + w, n),
+                copy(kp.tma_bias.with(ss.bias_full[w], 0), bias_tiles(_, _, _, m_block * 2 + w, n),
                      kp.tma_bias.get_slice(0).partition_D(bias_half(w)));
               } else {
                 Barrier::arrive(&ss.bias_full[w]);
@@ -431,7 +425,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
           pipe_v.producer_acquire(write);
           FWD_TRACE(2);
-          copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0, reused), tVgV(_, _, _, n),
+          copy(kp.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, _, _, n),
                tVsV(_, _, _, write.index()));
           FWD_TRACE(3);
           ++write;
