@@ -153,7 +153,8 @@ struct BwdTraits {
       SmemLayoutBias{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
   static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
   // Bias buffers: two where shared memory has room (head dim 64), so that the next step's
-  // tile loads while this one's is read; one at head dim 128 (a second is 4 KB over 227 KB).
+  // tile loads while this one's is read; one at head dim 128 (a second is 4.5 KB over
+  // 227 KB: the column-range slots and the zero filler's bitmap would have to go).
   static constexpr int kBiasBufs = kHeadDim <= 64 ? 2 : 1;
   // (Lq, Lk, bias heads, bias batches), keys contiguous; dbias (Lq, Lk, Hq, B).
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
@@ -195,19 +196,10 @@ struct BwdTraits {
   // kBiasTiles: the bias tiles' buffers, past SharedStorage (so that the other kernels'
   // shared memory does not grow).
   static constexpr int kBiasOffset = (sizeof(SharedStorage) + 1023) / 1024 * 1024;
-  // and the dbias zero filler's bitmap of listed query blocks, kZeroBitmapWords words,
-  // then its tile of zeros: (kZeroRows, kBlockN), row-major and unswizzled (all entries are
-  // the same), TMA-stored over the blocks the lists leave out.
+  // and the dbias zero filler's bitmap of listed query blocks, kZeroBitmapWords words.
   static constexpr int kZeroBitmapWords = 128;
-  static constexpr int kZeroRows = 32;
   static constexpr int kZeroBitmapOffset = kBiasOffset + kBiasBufs * kBytesBias;
-  static constexpr int kZeroOffset = kZeroBitmapOffset + 4 * kZeroBitmapWords;
-  static_assert(kZeroOffset % 128 == 0, "a TMA source in shared memory is 128-byte aligned");
-  using SmemLayoutZero = Layout<Shape<Int<kZeroRows>, Int<kBlockN>>, Stride<Int<kBlockN>, _1>>;
-  using TmadBiasZero = conditional_t<kBiasTiles,
-      decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutZero{},
-                             Shape<Int<kZeroRows>, Int<kBlockN>>{}, _1{})), int>;
-  static constexpr int kSmemBytes = kBiasTiles ? kZeroOffset + kZeroRows * kBlockN * sizeof(Element)
+  static constexpr int kSmemBytes = kBiasTiles ? kZeroBitmapOffset + 4 * kZeroBitmapWords
                                                : sizeof(SharedStorage);
 
   struct KernelParams {
@@ -225,7 +217,6 @@ struct BwdTraits {
     TmaK tma_v;
     TmadBias tma_dbias;   // kBiasTiles (dbias wanted)
     TmaBias tma_bias;     // kBiasTiles
-    TmadBiasZero tma_dbias_zero;   // kBiasTiles (dbias wanted): the zero tile's stores
     int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
   };
 };
@@ -269,40 +260,37 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
 }
 
-// dbias zeroes where the descriptor lists no block: one warp stores, for each query head of
-// the CTA's group, the shared-memory tile of zeros by TMA over the CTA's keys in the rows of
-// every query block that neither q list of its key block holds (the kernel's steps write
-// the listed blocks by TMA), so that dbias needs no zero fill before the kernel. The
-// tensor map clips at Lq and Lk. (Plain 16-byte stores from this warp, at ~20 instructions
-// per store, took 1.6 ms per call at 8K: docs/perf-notes.md C50.) The listed blocks are
-// marked in a shared-memory bitmap, kZeroBitmapWords * 32 query blocks at a time; each lane
-// takes every 32nd query block of a chunk.
+// 16 bytes of zeros, streamed (evict-first in L1 and L2: written once, never read here).
+__device__ __forceinline__ void store_zeros_streaming(void* at) {
+  asm volatile("st.global.cs.v4.b32 [%0], {%1, %1, %1, %1};" ::"l"(at), "r"(0) : "memory");
+}
+
+// dbias zeroes where the descriptor lists no block: one warp writes, for each query head of
+// the CTA's group, zeros over the CTA's keys in the rows of every query block that neither
+// q list of its key block holds (the kernel's steps write the listed blocks by TMA), so
+// that dbias needs no zero fill before the kernel. Rows stop at Lq and columns at Lk. The
+// listed blocks are marked in a shared-memory bitmap, kZeroBitmapWords * 32 query blocks
+// at a time. The zeros go out as plain 16-byte streaming stores, the whole warp on one
+// block at a time: lane % 16 is the 16-byte piece of a 256-byte row, lane / 16 the row's
+// parity. (TMA stores of an 8 KB tile of zeros measured the same and took 8 KB of shared
+// memory, perf-notes C56; an earlier plain-store version spent ~20 instructions per store,
+// C50.)
 template <class T>
 __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, int hk, int kb,
-                                    int n_block, uint32_t* bitmap,
-                                    typename T::Element* zeros) {
+                                    int n_block, uint32_t* bitmap) {
   BackwardParams const& bp = kp.bp;
   AttentionParams const& p = bp.fwd;
   constexpr int kChunk = 32 * T::kZeroBitmapWords;   // query blocks per bitmap
-  constexpr int kZeroRows = T::kZeroRows;
   const int lane = threadIdx.x % 32;
   const int group = p.Hq / p.Hkv;
   const int n_qb = (p.Lq + p.block_q - 1) / p.block_q;
-  constexpr int kZeroPieces = kZeroRows * T::kBlockN * sizeof(typename T::Element) / 16;
-  for (int i = lane; i < kZeroPieces; i += 32) reinterpret_cast<uint4*>(zeros)[i] = make_uint4(0, 0, 0, 0);
-  cutlass::arch::fence_view_async_shared();   // the zeros visible to the TMA unit
-  __syncwarp();
-  auto cta = kp.tma_dbias_zero.get_slice(0);
-  Tensor tZsZ = cta.partition_S(make_tensor(make_smem_ptr(zeros), typename T::SmemLayoutZero{}));
-  Tensor mZ = kp.tma_dbias_zero.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
-  const int tiles_per_block = p.block_q / kZeroRows;
-  const int row_tiles = (p.Lq + kZeroRows - 1) / kZeroRows;
-  // The zeros leave evict-first in L2, as the dbias tiles do (bwd_kernel's store_hints).
-  const bool evict_first = !(p.debug & 2097152);
+  const int64_t row_bytes = bp.dbias_sq * (int64_t)sizeof(typename T::Element);
+  const bool lane_cols = n_block * T::kBlockN + (lane % 16) * 8 < p.Lk;   // (Lk % 8 == 0: tma_tileable)
   for (int g = 0; g < group; ++g) {
     const int h = hk * group + g;
-    Tensor tZgZ = cta.partition_D(local_tile(mZ(_, _, h, b), Shape<Int<kZeroRows>, Int<T::kBlockN>>{},
-                                             make_coord(_, n_block)));   // (TMA, 1, 1, row tile)
+    char* head_base = static_cast<char*>(bp.dbias) +
+                      ((int64_t)b * bp.dbias_sb + (int64_t)h * bp.dbias_sh + (int64_t)n_block * T::kBlockN) *
+                          (int64_t)sizeof(typename T::Element) + (lane % 16) * 16;
     for (int c0 = 0; c0 < n_qb; c0 += kChunk) {
       for (int w = lane; w < T::kZeroBitmapWords; w += 32) bitmap[w] = 0;
       __syncwarp();
@@ -316,17 +304,24 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
         }
       __syncwarp();
       const int c1 = min(n_qb, c0 + kChunk);
-      for (int qb = c0 + lane; qb < c1; qb += 32) {
+      for (int qb = c0; qb < c1; ++qb) {
         if ((bitmap[(qb - c0) / 32] >> ((qb - c0) % 32)) & 1u) continue;
-        const int t1 = min((qb + 1) * tiles_per_block, row_tiles);
-        for (int t = qb * tiles_per_block; t < t1; ++t)
-          tma_store(kp.tma_dbias_zero, tZsZ, tZgZ(_, _, _, t), evict_first);
+        const int rows = min(p.block_q, p.Lq - qb * p.block_q);
+        if (!lane_cols) continue;
+        char* at = head_base + ((int64_t)qb * p.block_q + lane / 16) * row_bytes;
+        int r = lane / 16;
+        #pragma unroll 1
+        for (; r + 6 < rows; r += 8, at += 8 * row_bytes) {
+          store_zeros_streaming(at);
+          store_zeros_streaming(at + 2 * row_bytes);
+          store_zeros_streaming(at + 4 * row_bytes);
+          store_zeros_streaming(at + 6 * row_bytes);
+        }
+        for (; r < rows; r += 2, at += 2 * row_bytes) store_zeros_streaming(at);
       }
-      tma_store_arrive();
       __syncwarp();
     }
   }
-  tma_store_wait<0>();   // the zeros are read before the CTA's shared memory goes
 }
 
 template <class T>
@@ -401,6 +396,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
+    // FLEXSPARSE_CUDA_DEBUG bit 4194304 (a timing probe; wrong results): the dbias zero
+    // filler runs alone, every other warp leaves (after setmaxnreg, which needs them all).
+    const bool zeros_only = T::kBiasTiles && (p.debug & 4194304);
+    if (zeros_only && warp_in_group != 3) return;
     if (warp_in_group == 0 && lane_leader) {
       Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
@@ -531,13 +530,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // a timing probe of the zero fill only).
         if (bp.dbias != nullptr && !(p.debug & 32768))
           zero_unlisted_dbias<T>(kp, b, hk, kb, n_block,
-                                 reinterpret_cast<uint32_t*>(smem_raw + T::kZeroBitmapOffset),
-                                 reinterpret_cast<Element*>(smem_raw + T::kZeroOffset));
+                                 reinterpret_cast<uint32_t*>(smem_raw + T::kZeroBitmapOffset));
       }
     }
   } else {
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<240>();
+    if (T::kBiasTiles && (p.debug & 4194304)) return;   // the zeros-only probe (above)
     const int tid = threadIdx.x - 128;
     typename T::TiledMmaSdP mma_sdp;
     typename T::TiledMmadKV mma_dkv;
@@ -1094,12 +1093,10 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
     kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{}, tile_b, kp.bias_heads,
                                          kp.bias_batches);
     if (bp.dbias != nullptr) {
-      // dbias (Lq, Lk, Hq, B): the steps' tiles, and the zero tile over unlisted blocks
+      // dbias (Lq, Lk, Hq, B): the steps' tiles (zero_unlisted_dbias writes the rest)
       auto dbias = make_tensor(make_gmem_ptr(static_cast<Element*>(bp.dbias)), make_shape(p.Lq, p.Lk, p.Hq, p.B),
                                make_stride(bp.dbias_sq, _1{}, bp.dbias_sh, bp.dbias_sb));
       kp.tma_dbias = make_tma_copy(SM90_TMA_STORE{}, dbias, typename T::SmemLayoutBias{}, tile_b, _1{});
-      kp.tma_dbias_zero = make_tma_copy(SM90_TMA_STORE{}, dbias, typename T::SmemLayoutZero{},
-                                        Shape<Int<T::kZeroRows>, Int<T::kBlockN>>{}, _1{});
     }
   }
   auto kernel = bwd_kernel<T>;

@@ -319,11 +319,13 @@ def test_bias_tiles_write_every_dbias_entry(monkeypatch):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_bias_tiles_store_hints_write_what_copy_writes(D, monkeypatch):
-    """The bias-tile backward stores dbias tiles and zeros through tma_store (sm90_utils.cuh:
-    a hand-written TMA store with an L2 hint, box by box) unless FLEXSPARSE_CUDA_DEBUG bit
-    2097152 sends them through CuTe's copy. The hint changes no value: dbias, dk and dv are
-    bitwise equal both ways (dq's reductions are not ordered, so it is compared loosely).
-    GQA, a length no tile divides, key blocks of 256 (two boxes per dbias tile at hd128)."""
+    """The bias-tile backward stores dbias tiles through tma_store (sm90_utils.cuh: a
+    hand-written TMA store with an L2 hint, box by box) unless FLEXSPARSE_CUDA_DEBUG bit
+    2097152 sends them through CuTe's copy; its zeros are plain streaming stores either way.
+    The hint changes no value: dbias, dk and dv are bitwise equal (dq's reductions are not
+    ordered, so it is compared loosely). GQA, a length no tile divides, key blocks of 256
+    (two boxes per dbias tile at hd128), and NaN-filled memory handed to dbias, so that a
+    missed zero shows."""
     torch.manual_seed(D + 5)
     B, Hq, Hkv, L = 1, 4, 2, 904
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
@@ -331,9 +333,17 @@ def test_bias_tiles_store_hints_write_what_copy_writes(D, monkeypatch):
     bias = torch.randn(B, Hq, L, L, device=T.DEV, dtype=torch.bfloat16)
     dout = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
     desc = M.document([300, 411, 193]).compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=(128, 256))
-    hinted = _bias_grads(q, k, v, bias, desc, dout, "cuda")
+
+    def grads():
+        poison = [torch.full((B, Hq, L, L), float("nan"), device=T.DEV, dtype=torch.bfloat16)
+                  for _ in range(4)]
+        del poison
+        return _bias_grads(q, k, v, bias, desc, dout, "cuda")
+
+    hinted = grads()
+    assert torch.all(hinted[3][~desc.to_dense().expand(B, Hq, L, L)] == 0)
     monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "2097152")
-    plain = _bias_grads(q, k, v, bias, desc, dout, "cuda")
+    plain = grads()
     for name, a, b in zip(("dk", "dv", "dbias"), hinted[1:], plain[1:]):
         assert torch.equal(a, b), name
     torch.testing.assert_close(hinted[0], plain[0], atol=2e-2, rtol=2e-2)
