@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   if (w >= p.nQB + p.nKB) return;                  // whole warps leave together
   const bool kv = w < p.nQB;
   const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
-  const int32_t* bounds = p.bounds + ws_at(p, b, 0, 0);
+  const int32_t* bounds = p.layout != nullptr ? nullptr : p.bounds + ws_at(p, b, 0, 0);
   int32_t *part, *full;
   int32_t *part_count, *full_count;
   if (kv) {
@@ -206,6 +206,7 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   }
   auto state = [&](int64_t i) {                    // i: the block along the row
     int64_t qb = kv ? row : i, kb = kv ? i : row;
+    if (p.layout != nullptr) return p.layout[(b * p.nQB + qb) * p.nKB + kb] ? int(kFull) : int(kSkip);
     return block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
   };
   int64_t np = 0, nf = 0;
@@ -339,6 +340,16 @@ void build_column_ranges_cuda(const BuildParams& p, void* stream_) {
     query_block_kernel<<<dim3(blocks, (unsigned)p.Bl), kQueryThreads, 0, stream>>>(p);
     check_launch("query_block_kernel");
   }
+}
+
+void build_block_lists_cuda(const BuildParams& p, void* stream_) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_);
+  if (p.Bl == 0 || p.nQB + p.nKB == 0) return;
+  if (p.Bl > 65535) throw std::runtime_error("flexsparse build: more than 65535 layout rows");
+  int64_t threads = (p.nQB + p.nKB) * 32;
+  list_kernel<<<dim3((unsigned)((threads + kQueryThreads - 1) / kQueryThreads), (unsigned)p.Bl),
+                kQueryThreads, 0, stream>>>(p);
+  check_launch("list_kernel (block layout)");
 }
 
 }  // namespace build

@@ -78,6 +78,9 @@ struct BuildParams {
   // (bounds) and after step 3 (filled)
   int32_t* bounds = nullptr;
   int32_t* filled = nullptr;
+  // build_block_lists: a block layout (Bl, nQB, nKB), True = the block is attended whole
+  // (masks.block_sparse at the call's block size); the lists come from it, not from bounds
+  const bool* layout = nullptr;
 };
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -326,6 +329,8 @@ inline bool needs_ends(const BuildParams& p) {
   return is_document(p.kind) && (p.n_docs > kSharedDocs || p.n_docs * p.nKB > kSharedScanWork);
 }
 constexpr int64_t kSharedBoundsBytes = 40 * 1024;   // + static: under the 48 KB default
+// The padded lists of a block layout (p.layout; outputs as for column ranges): one launch.
+void build_block_lists_cuda(const BuildParams& p, void* stream);
 
 }  // namespace build
 }  // namespace flexsparse

@@ -26,9 +26,10 @@ using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
 
 // ---- the CPU build: the steps of build_masks.h as loops
 
-// Column ranges: the padded lists of row b (list_kernel in build_masks.cu).
+// Column ranges and block layouts: the padded lists of row b (list_kernel in
+// build_masks.cu).
 void padded_lists_cpu(BuildParams& p, int64_t b) {
-  const int32_t* bounds = p.bounds + ws_at(p, b, 0, 0);
+  const int32_t* bounds = p.layout != nullptr ? nullptr : p.bounds + ws_at(p, b, 0, 0);
   for (int kv = 1; kv >= 0; --kv) {
     const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
     for (int64_t row = 0; row < rows; ++row) {
@@ -38,7 +39,8 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
       int64_t np = 0, nf = 0;
       for (int64_t i = 0; i < n; ++i) {
         int64_t qb = kv ? row : i, kb = kv ? i : row;
-        st[i] = block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
+        st[i] = p.layout != nullptr ? (p.layout[(b * p.nQB + qb) * p.nKB + kb] ? kFull : kSkip)
+                                    : block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
         np += st[i] == kPartial;
         nf += st[i] == kFull;
       }
@@ -257,18 +259,57 @@ Outputs build_column_ranges(const Tensor& startend, int64_t Lq, int64_t Lk, int6
   return build(kColumnRanges, startend, Lq, Lk, block_q, block_k, causal);
 }
 
+using ListOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// masks.block_sparse at the call's block size: the eight padded lists of a bool layout
+// (Bd, Hd, nQB, nKB), as descriptor._block_lists gives them for its FULL / SKIP states
+// (no partial blocks: counts 0, each row 0..n-1). One launch on CUDA.
+ListOutputs build_block_lists(const Tensor& layout_in) {
+  FLEXSPARSE_CHECK_VALUE(layout_in.dim() == 4, "flexsparse build: layout must be (B, H, nQB, nKB), got ",
+                         layout_in.sizes());
+  FLEXSPARSE_CHECK_TYPE(layout_in.scalar_type() == at::kBool, "flexsparse build: layout must be bool, got ",
+                        layout_in.scalar_type());
+  Tensor layout = layout_in.contiguous();
+  const int64_t Bd = layout.size(0), Hd = layout.size(1), nQB = layout.size(2), nKB = layout.size(3);
+  BuildParams p;
+  p.kind = kColumnRanges;   // (the padded-list form; no column ranges are built)
+  p.Bl = Bd * Hd;
+  p.nQB = nQB;
+  p.nKB = nKB;
+  p.layout = layout.data_ptr<bool>();
+  auto opts = layout.options().dtype(at::kInt);
+  Tensor kv_c = at::empty({Bd, Hd, nQB}, opts), kv_i = at::empty({Bd, Hd, nQB, nKB}, opts);
+  Tensor kvf_c = at::empty({Bd, Hd, nQB}, opts), kvf_i = at::empty({Bd, Hd, nQB, nKB}, opts);
+  Tensor q_c = at::empty({Bd, Hd, nKB}, opts), q_i = at::empty({Bd, Hd, nKB, nQB}, opts);
+  Tensor qf_c = at::empty({Bd, Hd, nKB}, opts), qf_i = at::empty({Bd, Hd, nKB, nQB}, opts);
+  p.kv_count = kv_c.data_ptr<int32_t>(); p.kv_index = kv_i.data_ptr<int32_t>();
+  p.kv_full_count = kvf_c.data_ptr<int32_t>(); p.kv_full_index = kvf_i.data_ptr<int32_t>();
+  p.q_count = q_c.data_ptr<int32_t>(); p.q_index = q_i.data_ptr<int32_t>();
+  p.q_full_count = qf_c.data_ptr<int32_t>(); p.q_full_index = qf_i.data_ptr<int32_t>();
+  if (layout.is_cuda()) {
+    c10::cuda::CUDAGuard guard(layout.device());
+    build_block_lists_cuda(p, at::cuda::getCurrentCUDAStream().stream());
+  } else {
+    FLEXSPARSE_CHECK(layout.device().is_cpu(), "flexsparse build: CPU or CUDA tensors, got ", layout.device());
+    for (int64_t b = 0; b < p.Bl; ++b) padded_lists_cpu(p, b);
+  }
+  return {kv_c, kv_i, kvf_c, kvf_i, q_c, q_i, qf_c, qf_i};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flexsparse, CPU, m) {
   m.impl("build_document", &build_document);
   m.impl("build_prefix_lm", &build_prefix_lm);
   m.impl("build_column_ranges", &build_column_ranges);
+  m.impl("build_block_lists", &build_block_lists);
 }
 
 TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
   m.impl("build_document", &build_document);
   m.impl("build_prefix_lm", &build_prefix_lm);
   m.impl("build_column_ranges", &build_column_ranges);
+  m.impl("build_block_lists", &build_block_lists);
 }
 
 }  // namespace build

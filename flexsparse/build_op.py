@@ -1,7 +1,7 @@
 """Per-step mask builds in one op call (issue 16): `flexsparse::build_document`,
-`flexsparse::build_prefix_lm` and `flexsparse::build_column_ranges` (schemas and fakes in
-ops/schema.py; kernels in csrc/build_ops.h and csrc/build_masks.cu, part of
-flexsparse._C).
+`flexsparse::build_prefix_lm`, `flexsparse::build_column_ranges` and
+`flexsparse::build_block_lists` (schemas and fakes in ops/schema.py; kernels in
+csrc/build_ops.h and csrc/build_masks.cu, part of flexsparse._C).
 
 Each call allocates every output in C++ and, on CUDA, runs two kernels for the usual
 sizes (one more for a row of more than 2048 documents, one more past ~160K tokens at
@@ -11,6 +11,8 @@ gives them; O(N / block) at any length, and the form the kernels run fastest): t
 column ranges and block grid as the static build, which would hold padded (nQB x nKB)
 lists. FlashMask column ranges (user data, not always range-shaped) get exactly the
 static build's tensors, padded lists included, up to STATIC_MAX_BLOCKS in eager builds.
+Block layouts (`masks.block_sparse` at the call's block size) get the static build's
+padded lists too, in one launch (the torch build takes ~35).
 
 Used by `masks.document`, `masks.prefix_lm(tensor)` and `masks.column_ranges` (each used
 alone) when the op is built and the mask is compiled for CUDA tensors, eager or inside
@@ -33,11 +35,12 @@ import torch
 from .descriptor import BlockDescriptor, Sizes
 
 _OPS = ("flexsparse::build_document", "flexsparse::build_prefix_lm",
-        "flexsparse::build_column_ranges")
+        "flexsparse::build_column_ranges", "flexsparse::build_block_lists")
 # the overloads themselves: calling them skips the packet's overload lookup (host time)
 _DOCUMENT = torch.ops.flexsparse.build_document.default
 _PREFIX_LM = torch.ops.flexsparse.build_prefix_lm.default
 _COLUMN_RANGES = torch.ops.flexsparse.build_column_ranges.default
+_BLOCK_LISTS = torch.ops.flexsparse.build_block_lists.default
 _MODE: Optional[bool] = None      # None: CUDA only; True: CPU too; False: never
 _HAVE = {}                        # dispatch key -> True once the kernels are registered
 
@@ -112,3 +115,10 @@ def column_ranges(startend: torch.Tensor, sz: Sizes, causal: bool) -> BlockDescr
     the static build's tensors (padded lists: user data need not be range-shaped)."""
     return _descriptor(_COLUMN_RANGES(startend, sz.Lq, sz.Lk, sz.block_q, sz.block_k, causal),
                        sz)
+
+
+def block_lists(layout: torch.Tensor, sz: Sizes) -> BlockDescriptor:
+    """The descriptor of masks.block_sparse(layout) at sz's block size: layout (B|1, H|1,
+    nQB, nKB) bool on sz.device, shape checked; the static build's padded lists."""
+    return BlockDescriptor((sz.Lq, sz.Lk), (sz.block_q, sz.block_k), (sz.Hq, sz.Hkv),
+                           *_BLOCK_LISTS(layout))

@@ -299,7 +299,7 @@ class _BlockSparse(Mask):
             raise ValueError(f"layout: must be 4-D, got shape {tuple(layout.shape)}")
         self.layout, self.block = layout, block_pair(block_size)
 
-    def _parts(self, sz):
+    def _check(self, sz):
         lay = self.layout
         bq, bk = self.block
         nq, nk = -(-sz.Lq // bq), -(-sz.Lk // bk)
@@ -308,6 +308,25 @@ class _BlockSparse(Mask):
                              f"(B|1, H|1, {nq}, {nk}) for Lq={sz.Lq}, Lk={sz.Lk}, "
                              f"block_size={self.block}")
         _check_heads_dim("layout", lay.shape[1], sz)
+
+    def _op_descriptor(self, sz):
+        # At the call's block size, the static build's lists in one op call (build_op.py).
+        if (self.block != (sz.block_q, sz.block_k) or self.layout.device != sz.device
+                or not build_op.wanted(sz.device)):
+            return None
+        if not _is_compiling() and sz.nQB * sz.nKB > STATIC_MAX_BLOCKS:
+            return None      # padded lists too large: the compact build, as without the op
+        self._check(sz)
+        return build_op.block_lists(self.layout, sz)
+
+    def _descriptor(self, sz):
+        desc = self._op_descriptor(sz)
+        return desc if desc is not None else self._parts(sz).to_descriptor(sz)
+
+    def _parts(self, sz):
+        self._check(sz)
+        lay = self.layout
+        bq, bk = self.block
         if (bq, bk) == (sz.block_q, sz.block_k):
             return DescriptorParts(state=torch.where(lay, FULL, SKIP).to(torch.int32))
         # Other block sizes: evaluate at element level in row chunks.

@@ -140,6 +140,26 @@ def _build_column_ranges_fake(startend, Lq, Lk, block_q, block_k, causal):
     return _build_fake_outputs(startend, Bc, Lq, Lk, block_q, block_k, m, Hl=Hc, padded=True)
 
 
+# masks.block_sparse at the call's block size: the eight padded lists (MASK_TENSOR_NAMES[:8])
+# of a bool layout (B|1, H|1, nQB, nKB), as descriptor._block_lists gives them
+torch.library.define(
+    "flexsparse::build_block_lists",
+    "(Tensor layout) -> (" + ", ".join(f"Tensor {n}" for n in MASK_TENSOR_NAMES[:8]) + ")")
+
+
+@torch.library.register_fake("flexsparse::build_block_lists")
+def _build_block_lists_fake(layout):
+    if layout.dim() != 4 or layout.dtype != torch.bool:
+        raise ValueError(f"flexsparse build: layout must be a 4-D bool tensor, got "
+                         f"{layout.dtype} {tuple(layout.shape)}")
+    Bd, Hd, nQB, nKB = layout.shape
+    out = []
+    for n, N in ((nQB, nKB), (nQB, nKB), (nKB, nQB), (nKB, nQB)):   # kv, kv full, q, q full
+        out += [layout.new_empty((Bd, Hd, n), dtype=torch.int32),
+                layout.new_empty((Bd, Hd, n, N), dtype=torch.int32)]
+    return tuple(out)
+
+
 # ---- top-k positions per score row (issue 17): CUDA kernel in csrc/topk.cu when
 # flexsparse._C is built; flexsparse/topk.py calls it for bf16 / fp16 / fp32 scores.
 torch.library.define(

@@ -14,6 +14,7 @@ torch.ops.load_library; e.g. csrc/build_masks.cu with a .cpp that includes
 csrc/build_ops.h, built alone).
 """
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -242,6 +243,64 @@ def test_column_ranges_attention(C, causal):
     _compare_static(t, causal, 2, 4, 2, 200, 200, (32, 32), attention=True)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 300), st.integers(1, 300), BLOCKS,
+       st.sampled_from([(1, 1), (2, 1), (2, 2), (1, 2), (1, 4), (2, 4)]),
+       st.floats(0.0, 1.0), st.integers(0, 2**31))
+def test_block_layout_random(Lq, Lk, block, bh, density, seed):
+    """masks.block_sparse(layout) at the call's block size: the op's eight padded lists
+    equal the static build's exactly (Bd, Hd of 1, B, Hkv or Hq), with the fake kernel's
+    shapes, and the attention through them equals the torch build's (float64)."""
+    B, Hq, Hkv = 2, 4, 2
+    nq, nk = -(-Lq // block[0]), -(-Lk // block[1])
+    g = torch.Generator().manual_seed(seed)
+    layout = torch.rand(*bh, nq, nk, generator=g) < density
+    mask = M.block_sparse(layout, block)
+    with building_static():
+        static = mask._descriptor(_sizes(B, Hq, Hkv, Lq, Lk, block))
+    with build_op.use(True), mock.patch.object(build_op, "_BLOCK_LISTS",
+                                               wraps=build_op._BLOCK_LISTS) as op:
+        got = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+    assert op.call_count == 1                 # built by the op, not the torch build
+    for name, a, b in zip(got.mask_tensors()._fields, got.mask_tensors(), static.mask_tensors()):
+        assert (a is None) == (b is None), name
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), name
+    with FakeTensorMode() as mode:
+        fake = torch.ops.flexsparse.build_block_lists(mode.from_tensor(layout))
+    for f, r in zip(fake, list(got.mask_tensors())[:8]):
+        assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype
+    q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+    with build_op.use(False):
+        torch_build = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
+    torch.testing.assert_close(flexsparse.attention(q, k, v, got),
+                               flexsparse.attention(q, k, v, torch_build), rtol=0, atol=0)
+
+
+def test_block_layout_other_block_size_keeps_the_torch_build():
+    """A layout at another block size than the call's is evaluated per element (bitmaps):
+    not the op's job; the descriptor equals the torch build's."""
+    layout = torch.rand(1, 2, 4, 4, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask = M.block_sparse(layout, 64)
+    with build_op.use(True):
+        got = mask.compile(1, 2, 2, 256, 256, block_size=(128, 128))
+    with build_op.use(False):
+        want = mask.compile(1, 2, 2, 256, 256, block_size=(128, 128))
+    assert torch.equal(got.to_dense(), want.to_dense())
+    for a, b in zip(got.mask_tensors(), want.mask_tensors()):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_block_layout_bad_shapes_raise_before_the_op():
+    layout = torch.ones(1, 2, 3, 3, dtype=torch.bool)
+    with build_op.use(True), pytest.raises(ValueError, match=r"layout: shape \(1, 2, 3, 3\)"):
+        M.block_sparse(layout, 128).compile(1, 2, 2, 256, 256)
+    with pytest.raises(ValueError, match="layout must be a 4-D bool tensor"):
+        with FakeTensorMode() as mode:
+            torch.ops.flexsparse.build_block_lists(mode.from_tensor(torch.ones(2, 2, dtype=torch.bool)))
+
+
 def test_column_ranges_past_static_max_blocks_keep_the_compact_build(monkeypatch):
     """Past STATIC_MAX_BLOCKS the padded lists would be too large: eager builds keep the
     compact build (as without the op)."""
@@ -337,6 +396,38 @@ def test_inside_torch_compile_one_graph_over_lengths():
     assert counter.frame_count == 1
     ops = [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
     assert sorted(ops) == ["flexsparse.build_document", "flexsparse.build_prefix_lm"], seen
+
+
+def test_block_layout_inside_torch_compile_one_graph_over_lengths():
+    """block_sparse(layout) built inside a compiled function: one build_block_lists node,
+    no recompile over three lengths (the layout's grid follows L), the eager tensors."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    counter = CompileCounterWithBackend(backend)
+
+    def build(layout, q):
+        B, H, L, _ = q.shape
+        return M.block_sparse(layout, 16).compile(B, H, H, L, L, block_size=(16, 16)).mask_tensors()
+
+    f = torch.compile(build, backend=counter, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    with build_op.use(True):
+        for L in (80, 96, 130):   # (n = 5, 6, 9: no size equal to another dim's)
+            n = -(-L // 16)
+            layout = torch.rand(2, 1, n, n, generator=g) < 0.4
+            q = torch.zeros(2, 2, L, 8)
+            for a, b in zip(f(layout, q), build(layout, q)):
+                assert (a is None) == (b is None)
+                assert a is None or torch.equal(a, b)
+    assert counter.frame_count == 1
+    ops = [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
+    assert ops == ["flexsparse.build_block_lists"], seen
 
 
 def test_compiled_first_use_does_not_query_the_dispatcher():

@@ -115,6 +115,34 @@ def test_column_ranges_equal_cpu_kernel_and_static_build(C, causal, bh, L):
         assert torch.equal(a.cpu(), b) and torch.equal(a, c), name
 
 
+LAYOUTS = [((1, 1), 8192, 8192, (128, 128)), ((2, 4), 1000, 1000, (128, 128)),
+           ((1, 2), 77, 300, (64, 32)), ((2, 1), 4097, 999, (128, 64)), ((1, 4), 5, 256, (128, 128))]
+
+
+@pytest.mark.parametrize("bh,Lq,Lk,block", LAYOUTS)
+def test_block_layout_equals_cpu_kernel_and_static_build(bh, Lq, Lk, block):
+    """masks.block_sparse(layout) at the call's block size: one build_block_lists call
+    gives the static build's padded lists, bit for bit, from the CUDA and CPU kernels.
+    Random layouts with empty and full rows and columns; batch and heads (Hkv, Hq or 1)."""
+    g = torch.Generator().manual_seed(Lq * 7 + Lk)
+    nq, nk = -(-Lq // block[0]), -(-Lk // block[1])
+    lay = torch.rand(*bh, nq, nk, generator=g) < 0.3
+    if nq > 2 and nk > 2:
+        lay[..., 1, :] = False
+        lay[..., 2, :] = True
+        lay[..., :, 0] = False
+    B, Hq, Hkv = 2, 4, 2
+    make = lambda d: M.block_sparse(lay.to(d), block)   # noqa: E731
+    got = _build(make, DEV, B, Hq, Hkv, Lq, Lk, block, None)
+    cpu_op = _build(make, "cpu", B, Hq, Hkv, Lq, Lk, block, True)
+    static = _build(make, DEV, B, Hq, Hkv, Lq, Lk, block, False)
+    assert got.kv_index.shape == (*bh, nq, nk) and got.kv_index.is_cuda
+    for name in FIELDS[1:]:
+        a, b, c = getattr(got, name), getattr(cpu_op, name), getattr(static, name)
+        assert torch.equal(a.cpu(), b) and torch.equal(a, c), name
+    assert got.col_ranges is None and got.dense_mask is None
+
+
 @pytest.mark.parametrize("L", [131072, 1 << 20])
 def test_long_sequences_equal_the_cpu_kernel(L):
     for make in (lambda d: M.document(_lengths(L, 16, 1, 1).to(d)),
@@ -139,7 +167,8 @@ BACKENDS = [("triton", {"trim_lists": False})] + (
 
 
 @pytest.mark.parametrize("backend,options", BACKENDS, ids=[b for b, _ in BACKENDS])
-@pytest.mark.parametrize("kind", ["document", "document-noncausal", "prefix_lm", "column_ranges"])
+@pytest.mark.parametrize("kind", ["document", "document-noncausal", "prefix_lm", "column_ranges",
+                                  "block_sparse"])
 def test_no_host_sync_build_forward_backward(kind, backend, options):
     """Build + forward + backward under set_sync_debug_mode("error"); the result equals
     the torch build's."""
@@ -147,10 +176,13 @@ def test_no_host_sync_build_forward_backward(kind, backend, options):
     lens = torch.tensor([[300, 1000, 748], [2048, 0, 0]], device=DEV)
     prefix = torch.tensor([100, 1500], device=DEV)
     cr = torch.randint(0, L + 1, (B, Hkv, L, 2), device=DEV).sort(-1).values
+    layout = torch.rand(B, Hq, L // 128, L // 128, device=DEV) < 0.3
+    layout[:, :, 3] = False                               # fully masked query rows too
     make = {"document": lambda: M.document(lens),
             "document-noncausal": lambda: M.document(lens, causal=False),
             "prefix_lm": lambda: M.prefix_lm(prefix),
-            "column_ranges": lambda: M.column_ranges(cr, causal=True)}[kind]
+            "column_ranges": lambda: M.column_ranges(cr, causal=True),
+            "block_sparse": lambda: M.block_sparse(layout, 128)}[kind]
     q, k, v = _qkv(B, Hq, Hkv, L)
     kw = dict(backend=backend, kernel_options=options) if options else dict(backend=backend)
     torch.cuda.synchronize()
@@ -161,7 +193,7 @@ def test_no_host_sync_build_forward_backward(kind, backend, options):
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert desc.kv_index.dim() == (4 if kind == "column_ranges" else 5)
+    assert desc.kv_index.dim() == (4 if kind in ("column_ranges", "block_sparse") else 5)
     with build_op.use(False):
         ref = make().compile(B, Hq, Hkv, L, L)
     want = flexsparse.attention(q, k, v, ref, **kw)
@@ -208,6 +240,28 @@ def test_inside_torch_compile():
         lens = torch.tensor([[L // 2, L - L // 2]], device=DEV)
         q = torch.zeros(1, 2, L, 8, device=DEV)
         for a, b in zip(f(lens, q), build(lens, q)):
+            assert (a is None) == (b is None)
+            assert a is None or torch.equal(a, b)
+    assert counter.frame_count == 1
+
+
+def test_block_layout_inside_torch_compile():
+    """block_sparse(layout) built inside a compiled function (the op through its fake
+    kernel): one frame over three lengths, the eager op's tensors."""
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounter
+    counter = CompileCounter()
+
+    def build(layout, q):
+        B, H, L, _ = q.shape
+        return M.block_sparse(layout, 128).compile(B, H, H, L, L).mask_tensors()
+
+    f = torch.compile(build, backend=counter, fullgraph=True, dynamic=True)
+    for L in (1024, 3000, 8192):
+        n = -(-L // 128)
+        layout = torch.rand(1, 2, n, n, device=DEV) < 0.4
+        q = torch.zeros(1, 2, L, 16, device=DEV)   # (n = 8 at 1024: not the head dim)
+        for a, b in zip(f(layout, q), build(layout, q)):
             assert (a is None) == (b is None)
             assert a is None or torch.equal(a, b)
     assert counter.frame_count == 1
