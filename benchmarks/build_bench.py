@@ -102,7 +102,8 @@ def kernels_per_call(fn):
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-OP_KINDS = ("document(lengths tensor)", "prefix_lm(tensor)", "column_ranges(tensor)")
+OP_KINDS = ("document(lengths tensor)", "prefix_lm(tensor)", "column_ranges(tensor)",
+            "block_sparse(layout)")
 
 
 def main():
@@ -130,9 +131,10 @@ def main():
             build = lambda: make().compile(1, H, H, L, L, **kw)  # noqa: E731
             op, op_syncs, op_kernels = float("nan"), "n/a", "n/a"
             nb = -(-L // BLOCK)
-            # column ranges past STATIC_MAX_BLOCKS keep the compact build (padded lists)
-            if have_op and name in OP_KINDS and not (name.startswith("column")
-                                                      and nb * nb > STATIC_MAX_BLOCKS):
+            # column ranges and layouts past STATIC_MAX_BLOCKS keep the compact build
+            # (padded lists)
+            padded = name.startswith("column") or name.startswith("block_sparse")
+            if have_op and name in OP_KINDS and not (padded and nb * nb > STATIC_MAX_BLOCKS):
                 try:
                     with build_op.use(None):
                         op = time_us(build, reps)
