@@ -8,9 +8,10 @@ backward through autograd, as a training step runs it).
                                     [--reps 30] [--no-compile]
 
 Masks: benchmarks.build_bench's cases (document(lengths tensor), prefix_lm(tensor),
-column_ranges(tensor), block_sparse(layout)). Times: median ms per step over `reps` steps (GPU drained after each,
-so host and kernel time both count). Each row also checks that both ways give the same
-output (max abs difference).
+column_ranges(tensor), block_sparse(layout)). Times: median ms per step over `reps` steps
+(GPU drained after each, so host and kernel time both count), the two ways taking turns
+step by step. Each row also checks that both ways give the same output (max abs
+difference).
 """
 import argparse
 import statistics
@@ -41,18 +42,22 @@ def stepper(forward):
     return step
 
 
-def median_ms(fn, reps, device):
+def median_ms(fns, reps, device):
+    """Median ms per call of each function, the functions taking turns within every rep
+    (one run measured both ways one after the other drifted by ±10% between the two)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
+    for fn in fns:
+        for _ in range(3):
+            fn()
     sync()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtype=None):
@@ -75,8 +80,9 @@ def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtyp
             fresh = fn(q, k, v, make(), grad_out)
             diff = max(float((a.detach().float() - b.detach().float()).abs().max())
                        for a, b in zip(once, fresh))
-            t_once = median_ms(lambda: fn(q, k, v, desc, grad_out), reps, device)  # noqa: B023
-            t_fresh = median_ms(lambda: fn(q, k, v, make(), grad_out), reps, device)  # noqa: B023
+            t_once, t_fresh = median_ms([lambda: fn(q, k, v, desc, grad_out),  # noqa: B023
+                                         lambda: fn(q, k, v, make(), grad_out)],  # noqa: B023
+                                        reps, device)
             rows.append(dict(mask=name, mode=mode, once_ms=t_once, every_step_ms=t_fresh,
                              overhead_pct=100.0 * (t_fresh / t_once - 1.0), max_abs_diff=diff))
     return rows
