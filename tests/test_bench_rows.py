@@ -18,3 +18,4 @@ def test_step_bench_rows_on_cpu():
     for r in rows:
         assert r["max_abs_diff"] == 0.0, r
         assert r["once_ms"] > 0 and r["every_step_ms"] > 0, r
+        assert r["pipelined_once_ms"] > 0 and r["pipelined_every_step_ms"] > 0, r
