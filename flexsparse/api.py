@@ -10,7 +10,7 @@ from .descriptor import BlockDescriptor, check_sizes, dim_in
 from .ops import backends
 from .ops import kernel_options as kernel_options_mod
 from .ops import mask_checks
-from .ops.schema import attention_with_grad
+from .ops.schema import attention_with_grad, cuda_attention_with_grad
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "reference", "triton", "cuda")
@@ -85,8 +85,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         check(mt, Lq, Lk, *desc.block_size)
     if backend == "cuda":
         # The CUDA backend's own op: a compiled graph calls its C++ kernel directly.
-        out, lse = torch.ops.flexsparse.cuda_attention(query, key, value, bias, *mt, *tail,
-                                                       bool(deterministic))
+        out, lse = cuda_attention_with_grad(query, key, value, bias, *mt, *tail,
+                                            bool(deterministic))
     else:
         # the options travel in the op's backend string (the schema has no dict)
         out, lse = attention_with_grad(query, key, value, bias, *mt, *tail,

@@ -237,6 +237,7 @@ def _setup_context(ctx, inputs, output):
     ctx.tail = inputs[4 + len(MASK_TENSOR_NAMES):]
     ctx.eager = False           # _EagerAttention sets True
     ctx.index_mode = mask[MASK_TENSOR_NAMES.index("attn_indices")] is not None
+    ctx.device_key = "CUDA" if query.is_cuda else "CPU"   # (_cuda_backward's kernel check)
     out, lse = output
     ctx.n_mask = len(mask)
     ctx.save_for_backward(query, key, value, out, lse, bias, *mask)
@@ -280,7 +281,7 @@ def _cuda_backward(ctx, grad_out, grad_lse):
     if ctx.index_mode:
         return _backward(ctx, grad_out, grad_lse, _cuda_index_backward)
     if not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "flexsparse::cuda_attention_backward", "CUDA"):
+            "flexsparse::cuda_attention_backward", ctx.device_key):
         raise NotImplementedError(
             "backend='cuda': this build of flexsparse._C has forward kernels only (no "
             "csrc/bwd_sm90.cu yet); use backend='triton' or 'auto' for training")
@@ -348,3 +349,34 @@ def attention_with_grad(*args):
     if not torch.is_grad_enabled():
         return _below_autograd(torch.ops.flexsparse.attention, args)
     return _EagerAttention.apply(*args)
+
+
+class _EagerCudaAttention(torch.autograd.Function):
+    """_EagerAttention for the CUDA backend's op: its C++ kernel through the dispatcher below
+    the Autograd key, the registered autograd's context (_setup_context, _cuda_backward),
+    without register_autograd's fill_defaults (it reads the 22-argument schema's argument
+    list once per argument: ~95 us per call on CI's CPU; cProfile on the H100 machine put
+    0.4 ms of an eager fwd+bwd step in it, its own overhead included; docs/perf-notes.md
+    C57). An unused lse gets grad None, so the backward skips its conversion of a zero
+    grad_lse."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        ctx.set_materialize_grads(False)
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.flexsparse.cuda_attention(*args)
+        _setup_context(ctx, args, output)
+        ctx.eager = True
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _cuda_backward(ctx, grad_out, grad_lse)
+
+
+def cuda_attention_with_grad(*args):
+    """torch.ops.flexsparse.cuda_attention(*args) with autograd: the registered op when
+    compiling or without grad mode, the eager Function above otherwise."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return torch.ops.flexsparse.cuda_attention(*args)
+    return _EagerCudaAttention.apply(*args)
