@@ -292,26 +292,30 @@ torch.library.register_autograd("flexsparse::cuda_attention", _cuda_backward,
                                 setup_context=_setup_context)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The same autograd as registered above (_setup_context, _backward), for eager calls
-    from flexsparse.attention. register_autograd's wrapper refills the schema defaults on
-    every call with grad (torch/_library/utils.py fill_defaults), about 0.35 ms of host time
-    per call for this 23-argument schema on the H100 machine, longer than many of our
-    kernels; here grad mode is off inside forward, so the op takes its no-grad path."""
+def _eager_function(name, forward_call, backward_fn, doc):
+    """An autograd.Function with the registered autograd's context (_setup_context) for
+    eager calls: forward_call(args) runs the op below autograd, backward_fn(ctx, grad_out,
+    grad_lse) is the registered backward. An unused lse gets grad None, not a zero tensor
+    (saves a fill and the kernels' grad_lse reads); _backward fills a missing grad_out."""
 
-    @staticmethod
     def forward(ctx, *args):
-        # An unused lse gets grad None, not a zero tensor (saves a fill and the kernels'
-        # grad_lse reads); _backward fills a missing grad_out itself.
         ctx.set_materialize_grads(False)
-        output = _below_autograd(torch.ops.flexsparse.attention, args)
+        output = forward_call(args)
         _setup_context(ctx, args, output)
         ctx.eager = True
         return output
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        return _backward(ctx, grad_out, grad_lse)
+    return type(name, (torch.autograd.Function,), dict(
+        __doc__=doc, forward=staticmethod(forward), backward=staticmethod(backward_fn)))
+
+
+# register_autograd's wrapper refills the schema defaults on every call with grad
+# (torch/_library/utils.py fill_defaults reads the 23-argument schema's argument list once
+# per argument): about 0.35 ms of host time per call on the H100 machine, longer than many
+# of our kernels. Inside these Functions grad mode is off, so the op takes its no-grad path.
+_EagerAttention = _eager_function(
+    "_EagerAttention", lambda args: _below_autograd(torch.ops.flexsparse.attention, args),
+    _backward, "flexsparse::attention with autograd, for eager calls from flexsparse.attention.")
 
 
 # The Python kernels of the ops (backends.py fills this when it registers them), for eager
@@ -351,27 +355,18 @@ def attention_with_grad(*args):
     return _EagerAttention.apply(*args)
 
 
-class _EagerCudaAttention(torch.autograd.Function):
-    """_EagerAttention for the CUDA backend's op: its C++ kernel through the dispatcher below
-    the Autograd key, the registered autograd's context (_setup_context, _cuda_backward),
-    without register_autograd's fill_defaults (it reads the 22-argument schema's argument
-    list once per argument: ~95 us per call on CI's CPU; cProfile on the H100 machine put
-    0.4 ms of an eager fwd+bwd step in it, its own overhead included; docs/perf-notes.md
-    C57). An unused lse gets grad None, so the backward skips its conversion of a zero
-    grad_lse."""
+def _cuda_attention_below_autograd(args):
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.flexsparse.cuda_attention(*args)
 
-    @staticmethod
-    def forward(ctx, *args):
-        ctx.set_materialize_grads(False)
-        with torch._C._AutoDispatchBelowAutograd():
-            output = torch.ops.flexsparse.cuda_attention(*args)
-        _setup_context(ctx, args, output)
-        ctx.eager = True
-        return output
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        return _cuda_backward(ctx, grad_out, grad_lse)
+# The CUDA op's C++ kernel through the dispatcher below the Autograd key. Its fill_defaults
+# (22 arguments): ~95 us per call on CI's CPU; cProfile on the H100 machine put 0.4 ms of
+# an eager fwd+bwd step in it, its own overhead included (docs/perf-notes.md C57). An
+# unused lse's grad None also spares the C++ backward its conversion of a zero grad_lse.
+_EagerCudaAttention = _eager_function(
+    "_EagerCudaAttention", _cuda_attention_below_autograd, _cuda_backward,
+    "flexsparse::cuda_attention with autograd, for eager calls from flexsparse.attention.")
 
 
 def cuda_attention_with_grad(*args):

@@ -362,9 +362,8 @@ def test_raw_op_refuses_bad_arguments():
 
 # ------------------------------------------------------------------ torch.compile
 
-def test_inside_torch_compile_one_graph_over_lengths():
-    """fullgraph=True, dynamic=True: the mask built inside the compiled function is one op
-    node, the descriptor equals the eager one, and a second length does not recompile."""
+def _recording_counter():
+    """A compile counter whose backend records each graph's call_function targets."""
     from torch._dynamo.testing import CompileCounterWithBackend
     torch._dynamo.reset()
     seen = []
@@ -373,7 +372,13 @@ def test_inside_torch_compile_one_graph_over_lengths():
         seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
         return gm
 
-    counter = CompileCounterWithBackend(backend)
+    return CompileCounterWithBackend(backend), seen
+
+
+def test_inside_torch_compile_one_graph_over_lengths():
+    """fullgraph=True, dynamic=True: the mask built inside the compiled function is one op
+    node, the descriptor equals the eager one, and a second length does not recompile."""
+    counter, seen = _recording_counter()
 
     def build(lens, prefix, q):
         B, H, L, _ = q.shape
@@ -401,15 +406,7 @@ def test_inside_torch_compile_one_graph_over_lengths():
 def test_block_layout_inside_torch_compile_one_graph_over_lengths():
     """block_sparse(layout) built inside a compiled function: one build_block_lists node,
     no recompile over three lengths (the layout's grid follows L), the eager tensors."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    torch._dynamo.reset()
-    seen = []
-
-    def backend(gm, example_inputs):
-        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return gm
-
-    counter = CompileCounterWithBackend(backend)
+    counter, seen = _recording_counter()
 
     def build(layout, q):
         B, H, L, _ = q.shape
