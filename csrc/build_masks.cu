@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   if (w >= p.nQB + p.nKB) return;                  // whole warps leave together
   const bool kv = w < p.nQB;
   const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
-  const int32_t* bounds = p.layout != nullptr ? nullptr : p.bounds + ws_at(p, b, 0, 0);
+  const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
   int32_t *part, *full;
   int32_t *part_count, *full_count;
   if (kv) {
@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   auto state = [&](int64_t i) {                    // i: the block along the row
     int64_t qb = kv ? row : i, kb = kv ? i : row;
     if (p.layout != nullptr) return p.layout[(b * p.nQB + qb) * p.nKB + kb] ? int(kFull) : int(kSkip);
+    if (p.states != nullptr) return int(p.states[(b * p.nQB + qb) * p.nKB + kb]);
     return block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
   };
   int64_t np = 0, nf = 0;

@@ -78,9 +78,11 @@ struct BuildParams {
   // (bounds) and after step 3 (filled)
   int32_t* bounds = nullptr;
   int32_t* filled = nullptr;
-  // build_block_lists: a block layout (Bl, nQB, nKB), True = the block is attended whole
-  // (masks.block_sparse at the call's block size); the lists come from it, not from bounds
+  // build_block_lists: the lists come from a block grid (Bl, nQB, nKB) instead of bounds:
+  // a bool layout (True = the block is attended whole: masks.block_sparse at the call's
+  // block size) or int32 block states (kSkip / kPartial / kFull: descriptor.from_block_state)
   const bool* layout = nullptr;
+  const int32_t* states = nullptr;
 };
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }

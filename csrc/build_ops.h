@@ -29,7 +29,7 @@ using Outputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tenso
 // Column ranges and block layouts: the padded lists of row b (list_kernel in
 // build_masks.cu).
 void padded_lists_cpu(BuildParams& p, int64_t b) {
-  const int32_t* bounds = p.layout != nullptr ? nullptr : p.bounds + ws_at(p, b, 0, 0);
+  const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
   for (int kv = 1; kv >= 0; --kv) {
     const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
     for (int64_t row = 0; row < rows; ++row) {
@@ -39,8 +39,10 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
       int64_t np = 0, nf = 0;
       for (int64_t i = 0; i < n; ++i) {
         int64_t qb = kv ? row : i, kb = kv ? i : row;
-        st[i] = p.layout != nullptr ? (p.layout[(b * p.nQB + qb) * p.nKB + kb] ? kFull : kSkip)
-                                    : block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
+        const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
+        st[i] = p.layout != nullptr ? (p.layout[at] ? kFull : kSkip)
+                : p.states != nullptr ? p.states[at]
+                                      : block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
         np += st[i] == kPartial;
         nf += st[i] == kFull;
       }
@@ -261,13 +263,16 @@ Outputs build_column_ranges(const Tensor& startend, int64_t Lq, int64_t Lk, int6
 
 using ListOutputs = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// masks.block_sparse at the call's block size: the eight padded lists of a bool layout
-// (Bd, Hd, nQB, nKB), as descriptor._block_lists gives them for its FULL / SKIP states
-// (no partial blocks: counts 0, each row 0..n-1). One launch on CUDA.
+// The eight padded lists of a block grid (Bd, Hd, nQB, nKB), as descriptor._block_lists
+// gives them: a bool layout (True = FULL, else SKIP: masks.block_sparse at the call's block
+// size) or int32 states (SKIP / PARTIAL / FULL, descriptor.from_block_state's). One
+// launch on CUDA.
 ListOutputs build_block_lists(const Tensor& layout_in) {
   FLEXSPARSE_CHECK_VALUE(layout_in.dim() == 4, "flexsparse build: layout must be (B, H, nQB, nKB), got ",
                          layout_in.sizes());
-  FLEXSPARSE_CHECK_TYPE(layout_in.scalar_type() == at::kBool, "flexsparse build: layout must be bool, got ",
+  const bool states = layout_in.scalar_type() == at::kInt;
+  FLEXSPARSE_CHECK_TYPE(states || layout_in.scalar_type() == at::kBool,
+                        "flexsparse build: layout must be bool or int32 block states, got ",
                         layout_in.scalar_type());
   Tensor layout = layout_in.contiguous();
   const int64_t Bd = layout.size(0), Hd = layout.size(1), nQB = layout.size(2), nKB = layout.size(3);
@@ -276,7 +281,8 @@ ListOutputs build_block_lists(const Tensor& layout_in) {
   p.Bl = Bd * Hd;
   p.nQB = nQB;
   p.nKB = nKB;
-  p.layout = layout.data_ptr<bool>();
+  if (states) p.states = layout.data_ptr<int32_t>();
+  else p.layout = layout.data_ptr<bool>();
   auto opts = layout.options().dtype(at::kInt);
   Tensor kv_c = at::empty({Bd, Hd, nQB}, opts), kv_i = at::empty({Bd, Hd, nQB, nKB}, opts);
   Tensor kvf_c = at::empty({Bd, Hd, nQB}, opts), kvf_i = at::empty({Bd, Hd, nQB, nKB}, opts);

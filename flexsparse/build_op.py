@@ -11,8 +11,10 @@ gives them; O(N / block) at any length, and the form the kernels run fastest): t
 column ranges and block grid as the static build, which would hold padded (nQB x nKB)
 lists. FlashMask column ranges (user data, not always range-shaped) get exactly the
 static build's tensors, padded lists included, up to STATIC_MAX_BLOCKS in eager builds.
-Block layouts (`masks.block_sparse` at the call's block size) get the static build's
-padded lists too, in one launch (the torch build takes ~35).
+Block layouts (`masks.block_sparse` at the call's block size), and the block states of
+every other mask built at static shapes (`lists`: dense masks, shared-question,
+combinations, converted FlexAttention masks), get the static build's padded lists too,
+in one launch (the torch build of the lists takes ~35).
 
 Used by `masks.document`, `masks.prefix_lm(tensor)` and `masks.column_ranges` (each used
 alone) when the op is built and the mask is compiled for CUDA tensors, eager or inside
@@ -117,8 +119,12 @@ def column_ranges(startend: torch.Tensor, sz: Sizes, causal: bool) -> BlockDescr
                        sz)
 
 
-def block_lists(layout: torch.Tensor, sz: Sizes) -> BlockDescriptor:
-    """The descriptor of masks.block_sparse(layout) at sz's block size: layout (B|1, H|1,
-    nQB, nKB) bool on sz.device, shape checked; the static build's padded lists."""
+def lists(grid: torch.Tensor, sz: Sizes, **predicates) -> BlockDescriptor:
+    """The descriptor with the static build's padded lists of a block grid (B|1, H|1, nQB,
+    nKB) on sz.device: a bool layout (True = FULL, masks.block_sparse) or block states
+    (SKIP / PARTIAL / FULL, any integer dtype); `predicates`: the descriptor's element
+    predicates (dense_mask, col_ranges, partial_bits_index, partial_bits)."""
+    if grid.dtype not in (torch.bool, torch.int32):
+        grid = grid.to(torch.int32)
     return BlockDescriptor((sz.Lq, sz.Lk), (sz.block_q, sz.block_k), (sz.Hq, sz.Hkv),
-                           *_BLOCK_LISTS(layout))
+                           *_BLOCK_LISTS(grid), **predicates)

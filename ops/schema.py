@@ -140,8 +140,9 @@ def _build_column_ranges_fake(startend, Lq, Lk, block_q, block_k, causal):
     return _build_fake_outputs(startend, Bc, Lq, Lk, block_q, block_k, m, Hl=Hc, padded=True)
 
 
-# masks.block_sparse at the call's block size: the eight padded lists (MASK_TENSOR_NAMES[:8])
-# of a bool layout (B|1, H|1, nQB, nKB), as descriptor._block_lists gives them
+# The eight padded lists (MASK_TENSOR_NAMES[:8]) of a block grid (B|1, H|1, nQB, nKB), as
+# descriptor._block_lists gives them: a bool layout (masks.block_sparse at the call's block
+# size: True = FULL) or int32 block states (SKIP / PARTIAL / FULL)
 torch.library.define(
     "flexsparse::build_block_lists",
     "(Tensor layout) -> (" + ", ".join(f"Tensor {n}" for n in MASK_TENSOR_NAMES[:8]) + ")")
@@ -149,8 +150,8 @@ torch.library.define(
 
 @torch.library.register_fake("flexsparse::build_block_lists")
 def _build_block_lists_fake(layout):
-    if layout.dim() != 4 or layout.dtype != torch.bool:
-        raise ValueError(f"flexsparse build: layout must be a 4-D bool tensor, got "
+    if layout.dim() != 4 or layout.dtype not in (torch.bool, torch.int32):
+        raise ValueError(f"flexsparse build: layout must be a 4-D bool or int32 tensor, got "
                          f"{layout.dtype} {tuple(layout.shape)}")
     Bd, Hd, nQB, nKB = layout.shape
     out = []

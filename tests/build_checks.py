@@ -2,6 +2,7 @@
 tests/gpu/test_build_op_gpu.py (no hypothesis here: the GPU machine may lack it)."""
 import torch
 
+from flexsparse import masks as M
 from flexsparse.ops import visibility
 from flexsparse.ops.schema import MAX_RANGES
 
@@ -42,3 +43,19 @@ def check_range_rows(desc):
         assert (nonempty[..., 1:] <= nonempty[..., :-1]).all(), name
         both = nonempty[..., 1:] & nonempty[..., :-1]
         assert (~both | (lo[..., 1:] > hi[..., :-1])).all(), name
+
+
+def state_masks(L, device="cpu"):
+    """Masks whose static build reaches the descriptor through block states
+    (DescriptorParts.state) rather than a build op of their own."""
+    g = torch.Generator().manual_seed(L)
+    dense = (torch.rand(2, 1, L, L, generator=g) < 0.6).to(device)
+    return {
+        "causal": M.causal(),
+        "sliding": M.sliding_window(L // 5),
+        "shared_question": M.shared_question(L // 3, [L // 3, L - 2 * (L // 3)]),
+        "dense": M.dense(dense),
+        "and(dense, causal)": M.and_(M.dense(dense), M.causal()),
+        "or(sliding, prefix)": M.or_(M.sliding_window(7), M.prefix_lm(L // 4)),
+        "document | global": M.or_(M.document([L // 2, L - L // 2]), M.global_tokens(3)),
+    }

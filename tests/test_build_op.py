@@ -26,7 +26,7 @@ from flexsparse import masks as M
 from flexsparse.descriptor import Sizes, building_static
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from build_checks import LISTS, check_range_rows, grids
+from build_checks import LISTS, check_range_rows, grids, state_masks
 
 if os.environ.get("FLEXSPARSE_TEST_BUILD_LIB"):
     torch.ops.load_library(os.environ["FLEXSPARSE_TEST_BUILD_LIB"])
@@ -278,6 +278,62 @@ def test_block_layout_random(Lq, Lk, block, bh, density, seed):
                                flexsparse.attention(q, k, v, torch_build), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", list(state_masks(8)))
+@pytest.mark.parametrize("L,block", [(100, (16, 16)), (77, (32, 16)), (64, (64, 64))])
+def test_block_states_to_lists_in_one_op_call(name, L, block):
+    """Static builds of masks that reach the descriptor through block states
+    (DescriptorParts.state): with the op, the eight lists come from one build_block_lists
+    call on the int32 states; every tensor equals the torch build's, and the attention
+    through it the torch build's (float64)."""
+    mask = state_masks(L)[name]
+    B, Hq, Hkv = 2, 4, 2
+    M.clear_cache()
+    with building_static(), build_op.use(False):
+        want = mask._descriptor(_sizes(B, Hq, Hkv, L, L, block))
+    with building_static(), build_op.use(True), mock.patch.object(
+            build_op, "_BLOCK_LISTS", wraps=build_op._BLOCK_LISTS) as op:
+        got = mask._descriptor(_sizes(B, Hq, Hkv, L, L, block))
+    assert op.call_count == 1
+    assert op.call_args.args[0].dtype == torch.int32
+    for n, a, b in zip(got.mask_tensors()._fields, got.mask_tensors(), want.mask_tensors()):
+        assert (a is None) == (b is None), n
+        assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), n
+    g = torch.Generator().manual_seed(L)
+    q = torch.randn(B, Hq, L, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(B, Hkv, L, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(B, Hkv, L, 8, dtype=torch.float64, generator=g)
+    torch.testing.assert_close(flexsparse.attention(q, k, v, got),
+                               flexsparse.attention(q, k, v, want), rtol=0, atol=0)
+
+
+def test_block_states_inside_torch_compile_one_graph_over_lengths():
+    """A mask built through block states (and_(dense, causal)) inside a compiled function:
+    its lists from one build_block_lists node, no recompile over three lengths, the torch
+    static build's tensors."""
+    counter, seen = _recording_counter()
+
+    def build(dmask, q):
+        B, H, L, _ = q.shape
+        mask = M.and_(M.dense(dmask), M.causal())
+        return mask.compile(B, H, H, L, L, block_size=(16, 16)).mask_tensors()
+
+    f = torch.compile(build, backend=counter, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(3)
+    with build_op.use(True):
+        for L in (80, 96, 130):
+            dmask = torch.rand(1, 1, L, L, generator=g) < 0.5
+            q = torch.zeros(2, 2, L, 8)
+            with building_static(), build_op.use(False):
+                want = M.and_(M.dense(dmask), M.causal())._descriptor(
+                    _sizes(2, 2, 2, L, L, (16, 16))).mask_tensors()
+            for a, b in zip(f(dmask, q), want):
+                assert (a is None) == (b is None)
+                assert a is None or torch.equal(a, b)
+    assert counter.frame_count == 1
+    ops = [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
+    assert ops == ["flexsparse.build_block_lists"], seen
+
+
 def test_block_layout_other_block_size_keeps_the_torch_build():
     """A layout at another block size than the call's is evaluated per element (bitmaps):
     not the op's job; the descriptor equals the torch build's."""
@@ -296,7 +352,7 @@ def test_block_layout_bad_shapes_raise_before_the_op():
     layout = torch.ones(1, 2, 3, 3, dtype=torch.bool)
     with build_op.use(True), pytest.raises(ValueError, match=r"layout: shape \(1, 2, 3, 3\)"):
         M.block_sparse(layout, 128).compile(1, 2, 2, 256, 256)
-    with pytest.raises(ValueError, match="layout must be a 4-D bool tensor"):
+    with pytest.raises(ValueError, match="layout must be a 4-D bool or int32 tensor"):
         with FakeTensorMode() as mode:
             torch.ops.flexsparse.build_block_lists(mode.from_tensor(torch.ones(2, 2, dtype=torch.bool)))
 

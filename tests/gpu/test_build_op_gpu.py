@@ -25,7 +25,7 @@ if not build_op.available("cuda"):
     pytest.skip("flexsparse._C (the mask-build ops) is not built", allow_module_level=True)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from build_checks import LISTS, check_range_rows, grids  # noqa: E402
+from build_checks import LISTS, check_range_rows, grids, state_masks  # noqa: E402
 
 DEV = "cuda"
 FIELDS = ("col_ranges",) + tuple(f"{n}_{w}" for n in LISTS for w in ("count", "index"))
@@ -141,6 +141,26 @@ def test_block_layout_equals_cpu_kernel_and_static_build(bh, Lq, Lk, block):
         a, b, c = getattr(got, name), getattr(cpu_op, name), getattr(static, name)
         assert torch.equal(a.cpu(), b) and torch.equal(a, c), name
     assert got.col_ranges is None and got.dense_mask is None
+
+
+@pytest.mark.parametrize("name", list(state_masks(8)))
+@pytest.mark.parametrize("L,block", [(1000, (128, 128)), (4097, (128, 64))])
+def test_block_states_equal_cpu_kernel_and_torch_lists(name, L, block):
+    """Static builds through block states (dense masks, shared-question, combinations,
+    ...): the CUDA build_block_lists call on the int32 states gives the torch build's
+    lists bit for bit, as the CPU kernel does."""
+    from flexsparse.descriptor import Sizes, building_static
+    B, Hq, Hkv = 2, 4, 2
+    out = {}
+    for label, device, mode in (("cuda", DEV, None), ("cpu", "cpu", True), ("torch", DEV, False)):
+        M.clear_cache()
+        sz = Sizes(B, Hq, Hkv, L, L, *block, M.canonical_device(device))
+        with building_static(), build_op.use(mode):
+            out[label] = state_masks(L, device)[name]._descriptor(sz)
+    for field in FIELDS[1:] + ("dense_mask", "col_ranges", "partial_bits_index", "partial_bits"):
+        a, b, c = (getattr(out[k], field) for k in ("cuda", "cpu", "torch"))
+        assert (a is None) == (b is None) == (c is None), field
+        assert a is None or (torch.equal(a.cpu(), b) and torch.equal(a, c)), field
 
 
 @pytest.mark.parametrize("L", [131072, 1 << 20])
