@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .descriptor import BlockDescriptor, Sizes
+from .descriptor import BlockDescriptor, DescriptorParts, Sizes, static_shapes
 
 _OPS = ("flexsparse::build_document", "flexsparse::build_prefix_lm",
         "flexsparse::build_column_ranges", "flexsparse::build_block_lists")
@@ -128,3 +128,17 @@ def lists(grid: torch.Tensor, sz: Sizes, **predicates) -> BlockDescriptor:
         grid = grid.to(torch.int32)
     return BlockDescriptor((sz.Lq, sz.Lk), (sz.block_q, sz.block_k), (sz.Hq, sz.Hkv),
                            *_BLOCK_LISTS(grid), **predicates)
+
+
+def descriptor_of(parts: DescriptorParts, sz: Sizes) -> BlockDescriptor:
+    """parts.to_descriptor(sz), with the padded lists of a static build (inside
+    torch.compile, or eager where building_static is on) from one `lists` call where the
+    op is used for sz.device: the same tensors as the torch build of the lists, one launch
+    instead of ~35. Other builds keep to_descriptor (the range form where every row is a
+    few runs of blocks)."""
+    if (parts.attn_indices is None and parts.state is not None and static_shapes()
+            and parts.state.device == sz.device and wanted(sz.device)):
+        return lists(parts.state, sz, dense_mask=parts.dense_mask, col_ranges=parts.col_ranges,
+                     partial_bits_index=parts.partial_bits_index,
+                     partial_bits=parts.partial_bits)
+    return parts.to_descriptor(sz)

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from . import build_op
 from . import masks as masks_mod
 from .blocklists import descriptor_from_entries
 from .descriptor import (FULL, PARTIAL, BlockDescriptor, DescriptorParts, Sizes, assert_in_graph,
@@ -166,7 +167,7 @@ class _BlockListMask(Mask):
     def _descriptor(self, sz: Sizes) -> BlockDescriptor:
         self._check(sz)
         if torch.compiler.is_compiling():
-            return self._parts(sz).to_descriptor(sz)
+            return build_op.descriptor_of(self._parts(sz), sz)
         return self.descriptor(sz.B, sz.Hq, sz.Hkv)
 
     def _parts(self, sz: Sizes) -> DescriptorParts:

@@ -55,21 +55,6 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _lists_of(parts: DescriptorParts, sz: Sizes) -> BlockDescriptor:
-    """parts.to_descriptor(sz), with the padded lists of a static build (inside
-    torch.compile, or eager where building_static is on) from one build-op call where the
-    op is used for sz.device (flexsparse/build_op.py): the same tensors as the torch build
-    of the lists, one launch instead of ~35. Other builds keep to_descriptor (the range
-    form where every row is a few runs of blocks)."""
-    if (parts.attn_indices is None and parts.state is not None and static_shapes()
-            and parts.state.device == sz.device and build_op.wanted(sz.device)):
-        return build_op.lists(parts.state, sz, dense_mask=parts.dense_mask,
-                              col_ranges=parts.col_ranges,
-                              partial_bits_index=parts.partial_bits_index,
-                              partial_bits=parts.partial_bits)
-    return parts.to_descriptor(sz)
-
-
 def _values_text(t: torch.Tensor) -> str:
     """A tensor's values for a mask's text; a GPU tensor's device only (reading its values
     would synchronize with the device, and fails during CUDA-graph capture)."""
@@ -209,7 +194,7 @@ class Mask:
         raise NotImplementedError
 
     def _descriptor(self, sz: Sizes) -> BlockDescriptor:
-        return _lists_of(self._parts(sz), sz)
+        return build_op.descriptor_of(self._parts(sz), sz)
 
     def _op_descriptor(self, sz: Sizes) -> Optional[BlockDescriptor]:
         """The descriptor from one build-op call (flexsparse/build_op.py), or None where
@@ -434,7 +419,7 @@ class _ColumnRanges(Mask):
         # Eager: O(N) without the dense block grid (flexsparse/blocklists.py).
         cr = None if static_shapes() else self._column_ranges(sz)
         if cr is None:
-            return _lists_of(self._parts(sz), sz)
+            return build_op.descriptor_of(self._parts(sz), sz)
         common = dict(seq_lengths=(sz.Lq, sz.Lk), block_size=(sz.block_q, sz.block_k),
                       num_heads=(sz.Hq, sz.Hkv))
         # Range form when every row is a few block ranges (the named masks), else lists.
