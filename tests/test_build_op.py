@@ -34,6 +34,17 @@ if os.environ.get("FLEXSPARSE_TEST_BUILD_LIB"):
 pytestmark = pytest.mark.skipif(not build_op.available("cpu"),
                                 reason="flexsparse._C (the mask-build ops) is not built")
 
+
+def _same_attention(got, want, B, Hq, Hkv, Lq, Lk, seed):
+    """float64 attention through two descriptors of one mask: exactly equal outputs."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
+    torch.testing.assert_close(flexsparse.attention(q, k, v, got),
+                               flexsparse.attention(q, k, v, want), rtol=0, atol=0)
+
+
 def _sizes(B, Hq, Hkv, Lq, Lk, block):
     return Sizes(B, Hq, Hkv, Lq, Lk, *block, torch.device("cpu"))
 
@@ -64,12 +75,7 @@ def _compare(mask, B, Hq, Hkv, Lq, Lk, block, attention=False):
         assert getattr(got, field) == getattr(static, field)
     _check_fake_shapes(mask, got, Lq, Lk, block)
     if attention:
-        g = torch.Generator().manual_seed(Lq)
-        q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
-        k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
-        v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
-        torch.testing.assert_close(flexsparse.attention(q, k, v, got),
-                                   flexsparse.attention(q, k, v, static), rtol=0, atol=0)
+        _same_attention(got, static, B, Hq, Hkv, Lq, Lk, Lq)
     return got
 
 
@@ -212,13 +218,8 @@ def _compare_static(t, causal, B, Hq, Hkv, Lq, Lk, block, attention=False):
     for f, r in zip(fake, real):
         assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype
     if attention:
-        g = torch.Generator().manual_seed(Lq)
-        q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
-        k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
-        v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
         compact = mask.compile(B, Hq, Hkv, Lq, Lk, block_size=block)
-        torch.testing.assert_close(flexsparse.attention(q, k, v, got),
-                                   flexsparse.attention(q, k, v, compact), rtol=0, atol=0)
+        _same_attention(got, compact, B, Hq, Hkv, Lq, Lk, Lq)
     return got
 
 
@@ -298,12 +299,7 @@ def test_block_states_to_lists_in_one_op_call(name, L, block):
     for n, a, b in zip(got.mask_tensors()._fields, got.mask_tensors(), want.mask_tensors()):
         assert (a is None) == (b is None), n
         assert a is None or (a.dtype == b.dtype and torch.equal(a, b)), n
-    g = torch.Generator().manual_seed(L)
-    q = torch.randn(B, Hq, L, 8, dtype=torch.float64, generator=g)
-    k = torch.randn(B, Hkv, L, 8, dtype=torch.float64, generator=g)
-    v = torch.randn(B, Hkv, L, 8, dtype=torch.float64, generator=g)
-    torch.testing.assert_close(flexsparse.attention(q, k, v, got),
-                               flexsparse.attention(q, k, v, want), rtol=0, atol=0)
+    _same_attention(got, want, B, Hq, Hkv, L, L, L)
 
 
 def test_block_states_inside_torch_compile_one_graph_over_lengths():
@@ -326,12 +322,9 @@ def test_block_states_inside_torch_compile_one_graph_over_lengths():
             with building_static(), build_op.use(False):
                 want = M.and_(M.dense(dmask), M.causal())._descriptor(
                     _sizes(2, 2, 2, L, L, (16, 16))).mask_tensors()
-            for a, b in zip(f(dmask, q), want):
-                assert (a is None) == (b is None)
-                assert a is None or torch.equal(a, b)
+            _assert_same_tensors(f(dmask, q), want)
     assert counter.frame_count == 1
-    ops = [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
-    assert ops == ["flexsparse.build_block_lists"], seen
+    assert _flexsparse_ops(seen) == ["flexsparse.build_block_lists"], seen
 
 
 def test_block_layout_other_block_size_keeps_the_torch_build():
@@ -418,6 +411,17 @@ def test_raw_op_refuses_bad_arguments():
 
 # ------------------------------------------------------------------ torch.compile
 
+def _assert_same_tensors(got, want):
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a, b)
+
+
+def _flexsparse_ops(seen):
+    """The flexsparse ops of the recorded graphs, overload names dropped."""
+    return [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
+
+
 def _recording_counter():
     """A compile counter whose backend records each graph's call_function targets."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -475,12 +479,9 @@ def test_block_layout_inside_torch_compile_one_graph_over_lengths():
             n = -(-L // 16)
             layout = torch.rand(2, 1, n, n, generator=g) < 0.4
             q = torch.zeros(2, 2, L, 8)
-            for a, b in zip(f(layout, q), build(layout, q)):
-                assert (a is None) == (b is None)
-                assert a is None or torch.equal(a, b)
+            _assert_same_tensors(f(layout, q), build(layout, q))
     assert counter.frame_count == 1
-    ops = [t.replace(".default", "") for graph in seen for t in graph if "flexsparse" in t]
-    assert ops == ["flexsparse.build_block_lists"], seen
+    assert _flexsparse_ops(seen) == ["flexsparse.build_block_lists"], seen
 
 
 def test_compiled_first_use_does_not_query_the_dispatcher():
