@@ -123,10 +123,15 @@ if [[ " $parts " == *" trace "* ]]; then
     ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
 fi
 # Issue 16's whole step: fwd+bwd with a tensor-holding mask built every step against its
-# descriptor compiled once (eager and compiled), 8K.
+# descriptor compiled once (eager and compiled), 8K; then where an eager step's host time
+# goes (both autograd paths of the CUDA op) and a profiler timeline of pipelined steps.
 if [[ " $parts " == *" step "* ]]; then
   timeout "${T_STEP:-240}" python3 -m benchmarks.step_bench ${STEP_ARGS:-} 2>&1 | grep -v Warning \
     | tee "$OUT/step_bench.md"
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 120 python3 tests/gpu/profile_step_host.py --steps 200 2>&1 | grep -v Warning \
+    > "$OUT/step_host.txt"; grep "^|" "$OUT/step_host.txt"
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 120 python3 tests/gpu/profile_step_timeline.py 2>&1 | grep -v Warning \
+    | tee "$OUT/step_timeline.md"
 fi
 if want cudabench; then
   timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \
