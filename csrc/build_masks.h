@@ -331,7 +331,8 @@ inline bool needs_ends(const BuildParams& p) {
   return is_document(p.kind) && (p.n_docs > kSharedDocs || p.n_docs * p.nKB > kSharedScanWork);
 }
 constexpr int64_t kSharedBoundsBytes = 40 * 1024;   // + static: under the 48 KB default
-// The padded lists of a block layout (p.layout; outputs as for column ranges): one launch.
+// The padded lists of a block grid (p.layout or p.states; outputs as for column ranges):
+// one launch.
 void build_block_lists_cuda(const BuildParams& p, void* stream);
 
 }  // namespace build

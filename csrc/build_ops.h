@@ -276,8 +276,7 @@ ListOutputs build_block_lists(const Tensor& layout_in) {
                         layout_in.scalar_type());
   Tensor layout = layout_in.contiguous();
   const int64_t Bd = layout.size(0), Hd = layout.size(1), nQB = layout.size(2), nKB = layout.size(3);
-  BuildParams p;
-  p.kind = kColumnRanges;   // (the padded-list form; no column ranges are built)
+  BuildParams p;   // (list_kernel and padded_lists_cpu read the grid, not p.kind or bounds)
   p.Bl = Bd * Hd;
   p.nQB = nQB;
   p.nKB = nKB;

@@ -305,9 +305,8 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
       __syncwarp();
       const int c1 = min(n_qb, c0 + kChunk);
       for (int qb = c0; qb < c1; ++qb) {
-        if ((bitmap[(qb - c0) / 32] >> ((qb - c0) % 32)) & 1u) continue;
+        if (!lane_cols || (bitmap[(qb - c0) / 32] >> ((qb - c0) % 32)) & 1u) continue;
         const int rows = min(p.block_q, p.Lq - qb * p.block_q);
-        if (!lane_cols) continue;
         char* at = head_base + ((int64_t)qb * p.block_q + lane / 16) * row_bytes;
         int r = lane / 16;
         #pragma unroll 1
@@ -347,9 +346,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const bool lane_leader = cute::elect_one_sync();
   // L2 policies of the bias-tile kernels, whose bias, dbias and zeros stream ~6 GB per
   // causal 8K call through L2: query and dO tiles, which every key tile of their head
-  // reads again, evict-last; bias tiles (read once), dbias tiles and zeros (written once)
-  // evict-first. 4-10% on the H100's bias rows (docs/perf-notes.md C55). FLEXSPARSE_CUDA_DEBUG
-  // bit 16384: the loads without hints, bit 2097152: the stores without (A/Bs).
+  // reads again, evict-last; bias tiles (read once) and dbias tiles (written once)
+  // evict-first (the zeros are streaming stores of their own, zero_unlisted_dbias). 4-10% on
+  // the H100's bias rows (docs/perf-notes.md C55). FLEXSPARSE_CUDA_DEBUG bit 16384: the
+  // loads without hints, bit 2097152: the dbias tile stores without (A/Bs).
   const bool l2_hints = T::kBiasTiles && !(p.debug & 16384);
   const bool store_hints = T::kBiasTiles && !(p.debug & 2097152);
   const auto reused = l2_hints ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;

@@ -287,6 +287,14 @@ def test_forward_bias_scales(scale):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+def _hand_nan_blocks(shape):
+    """Leave NaN-filled bf16 blocks of `shape` in the caching allocator, for the next
+    allocations of that size (dbias): an entry the kernel does not write stays NaN."""
+    poison = [torch.full(shape, float("nan"), device=T.DEV, dtype=torch.bfloat16)
+              for _ in range(4)]
+    del poison
+
+
 def _bias_grads(q, k, v, bias, desc, dout, backend):
     q, k, v, bias = (t.detach().requires_grad_() for t in (q, k, v, bias))
     out = flexsparse.attention(q, k, v, desc, bias=bias, backend=backend)
@@ -304,9 +312,7 @@ def test_bias_tiles_write_every_dbias_entry(monkeypatch):
     bias = torch.randn(B, H, L, L, device=T.DEV, dtype=torch.bfloat16)
     dout = torch.randn(B, H, L, D, device=T.DEV, dtype=torch.bfloat16)
     desc = M.document([300, 500, 224]).compile(B, H, H, L, L, device=T.DEV)
-    poison = [torch.full((B, H, L, L), float("nan"), device=T.DEV, dtype=torch.bfloat16)
-              for _ in range(4)]
-    del poison
+    _hand_nan_blocks((B, H, L, L))
     got = _bias_grads(q, k, v, bias, desc, dout, "cuda")
     monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "512")
     general = _bias_grads(q, k, v, bias, desc, dout, "cuda")
@@ -335,9 +341,7 @@ def test_bias_tiles_store_hints_write_what_copy_writes(D, monkeypatch):
     desc = M.document([300, 411, 193]).compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=(128, 256))
 
     def grads():
-        poison = [torch.full((B, Hq, L, L), float("nan"), device=T.DEV, dtype=torch.bfloat16)
-                  for _ in range(4)]
-        del poison
+        _hand_nan_blocks((B, Hq, L, L))
         return _bias_grads(q, k, v, bias, desc, dout, "cuda")
 
     hinted = grads()
