@@ -769,8 +769,19 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // kBiasMma: whether a row of this thread's in the current work tile met a NaN score
     // (an infinite bias entry; the work tile then goes to the redo queue).
     bool nan_scores = false;
-    // Online softmax: the new row max, P = exp2(s - max) in place of the scores, the running
-    // sums, and alpha = exp2(m_old - m_new), the factor for the running output.
+    // Lazy rescaling (FlashAttention-4's): a row keeps the max it subtracts until a tile's
+    // max exceeds it by more than kRescaleMargin in exp2's argument. P then stays below
+    // 2^kRescaleMargin (16-bit P keeps its relative precision; sums and O are float), and
+    // on most tiles no row of a warp moves, so the warp skips O's rescale (kHeadDim / 2
+    // FMULs per thread per tile; time follows the consumers' instructions, perf-notes C24).
+    // The lse uses the max that was subtracted, so it is exact all the same.
+    // FLEXSPARSE_CUDA_DEBUG bit 8388608: a new max on every rise, O rescaled every tile (A/Bs).
+    constexpr float kRescaleMargin = 8.f;
+    const bool eager_rescale = p.debug & 8388608;
+    const float rescale_margin = eager_rescale ? 0.f : kRescaleMargin;
+    // Online softmax: the row max to subtract, P = exp2(s - max) in place of the scores, the
+    // running sums, and alpha = exp2(m_old - m_new), the factor for the running output (1
+    // where the max stays).
     auto softmax = [&](FragS& tSrS, float (&alpha)[kRows]) {
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       CUTLASS_PRAGMA_UNROLL
@@ -781,9 +792,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // (Rows past Lq may read a bias half that was not loaded: not theirs to report.)
         if constexpr (T::kBiasMma) nan_scores |= m != m && i0 + row_base + 8 * r < p.Lq;
         m = quad_max(m);
-        const float m_scaled = m == -INFINITY ? 0.f : m * exp_scale;
-        alpha[r] = m == -INFINITY ? 1.f : exp2f(row_max[r] * exp_scale - m_scaled);
-        row_max[r] = m;
+        // m >= row_max (both -inf, or NaN from an infinite bias entry: no move). From -inf
+        // to a finite max always moves, with alpha = 0 (O and the sum are 0 then).
+        const bool moves = (m - row_max[r]) * exp_scale > rescale_margin;
+        alpha[r] = moves ? exp2f((row_max[r] - m) * exp_scale) : 1.f;
+        if (moves) row_max[r] = m;
+        const float m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * exp_scale;
         float sum = 0.f;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
@@ -794,7 +808,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         row_sum[r] = row_sum[r] * alpha[r] + sum;
       }
     };
+    // O *= alpha, where a row of this warp moved its max (a warp-uniform branch: the
+    // warpgroup's other warps and the wgmmas are not involved).
     auto rescale_o = [&](float const (&alpha)[kRows]) {
+      bool moved = eager_rescale;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) moved |= alpha[r] != 1.f;
+      if (!__any_sync(0xffffffffu, moved)) return;
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
