@@ -38,6 +38,27 @@ def test_mask_kinds(kind, dtype):
     check(B, Hq, Hkv, L, L, 128, T.mask_kinds(B, Hkv, L)[kind], dtype)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_row_max_moving_over_tiles(D, dtype):
+    """The forward subtracts a row's old max until a tile's max exceeds it by more than 8
+    (log2 units; lazy rescaling): keys whose scores grow along the sequence (a ramp, and a
+    jump at key 1500 that every row sees) move the max on later tiles, by less and by more
+    than that margin, and keys of large scores first (key 0..99) keep it from moving. Full
+    and causal, against float64."""
+    torch.manual_seed(D)
+    B, Hq, Hkv, L = 1, 4, 2, 2000
+    q = torch.randn(B, Hq, L, D, device=T.DEV)
+    k = torch.randn(B, Hkv, L, D, device=T.DEV)
+    ramp = torch.linspace(0.5, 3.0, L, device=T.DEV)
+    ramp[1500:] *= 4.0
+    ramp[:100] = 6.0
+    k = k * ramp[:, None]
+    v = torch.randn(B, Hkv, L, D, device=T.DEV)
+    for mask in (None, M.causal()):
+        check(B, Hq, Hkv, L, L, D, mask, dtype, inputs=(q, k, v))
+
+
 def test_block_size_below_tile_is_refused():
     """A descriptor of 64-token blocks is finer than the kernel's 128-row query tile."""
     q = torch.randn(1, 2, 256, 128, device=T.DEV, dtype=torch.float16)

@@ -64,11 +64,14 @@ def grads(fn, q, k, v, bias, dtype, dout, dlse, backward=True):
 
 
 def check(B, Hq, Hkv, Lq, Lk, D, mask, dtype, *, bias_shape=None, softcap=None,
-          deterministic=False, desc=None, backend="triton", backward=True, bias=None):
-    """bias: a given bias (float32) in place of a random one of bias_shape."""
-    q = torch.randn(B, Hq, Lq, D, device=DEV)
-    k = torch.randn(B, Hkv, Lk, D, device=DEV)
-    v = torch.randn(B, Hkv, Lk, D, device=DEV)
+          deterministic=False, desc=None, backend="triton", backward=True, bias=None,
+          inputs=None):
+    """bias: a given bias (float32) in place of a random one of bias_shape; inputs: given
+    (q, k, v) (float32) in place of random ones."""
+    if inputs is None:
+        inputs = (torch.randn(B, Hq, Lq, D, device=DEV), torch.randn(B, Hkv, Lk, D, device=DEV),
+                  torch.randn(B, Hkv, Lk, D, device=DEV))
+    q, k, v = inputs
     if bias is None and bias_shape is not None:
         bias = torch.randn(bias_shape, device=DEV)
     scale = 1.0 / math.sqrt(D)
