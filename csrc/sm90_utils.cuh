@@ -92,6 +92,28 @@ struct NoWgmma {
   __device__ void operator()() const {}
 };
 
+// The k-th slice of a wgmma operand. A shared-memory (descriptor) operand's descriptor is
+// advanced by one 64-bit add: CuTe's DescriptorIterator adds to the low word and copies the
+// high one, which ptxas rebuilds with a UMOV beside a UIADD3 before every wgmma (two per
+// SS wgmma); a 64-bit add is one UIADD3.64 (as FlashAttention-4's Hopper code compiles;
+// docs/perf-notes.md C58). The descriptor fields the offset reaches are in the low word,
+// which a valid descriptor never carries out of. (-DFLEXSPARSE_DESC32: CuTe's 32-bit add,
+// for a same-machine A/B of two builds, tests/gpu.sh desc_ab.)
+template <class Operand>
+__device__ __forceinline__ auto k_slice(Operand const& t, int k) {
+#ifdef FLEXSPARSE_DESC32
+  constexpr bool kDesc64 = false;
+#else
+  constexpr bool kDesc64 = true;
+#endif
+  if constexpr (kDesc64 && is_same<remove_cvref_t<decltype(t.data())>, GMMA::DescriptorIterator>::value) {
+    const GMMA::DescriptorIterator it{GmmaDescriptor{t.data().desc_.desc_ + uint64_t(t.layout()(0, 0, k))}};
+    return make_tensor(it, t(_, _, k).layout());
+  } else {
+    return t(_, _, k);
+  }
+}
+
 // C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.
 // wait >= 0: wait until at most `wait` batches are in flight before returning.
 // more(): further wgmmas of the same batch, issued after A * B's (e.g. onto C).
@@ -105,7 +127,7 @@ __device__ __forceinline__ void gemm(TiledMma& tiled_mma, TA const& tCrA, TB con
   if constexpr (zero_init) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < size<2>(tCrA); ++k) {
-    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    cute::gemm(tiled_mma, k_slice(tCrA, k), k_slice(tCrB, k), tCrC);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   more();

@@ -36,6 +36,16 @@ print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
 PY
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# desc_ab (below): the second build, of a copy of the tree with -DFLEXSPARSE_DESC32, starts
+# here in the background, beside the main build (16 cores hold both).
+desc_tree=/tmp/flexsparse_desc32
+if [[ " $parts " == *" desc_ab "* ]]; then
+  rm -rf "$desc_tree"; mkdir -p "$desc_tree"
+  cp -a setup.py pyproject.toml README.md csrc flexsparse ops benchmarks "$desc_tree"/
+  rm -f "$desc_tree"/flexsparse/_C*.so
+  (cd "$desc_tree" && FLEXSPARSE_NVCC_FLAGS=-DFLEXSPARSE_DESC32 FLEXSPARSE_BUILD_CUDA=1 MAX_JOBS=16 \
+     python3 setup.py -q build_ext --inplace > "$OUT/desc32_build.log" 2>&1; echo $? > "$desc_tree/.rc") &
+fi
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
 # A machine still warm from the last call keeps flexsparse/_C*.so (ignored by git, so the
 # device keeps it): when csrc/ and the build files hash the same as for that build, the
@@ -107,6 +117,27 @@ fi
 if [[ " $parts " == *" ab "* ]]; then
   timeout "${T_AB:-300}" python3 -m benchmarks.cuda_ab ${AB_ROWS:-} ${AB_ARGS:---bwd} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_ab.md"
+fi
+# Same-machine A/B of the wgmma descriptors' 64-bit add (this build) against CuTe's 32-bit
+# add (the -DFLEXSPARSE_DESC32 build started above; docs/perf-notes.md C58): cuda_bench
+# --cuda-only over DESC_ROWS, this build and that one in turn, DESC_PASSES times each.
+#   DESC_ROWS=full@8192,causal@16384 bash tests/gpu.sh desc_ab
+if [[ " $parts " == *" desc_ab "* ]]; then
+  wait
+  if [ "$(cat "$desc_tree/.rc" 2>/dev/null)" != 0 ]; then
+    echo "desc32 build failed"; grep -E "error" "$OUT/desc32_build.log" | head
+  else
+    rows="${DESC_ROWS:-full@8192,causal@16384,document@16384,sliding@8192,full@8192@64,full@8192@256}"
+    for pass in $(seq "${DESC_PASSES:-2}"); do
+      for build in desc64 desc32; do
+        tree="$PWD"; [ $build = desc32 ] && tree="$desc_tree"
+        (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout 200 python3 -m benchmarks.cuda_bench \
+           "$rows" --cuda-only 2>&1) | grep "^| [a-z]" | grep -v "^| mask" \
+          | awk -F'|' -v t="$build" -v p="$pass" '{print t, p, $2, $3, $4, "fwd", $5, "bwd", $10}' \
+          | tee -a "$OUT/desc_ab.txt"
+      done
+    done
+  fi
 fi
 # The CUDA forward's timeline per key tile (a second build, with -DFLEXSPARSE_FWD_TRACE, in
 # a copy of the tree; not part of "all"): TRACE_ROWS="full@8192@128 full@8192@64" bash tests/gpu.sh trace
