@@ -96,7 +96,7 @@ struct NoWgmma {
 // advanced by one 64-bit add: CuTe's DescriptorIterator adds to the low word and copies the
 // high one, which ptxas rebuilds with a UMOV beside a UIADD3 before every wgmma (two per
 // SS wgmma); a 64-bit add is one UIADD3.64 (as FlashAttention-4's Hopper code compiles;
-// docs/perf-notes.md C58). The descriptor fields the offset reaches are in the low word,
+// docs/perf-notes.md C59). The descriptor fields the offset reaches are in the low word,
 // which a valid descriptor never carries out of. (-DFLEXSPARSE_DESC32: CuTe's 32-bit add,
 // for a same-machine A/B of two builds, tests/gpu.sh desc_ab.)
 template <class Operand>

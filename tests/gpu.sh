@@ -119,7 +119,7 @@ if [[ " $parts " == *" ab "* ]]; then
     | grep -v Warning | tee "$OUT/cuda_ab.md"
 fi
 # Same-machine A/B of the wgmma descriptors' 64-bit add (this build) against CuTe's 32-bit
-# add (the -DFLEXSPARSE_DESC32 build started above; docs/perf-notes.md C58): cuda_bench
+# add (the -DFLEXSPARSE_DESC32 build started above; docs/perf-notes.md C59): cuda_bench
 # --cuda-only over DESC_ROWS, this build and that one in turn, DESC_PASSES times each.
 #   DESC_ROWS=full@8192,causal@16384 bash tests/gpu.sh desc_ab
 if [[ " $parts " == *" desc_ab "* ]]; then
