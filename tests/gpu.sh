@@ -36,15 +36,20 @@ print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
 PY
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# desc_ab (below): the second build, of a copy of the tree with -DFLEXSPARSE_DESC32, starts
-# here in the background, beside the main build (16 cores hold both).
+# A second build of the extension for probes (trace, desc_ab): a copy of the tree in $1,
+# built in place with extra nvcc flags $2, its log in $3; the build's exit status.
+side_build() {
+  rm -rf "$1"; mkdir -p "$1"
+  cp -a setup.py pyproject.toml README.md csrc flexsparse ops benchmarks "$1"/
+  rm -f "$1"/flexsparse/_C*.so
+  (cd "$1" && FLEXSPARSE_NVCC_FLAGS="$2" FLEXSPARSE_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" \
+     python3 setup.py -q build_ext --inplace > "$3" 2>&1)
+}
+# desc_ab (below): the second build, with -DFLEXSPARSE_DESC32, starts here in the
+# background, beside the main build (16 cores hold both).
 desc_tree=/tmp/flexsparse_desc32
 if [[ " $parts " == *" desc_ab "* ]]; then
-  rm -rf "$desc_tree"; mkdir -p "$desc_tree"
-  cp -a setup.py pyproject.toml README.md csrc flexsparse ops benchmarks "$desc_tree"/
-  rm -f "$desc_tree"/flexsparse/_C*.so
-  (cd "$desc_tree" && FLEXSPARSE_NVCC_FLAGS=-DFLEXSPARSE_DESC32 FLEXSPARSE_BUILD_CUDA=1 MAX_JOBS=16 \
-     python3 setup.py -q build_ext --inplace > "$OUT/desc32_build.log" 2>&1; echo $? > "$desc_tree/.rc") &
+  (side_build "$desc_tree" -DFLEXSPARSE_DESC32 "$OUT/desc32_build.log"; echo $? > "$desc_tree/.rc") &
 fi
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
 # A machine still warm from the last call keeps flexsparse/_C*.so (ignored by git, so the
@@ -143,11 +148,9 @@ fi
 # a copy of the tree; not part of "all"): TRACE_ROWS="full@8192@128 full@8192@64" bash tests/gpu.sh trace
 if [[ " $parts " == *" trace "* ]]; then
   timeout 120 python3 tests/gpu/fwd_trace.py ${TRACE_ROWS:-} --plain-time 2>&1 | grep TIME | tee "$OUT/fwd_trace_plain.txt"
-  tr=/tmp/flexsparse_trace; rm -rf "$tr"; mkdir -p "$tr"
-  cp -a setup.py pyproject.toml README.md csrc flexsparse ops benchmarks "$tr"/
+  tr=/tmp/flexsparse_trace
   t0=$(date +%s)
-  (cd "$tr" && FLEXSPARSE_NVCC_FLAGS=-DFLEXSPARSE_FWD_TRACE FLEXSPARSE_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" \
-     python3 setup.py -q build_ext --inplace > "$OUT/trace_build.log" 2>&1) \
+  side_build "$tr" -DFLEXSPARSE_FWD_TRACE "$OUT/trace_build.log" \
     || { echo "trace build failed"; grep -E "error" "$OUT/trace_build.log" | head; }
   echo "trace build: $(( $(date +%s) - t0 )) s"
   PYTHONPATH="$tr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
