@@ -74,7 +74,7 @@ struct TileCursor {
   int ranges = 0;       // range form: ranges left after the current one; explicit: -1
   int blk = 0, end = 0; // range form: the current range's next block and its end
   int n_blocks = 0;
-  int tile = 0, tiles_left = 0;   // the current block's next tile, tiles left in it
+  int tile = 0, tiles_left = 0;   // the current run's next tile, tiles left in it
   bool in_partial = true;
 
   __device__ __forceinline__ TileCursor() {}
@@ -95,26 +95,41 @@ struct TileCursor {
       for (int k = 0; k < p.ranges; ++k) total += max(__ldg(index + 2 * k + 1) - __ldg(index + 2 * k), 0);
       left = min(left, total);
       ranges = p.ranges;
-      blk = end = 0;     // the first range is read by next_block
+      blk = end = 0;     // the first range is read by next_run
     }
   }
 
-  // The list's next block (-1: an entry outside [0, n_blocks)); requires left > 0.
-  __device__ __forceinline__ int next_block() {
-    --left;
-    int e;
+  // The list's next run of consecutive blocks, [first, first + n), n >= 0 (0: the run
+  // lies wholly outside [0, n_blocks) and is skipped); requires left > 0. An explicit list
+  // gives one block per run; a range-form list the rest of its current range (up to the
+  // count), so that the tiles of a range cost one test each (next's tiles_left path)
+  // instead of a block read each.
+  __device__ __forceinline__ void next_run(int& first, int& n) {
     if (ranges < 0) {
-      e = __ldg(index++);
-    } else {
-      while (blk >= end && ranges > 0) {   // ranges past the count read nothing more
-        blk = __ldg(index);
-        end = __ldg(index + 1);
-        index += 2;
-        --ranges;
-      }
-      e = blk++;
+      --left;
+      const int e = __ldg(index++);
+      first = e;
+      n = (e >= 0 && e < n_blocks) ? 1 : 0;
+      return;
     }
-    return (e >= 0 && e < n_blocks) ? e : -1;
+    while (blk >= end && ranges > 0) {   // ranges past the count read nothing more
+      blk = __ldg(index);
+      end = __ldg(index + 1);
+      index += 2;
+      --ranges;
+    }
+    // left <= the blocks the ranges still hold (start), so k >= 1 unless the ranges ran
+    // out; then the walk ends here.
+    const int k = min(end - blk, left);
+    if (k <= 0) {
+      left = 0;
+      n = 0;
+      return;
+    }
+    first = max(blk, 0);
+    n = max(min(blk + k, n_blocks) - first, 0);
+    left -= k;
+    blk += k;
   }
 
   // Starts at row `row` of the partial lists at (b, h).
@@ -135,11 +150,10 @@ struct TileCursor {
         start(full_lists, b, h, row);
         continue;
       }
-      const int e = next_block();
-      if (e >= 0) {
-        tile = e * sub;
-        tiles_left = sub;
-      }
+      int first, n;
+      next_run(first, n);
+      tile = n > 0 ? first * sub : 0;
+      tiles_left = n * sub;
     }
     t = tile++;
     --tiles_left;

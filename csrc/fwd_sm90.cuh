@@ -19,6 +19,7 @@
 // zeros and are masked here; out and lse of rows past Lq are not written.
 // Layout after FlashAttention-3's hopper/ forward (collective mainloop + epilogue).
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -625,10 +626,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // Scores of a finished QK^T: to the log2 domain where needed (softcap, bias), invisible
     // ones to -inf. Always inlined: called twice in the overlapped loop, it is past NVVM's
     // inlining threshold, and a call would put the score fragment in local memory.
-    auto finish_scores = [&](FragS& tSrS, TileExtras& x) __attribute__((always_inline)) {
+    // full (std::true_type): a tile known to be neither partial nor past Lk, whose extras
+    // were not loaded (the overlapped loop's full-tile path): only the log2 pass is left.
+    auto finish_scores = [&](FragS& tSrS, TileExtras& x, auto full) __attribute__((always_inline)) {
+      constexpr bool kFull = decltype(full)::value;
       Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
       const int j0 = x.n * kBlockN;
-      if (x.by_key) {
+      if (kFull) {
+        // (nothing staged, nothing to hide)
+      } else if (x.by_key) {
         // Key wg_tid's two ranges where hide_ranges<2> reads them, and its visible interval;
         // the barrier (double-buffered as below) also ANDs whether every key has one.
         bool interval = true;
@@ -651,7 +657,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
       // timing only).
-      const bool check = (x.partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk;
+      const bool check = !kFull && ((x.partial && !(p.debug & 2)) || j0 + kBlockN > p.Lk);
       if (log2_scores) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
@@ -764,7 +770,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
         }
       }
-      if (x.staged) buf ^= 1;
+      if (!kFull && x.staged) buf ^= 1;
     };
     // kBiasMma: whether a row of this thread's in the current work tile met a NaN score
     // (an infinite bias entry; the work tile then goes to the redo queue).
@@ -872,7 +878,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
         }
         pipe_k.consumer_release(read);
-        finish_scores(tSrS, x);
+        finish_scores(tSrS, x, std::false_type{});
         if constexpr (T::kBiasTiles) release_bias_tile(tSrS);
         float alpha[kRows];
         softmax(tSrS, alpha);
@@ -927,9 +933,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       };
       // Issue S = Q K^T of the tile (kBiasMma: + its bias), holding this warpgroup's turn at
       // the tensor cores.
-      auto issue_qk = [&](TileExtras& x, FragS& tSrS) {
+      // full: the full-tile path (finish_scores), which loads no extras.
+      auto issue_qk = [&](TileExtras& x, FragS& tSrS, auto full) {
         FWD_TRACE(0);
-        load_extras(x);
+        if constexpr (!decltype(full)::value) load_extras(x);
         pipe_k.consumer_wait(read_k);
         if constexpr (T::kBiasMma) {
           Barrier::wait(&ss.bias_full[wg], bias_reads & 1);
@@ -961,11 +968,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       };
       // S(t) done: its K stage released, invisible scores hidden, the online softmax, P(t)
       // into p_next.
-      auto scores_to_p = [&](FragS& tSrS, TileExtras& x, FragP& p_next) __attribute__((always_inline)) {
+      auto scores_to_p = [&](FragS& tSrS, TileExtras& x, FragP& p_next, auto full) __attribute__((always_inline)) {
         warpgroup_fence_operand(tSrS);
         FWD_TRACE(5);
         release_k();
-        finish_scores(tSrS, x);
+        finish_scores(tSrS, x, full);
         softmax(tSrS, alpha);
         FWD_TRACE(6);
         keep_p(tSrS, p_next);
@@ -973,24 +980,27 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         FWD_TRACE_NEXT();
       };
       // Tile t >= 1. In flight on entry: O += P(t-2) V(t-2) (t >= 2), which read p_next.
-      auto step = [&](FragP& p_prev, FragP& p_next) __attribute__((always_inline)) {
+      // full: std::true_type where the tile is neither partial nor past Lk (full_tile).
+      auto step = [&](FragP& p_prev, FragP& p_next, auto full) __attribute__((always_inline)) {
+        constexpr bool kFull = decltype(full)::value;
         TileExtras x;
         x.n = n;
-        x.partial = partial;
+        x.partial = kFull ? false : partial;
+        if constexpr (kFull) x.staged = x.by_key = x.all_interval = false;
         FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         if (v_in_flight) release_v();
         // O (which holds P(t-2) V(t-2)) takes alpha(t-1) here, outside the turn.
         rescale_o(alpha);
-        issue_qk(x, tSrS);
+        issue_qk(x, tSrS, full);
         pipe_v.consumer_wait(read_v);
         gemm<false, -1>(mma_pv, p_prev, tOrV(_, _, _, read_v.index()), tOrO);
         v_in_flight = true;
         issue_end();
         FWD_TRACE(4);
         warpgroup_wait<1>();
-        scores_to_p(tSrS, x, p_next);
+        scores_to_p(tSrS, x, p_next, full);
       };
       // The last tile's O += P V, from the buffer that holds its P.
       auto finish = [&](FragP& p_last) __attribute__((always_inline)) {
@@ -1018,17 +1028,25 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           x.n = n;
           x.partial = partial;
           FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-          issue_qk(x, tSrS);
+          issue_qk(x, tSrS, std::false_type{});
           issue_end();
           FWD_TRACE(4);
           warpgroup_wait<0>();
-          scores_to_p(tSrS, x, tOrP0);
+          scores_to_p(tSrS, x, tOrP0, std::false_type{});
         }
+        // Tiles after the first: the full-tile path where the tile allows it (perf-notes
+        // C60: it drops the per-tile flag tests and the extras' branches from the consumer
+        // warps' path). FLEXSPARSE_CUDA_DEBUG bit 16777216: every tile on the general
+        // path (A/Bs).
+        const int full_tiles_end = (p.debug & 16777216) ? 0 : p.Lk / kBlockN;
+        auto full_tile = [&] { return !partial && n < full_tiles_end; };
         while (true) {
           if (!next_tile(n, partial)) { finish(tOrP0); break; }
-          step(tOrP0, tOrP1);
+          if (full_tile()) step(tOrP0, tOrP1, std::true_type{});
+          else step(tOrP0, tOrP1, std::false_type{});
           if (!next_tile(n, partial)) { finish(tOrP1); break; }
-          step(tOrP1, tOrP0);
+          if (full_tile()) step(tOrP1, tOrP0, std::true_type{});
+          else step(tOrP1, tOrP0, std::false_type{});
         }
       } else {
         release_q();

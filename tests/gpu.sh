@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|trace|ibwd|topk|hf|probe|step ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|trace|ibwd|topk|hf|probe|step ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -36,20 +36,25 @@ print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
 PY
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# A second build of the extension for probes (trace, desc_ab): a copy of the tree in $1,
-# built in place with extra nvcc flags $2, its log in $3; the build's exit status.
+# A second build of the extension for probes (trace, build_ab): a copy of the tree in $1,
+# built in place with extra nvcc flags $2, its log in $3, and csrc/ taken from directory $4
+# where given (an older csrc/, for an A/B across commits); the build's exit status.
 side_build() {
   rm -rf "$1"; mkdir -p "$1"
   cp -a setup.py pyproject.toml README.md csrc flexsparse ops benchmarks "$1"/
+  if [ -n "${4:-}" ]; then rm -rf "$1/csrc"; cp -a "$4" "$1/csrc"; fi
   rm -f "$1"/flexsparse/_C*.so
   (cd "$1" && FLEXSPARSE_NVCC_FLAGS="$2" FLEXSPARSE_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" \
      python3 setup.py -q build_ext --inplace > "$3" 2>&1)
 }
-# desc_ab (below): the second build, with -DFLEXSPARSE_DESC32, starts here in the
-# background, beside the main build (16 cores hold both).
-desc_tree=/tmp/flexsparse_desc32
-if [[ " $parts " == *" desc_ab "* ]]; then
-  (side_build "$desc_tree" -DFLEXSPARSE_DESC32 "$OUT/desc32_build.log"; echo $? > "$desc_tree/.rc") &
+# build_ab (below): the second build starts here in the background, beside the main build
+# (16 cores hold both): this tree with extra nvcc flags AB_FLAGS and/or with csrc/ from the
+# directory AB_CSRC (e.g. `git archive <commit> csrc | tar -x -C .ab_base`, carried).
+# desc_ab is build_ab with AB_FLAGS=-DFLEXSPARSE_DESC32 (CuTe's 32-bit descriptor add, C59).
+if [[ " $parts " == *" desc_ab "* ]]; then parts="$parts build_ab"; AB_FLAGS="${AB_FLAGS:--DFLEXSPARSE_DESC32}"; fi
+ab_tree=/tmp/flexsparse_ab
+if [[ " $parts " == *" build_ab "* ]]; then
+  (side_build "$ab_tree" "${AB_FLAGS:-}" "$OUT/ab_build.log" "${AB_CSRC:-}"; echo $? > "$ab_tree/.rc") &
 fi
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
 # A machine still warm from the last call keeps flexsparse/_C*.so (ignored by git, so the
@@ -123,23 +128,23 @@ if [[ " $parts " == *" ab "* ]]; then
   timeout "${T_AB:-300}" python3 -m benchmarks.cuda_ab ${AB_ROWS:-} ${AB_ARGS:---bwd} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_ab.md"
 fi
-# Same-machine A/B of the wgmma descriptors' 64-bit add (this build) against CuTe's 32-bit
-# add (the -DFLEXSPARSE_DESC32 build started above; docs/perf-notes.md C59): cuda_bench
-# --cuda-only over DESC_ROWS, this build and that one in turn, DESC_PASSES times each.
-#   DESC_ROWS=full@8192,causal@16384 bash tests/gpu.sh desc_ab
-if [[ " $parts " == *" desc_ab "* ]]; then
+# Same-machine A/B of two builds (this one and the second one started above, with AB_FLAGS
+# and/or AB_CSRC): cuda_bench --cuda-only over AB_ROWS, this build and the other in turn,
+# AB_PASSES times each.
+#   AB_ROWS=full@8192,causal@16384 AB_CSRC=.ab_base/csrc bash tests/gpu.sh build_ab
+if [[ " $parts " == *" build_ab "* ]]; then
   wait
-  if [ "$(cat "$desc_tree/.rc" 2>/dev/null)" != 0 ]; then
-    echo "desc32 build failed"; grep -E "error" "$OUT/desc32_build.log" | head
+  if [ "$(cat "$ab_tree/.rc" 2>/dev/null)" != 0 ]; then
+    echo "second build failed"; grep -E "error" "$OUT/ab_build.log" | head
   else
-    rows="${DESC_ROWS:-full@8192,causal@16384,document@16384,sliding@8192,full@8192@64,full@8192@256}"
-    for pass in $(seq "${DESC_PASSES:-2}"); do
-      for build in desc64 desc32; do
-        tree="$PWD"; [ $build = desc32 ] && tree="$desc_tree"
+    rows="${AB_ROWS:-full@8192,causal@16384,document@16384,sliding@8192,full@8192@64,full@8192@256}"
+    for pass in $(seq "${AB_PASSES:-2}"); do
+      for build in this other; do
+        tree="$PWD"; [ $build = other ] && tree="$ab_tree"
         (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout 200 python3 -m benchmarks.cuda_bench \
            "$rows" --cuda-only 2>&1) | grep "^| [a-z]" | grep -v "^| mask" \
           | awk -F'|' -v t="$build" -v p="$pass" '{print t, p, $2, $3, $4, "fwd", $5, "bwd", $10}' \
-          | tee -a "$OUT/desc_ab.txt"
+          | tee -a "$OUT/build_ab.txt"
       done
     done
   fi
