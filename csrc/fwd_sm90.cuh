@@ -1039,14 +1039,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // warps' path). FLEXSPARSE_CUDA_DEBUG bit 16777216: every tile on the general
         // path (A/Bs).
         const int full_tiles_end = (p.debug & 16777216) ? 0 : p.Lk / kBlockN;
-        auto full_tile = [&] { return !partial && n < full_tiles_end; };
+        auto step_either = [&](FragP& p_prev, FragP& p_next) __attribute__((always_inline)) {
+          if (!partial && n < full_tiles_end) step(p_prev, p_next, std::true_type{});
+          else step(p_prev, p_next, std::false_type{});
+        };
         while (true) {
           if (!next_tile(n, partial)) { finish(tOrP0); break; }
-          if (full_tile()) step(tOrP0, tOrP1, std::true_type{});
-          else step(tOrP0, tOrP1, std::false_type{});
+          step_either(tOrP0, tOrP1);
           if (!next_tile(n, partial)) { finish(tOrP1); break; }
-          if (full_tile()) step(tOrP1, tOrP0, std::true_type{});
-          else step(tOrP1, tOrP0, std::false_type{});
+          step_either(tOrP1, tOrP0);
         }
       } else {
         release_q();
