@@ -1012,6 +1012,50 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
   }
 }
 
+// The same, with kHeadDim / 8 threads per row, each reading 16 bytes of O and of dO and
+// zeroing 32 bytes of dq_accum (the one-warp-per-row version above moves 8 bytes per lane
+// and ran at ~2.5 TB/s: 102 us of a sliding-window backward's ~950, docs/perf-notes.md
+// C28). Lq_pad is a multiple of 128, so every CTA's rows exist; rows past Lq are padding.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256)
+bwd_preprocess_wide(BackwardParams const bp, float* dq_accum, float* lse2, float* delta,
+                    int* dq_turn, int Lq_pad, bool zero_accum) {
+  constexpr int kThreadsPerRow = kHeadDim / 8;     // 8, 16 or 32
+  constexpr int kRowsPerCta = 256 / kThreadsPerRow;
+  static_assert(sizeof(Element) == 2 && kThreadsPerRow <= 32 && 128 % kRowsPerCta == 0, "16-bit, hd <= 256");
+  AttentionParams const& p = bp.fwd;
+  const int part = threadIdx.x % kThreadsPerRow;
+  const int i = blockIdx.x * kRowsPerCta + threadIdx.x / kThreadsPerRow;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t row = ((int64_t)b * p.Hq + h) * Lq_pad + i;
+  float sum = 0.f;
+  float l2 = INFINITY;
+  if (i < p.Lq) {
+    const Element* o = static_cast<const Element*>(p.out) + (((int64_t)b * p.Hq + h) * p.Lq + i) * kHeadDim;
+    const Element* dout = static_cast<const Element*>(bp.dout) + b * bp.do_sb + h * bp.do_sh + i * bp.do_sm;
+    using Eight = cutlass::Array<Element, 8>;
+    const Eight x = *reinterpret_cast<const Eight*>(o + 8 * part);
+    const Eight y = *reinterpret_cast<const Eight*>(dout + 8 * part);
+    const float l = p.lse[((int64_t)b * p.Hq + h) * p.Lq + i];
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < 8; ++e) sum += static_cast<float>(x[e]) * static_cast<float>(y[e]);
+    l2 = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  }
+  if (zero_accum) {
+    float4* acc = reinterpret_cast<float4*>(dq_accum + row * kHeadDim);
+    acc[part] = make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[part + kThreadsPerRow] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  if (dq_turn != nullptr && i % 64 == 0 && part < 2) dq_turn[(row / 64) * 2 + part] = 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int s = kThreadsPerRow / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, s);
+  if (part == 0) {
+    if (bp.grad_lse != nullptr && i < p.Lq) sum -= bp.grad_lse[((int64_t)b * p.Hq + h) * p.Lq + i];
+    delta[row] = sum;
+    lse2[row] = l2;
+  }
+}
+
 // dq = scale * dq_accum, one kBlockM-row step per CTA of 256 threads: thread t reads the
 // entries consumer thread t wrote (dq_slot, coalesced) and finds their (row, column) as the
 // dQ product's thread slice t holds them; the converted tile goes through shared memory so
@@ -1067,8 +1111,19 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   float* delta = lse2 + rows;
   int* dq_turn = bp.deterministic ? reinterpret_cast<int*>(delta + rows) : nullptr;
 
-  bwd_preprocess<Element><<<dim3((Lq_pad + 7) / 8, p.Hq, p.B), 256, 0, stream>>>(
-      bp, dq_accum, lse2, delta, dq_turn, Lq_pad);
+  // FLEXSPARSE_CUDA_DEBUG bit 33554432: the one-warp-per-row preprocess; bit 67108864:
+  // dq_accum zeroed by cudaMemsetAsync instead of in the (wide) preprocess (A/Bs).
+  if (p.debug & 33554432) {
+    bwd_preprocess<Element><<<dim3((Lq_pad + 7) / 8, p.Hq, p.B), 256, 0, stream>>>(
+        bp, dq_accum, lse2, delta, dq_turn, Lq_pad);
+  } else {
+    const bool memset_accum = p.debug & 67108864;
+    if (memset_accum)
+      CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, rows * p.D * sizeof(float), stream));
+    constexpr int kRowsPerCta = 256 / (T::kHeadDim / 8);
+    bwd_preprocess_wide<Element, T::kHeadDim><<<dim3(Lq_pad / kRowsPerCta, p.Hq, p.B), 256, 0, stream>>>(
+        bp, dq_accum, lse2, delta, dq_turn, Lq_pad, !memset_accum);
+  }
   CUDA_CHECK(cudaGetLastError());
 
   auto gmem = [&](const void* ptr, int L, int H, int64_t sl, int64_t sh, int64_t sb) {

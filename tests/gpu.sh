@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|trace|ibwd|topk|hf|probe|step ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|ibwd|topk|hf|probe|step ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -160,6 +160,13 @@ if [[ " $parts " == *" trace "* ]]; then
   echo "trace build: $(( $(date +%s) - t0 )) s"
   PYTHONPATH="$tr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
     ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
+fi
+# Per-kernel GPU time of a training step (torch.profiler): ours, and with SPLIT_ARGS=--flash
+# FlexAttention's FLASH backend beside it (FA4 wheels installed, PYTHONPATH as in the
+# two-call carry): SPLIT_ROWS=sliding@8192,causal@8192 SPLIT_ARGS=--flash bash tests/gpu.sh split
+if [[ " $parts " == *" split "* ]]; then
+  timeout "${T_SPLIT:-240}" python3 tests/gpu/profile_cuda_split.py ${SPLIT_ROWS:-} ${SPLIT_ARGS:-} 2>&1 \
+    | grep -v Warning | tee "$OUT/split.txt"
 fi
 # Issue 16's whole step: fwd+bwd with a tensor-holding mask built every step against its
 # descriptor compiled once (eager and compiled), 8K; then where an eager step's host time

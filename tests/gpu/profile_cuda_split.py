@@ -1,8 +1,10 @@
-"""Where a CUDA-backend training step's GPU time goes, per kernel (torch.profiler): the
-forward, the backward's preprocess / main / postprocess kernels and the glue around them,
-for a few benchmark rows. Usage on the device:
+"""Where a training step's GPU time goes, per kernel (torch.profiler): the forward, the
+backward's preprocess / main / postprocess kernels and the glue around them, for a few
+benchmark rows; with --flash the same step through FlexAttention's FLASH backend (FA4
+wheels installed) after ours, so that the two backwards' pre- and postprocess kernels and
+main kernels can be set side by side. Usage on the device:
 
-    python3 tests/gpu/profile_cuda_split.py [rows]      rows: kind@L[@D],... (bench rows)
+    python3 tests/gpu/profile_cuda_split.py [rows] [--flash]   rows: kind@L[@D],... (bench rows)
 """
 import os
 import sys
@@ -12,41 +14,55 @@ from torch.profiler import ProfilerActivity, profile
 
 import flexsparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
-from benchmarks.bench import make_case, parse_rows  # noqa: E402
+from benchmarks.bench import flex_block_mask, make_case, parse_rows  # noqa: E402
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 
 
+def per_kernel(step, title, reps=5):
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    print(f"## {title}: GPU time per step by kernel (us), {reps} steps")
+    rows = [(e.key, e.device_time_total / reps, e.count // reps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(t for _, t, _ in rows)
+    for name, t, n in sorted(rows, key=lambda r: -r[1])[:12]:
+        print(f"{t:9.1f} us {100 * t / total:5.1f}%  x{n}  {name[:110]}")
+    print(f"{total:9.1f} us total")
+
+
 def main():
-    spec = sys.argv[1] if len(sys.argv) > 1 else "sliding@8192,document@16384,full@8192"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    spec = args[0] if args else "sliding@8192,document@16384,full@8192"
     for kind, L, D in parse_rows(spec):
         item = f"{kind}@{L}@{D}"
         B = max(1, TOKENS // L)
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=True)
                    for _ in range(3))
-        fs_mask = make_case(kind, B, L, device=q.device)[0]
+        fs_mask, mask_mod, per_head = make_case(kind, B, L, device=q.device)[:3]
         desc = fs_mask.compile(B, H, H, L, L, device=q.device)
         do = torch.randn(B, H, L, D, device="cuda", dtype=DTYPE)
 
-        def step():
+        def ours():
             out = flexsparse.attention(q, k, v, desc, backend="cuda")
             torch.autograd.grad(out, (q, k, v), do)
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        reps = 5
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                step()
-            torch.cuda.synchronize()
-        print(f"## {item}: GPU time per step by kernel (us), {reps} steps")
-        rows = [(e.key, e.device_time_total / reps, e.count // reps)
-                for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(t for _, t, _ in rows)
-        for name, t, n in sorted(rows, key=lambda r: -r[1])[:12]:
-            print(f"{t:9.1f} us {100 * t / total:5.1f}%  x{n}  {name[:110]}")
-        print(f"{total:9.1f} us total")
+        per_kernel(ours, f"{item} cuda")
+        if "--flash" in sys.argv:
+            from torch.nn.attention.flex_attention import flex_attention
+            torch._dynamo.reset()
+            fa = torch.compile(flex_attention, dynamic=False)
+            bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
+
+            def flash():
+                out = fa(q, k, v, block_mask=bm, kernel_options={"BACKEND": "FLASH"})
+                torch.autograd.grad(out, (q, k, v), do)
+            per_kernel(flash, f"{item} flex FLASH")
 
 
 if __name__ == "__main__":

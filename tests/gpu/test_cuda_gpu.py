@@ -374,6 +374,44 @@ def test_bias_tiles_store_hints_write_what_copy_writes(D, monkeypatch):
     torch.testing.assert_close(hinted[0], plain[0], atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_backward_preprocess_variants_agree(D, monkeypatch):
+    """The backward's preprocess (delta, lse in log2 units, dq_accum zeroed) has a wide
+    version (16-byte pieces, kHeadDim / 8 threads per row; the default), the older
+    one-warp-per-row one (FLEXSPARSE_CUDA_DEBUG bit 33554432) and the wide one with
+    dq_accum zeroed by cudaMemsetAsync (bit 67108864). The workspace is handed NaN-filled
+    memory first, so a row the zeroing misses shows. A length no tile divides, GQA, and a
+    gradient through lse as well (delta subtracts it): dk and dv equal bitwise, dq (whose
+    reductions are unordered) closely, and all of them agree with float64."""
+    torch.manual_seed(D + 17)
+    B, Hq, Hkv, L = 2, 4, 2, 777
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    dlse = torch.randn(B, Hq, L, device=T.DEV, dtype=torch.float32)
+    desc = M.document([300, 280, 197]).compile(B, Hq, Hkv, L, L, device=T.DEV)
+
+    def grads(inputs, backend="cuda"):
+        qq, kk, vv = (t.detach().requires_grad_() for t in inputs)
+        out, lse = flexsparse.attention(qq, kk, vv, desc, backend=backend, return_lse=True)
+        return torch.autograd.grad((out, lse), (qq, kk, vv), (dout.to(out.dtype), dlse.to(lse.dtype)))
+
+    results = {}
+    for bits in ("0", "33554432", "67108864"):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", bits)
+        torch.empty(2 * B * Hq * 896 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
+        results[bits] = grads((q, k, v))
+    for bits in ("33554432", "67108864"):
+        for name, a, b in zip(("dk", "dv"), results["0"][1:], results[bits][1:]):
+            assert torch.equal(a, b), (bits, name)
+        torch.testing.assert_close(results["0"][0], results[bits][0], atol=2e-2, rtol=2e-2)
+    ref = grads((q.double(), k.double(), v.double()), backend="reference")
+    for name, a, r in zip(("dq", "dk", "dv"), results["0"], ref):
+        assert torch.isfinite(a).all(), name
+        err = (a.double() - r).norm() / r.norm()
+        assert err < 2e-2, (name, err.item())
+
+
 def test_softcap():
     torch.manual_seed(3)
     check(1, 4, 2, 500, 500, 128, M.document([200, 300]), torch.bfloat16, softcap=20.0,
