@@ -6,7 +6,8 @@
 // 64, as FlashAttention-3/4 do, where the descriptor's query blocks allow it). Three
 // warpgroups:
 //   warpgroup 0: the producer (one thread: TMA loads of the key and value tile once, then
-//     of the query and dO tiles of every step through two pipelines) and the dQ writer
+//     of the query and dO tiles of every step through two pipelines, with a record of
+//     which step each stage holds, so that the consumers walk no lists) and the dQ writer
 //     (warp 1: adds each step's dQ from shared memory to a float32 accumulator in global
 //     memory with bulk asynchronous reductions, cp.reduce.async.bulk, per half, and
 //     takes the deterministic turns), as FlashAttention-3/4 do;
@@ -182,6 +183,14 @@ struct BwdTraits {
     alignas(128) float dq[kBlockM * kHeadDim];
     alignas(16) float lse2[kStages][kBlockM];    // per step, beside the query tile
     alignas(16) float delta[kStages][kBlockM];   // per step, beside the dO tile
+    // The producer's record of each step it loads, read by the consumers after the step's
+    // query stage is full, so that they keep no list cursor of their own (its registers
+    // spilled in their loop, docs/perf-notes.md C61): 2 * m + partial (m: the kBlockM-row
+    // query step), or kEndOfHead after a head's last step (a stage with no data). A ring of
+    // kStages + 1: step s's slot was last read for step s - kStages - 1, which the
+    // consumers released before the producer could acquire step s - 1, so the producer
+    // writes it before acquiring step s (its arrive then publishes the record).
+    int step_rec[kStages + 1];
     // Column ranges of the CTA's keys for the current head, as (start, length) slots: a
     // key hides query i iff unsigned(i - start) < length; unused slots are (0, 0).
     alignas(16) int2 col_ranges[kBlockN][kMaxStagedRanges];
@@ -253,6 +262,18 @@ __device__ __forceinline__ void wait_turn(const int* flag, int value) {
     if (v == value) return;
     __nanosleep(64);
   }
+}
+
+// The step records (SharedStorage::step_rec): plain shared-memory accesses that the compiler
+// keeps in place relative to the barrier operations (whose inline asm has no memory clobber).
+constexpr int kEndOfHead = -1;
+__device__ __forceinline__ void store_step_rec(int* at, int rec) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(at)), "r"(rec) : "memory");
+}
+__device__ __forceinline__ int load_step_rec(const int* at) {
+  int rec;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(rec) : "r"(cute::cast_smem_ptr_to_uint(at)) : "memory");
+  return rec;
 }
 
 __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
@@ -422,6 +443,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       Tensor tdOsdO = cta_do.partition_D(sdO);
       auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+      int rec_slot = 0;   // step_rec's ring position
+      auto record = [&](int rec) {
+        store_step_rec(&ss.step_rec[rec_slot], rec);
+        rec_slot = rec_slot == T::kStages ? 0 : rec_slot + 1;
+      };
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
         TileCursor walk(p.q_partial, b, h, kb);
@@ -432,6 +458,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
           if (m * kBlockM >= p.Lq) continue;
           const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
+          record(2 * m + (partial ? 1 : 0));
           pipe_q.producer_acquire(write);
           auto* bar_q = pipe_q.producer_get_barrier(write);
           copy(kp.tma_q.with(*bar_q, 0, reused), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
@@ -442,6 +469,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           SM90_BULK_COPY_G2S::copy(kp.delta + rows, bar_do, ss.delta[write.index()], kBlockM * sizeof(float));
           ++write;
         }
+        // The head's end: a stage of both pipelines that carries no data (its expected bytes
+        // completed here), whose record tells the consumers to go on to the next head.
+        record(kEndOfHead);
+        constexpr uint32_t kStageBytes = T::kBytesQ + kBlockM * sizeof(float);
+        pipe_q.producer_acquire(write);
+        Barrier::complete_transaction(pipe_q.producer_get_barrier(write), 0, kStageBytes);
+        pipe_do.producer_acquire(write);
+        Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, kStageBytes);
+        ++write;
       }
     } else if (warp_in_group == 1) {
       // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
@@ -618,9 +654,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Barrier::wait(&ss.barrier_kv, 0);
     typename T::PipelineState read;
     int step = 0;   // steps done: the P^T / dS^T buffer's parity with one stage
+    int rec_slot = 0;   // step_rec's ring position
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
-      TileCursor walk(p.q_partial, b, h, kb);
       const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
       const Element* bias = static_cast<const Element*>(p.bias);
       if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
@@ -662,15 +698,24 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
 
-      int m;
-      bool partial;
-      while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
-        if (m * kBlockM >= p.Lq) continue;   // (the producer skips the same tiles)
+      for (;;) {
+        // The step the producer loaded into this stage (its record), or the head's end.
+        pipe_q.consumer_wait(read);
+        const int rec = load_step_rec(&ss.step_rec[rec_slot]);
+        rec_slot = rec_slot == T::kStages ? 0 : rec_slot + 1;
+        if (rec == kEndOfHead) {
+          pipe_do.consumer_wait(read);
+          pipe_q.consumer_release(read);
+          pipe_do.consumer_release(read);
+          ++read;
+          break;
+        }
+        const int m = rec >> 1;
+        const bool partial = rec & 1;
         const int i0 = m * kBlockM;
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        pipe_q.consumer_wait(read);
         gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
         pipe_do.consumer_wait(read);
         gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
@@ -839,10 +884,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         Tensor tdVrP_ = convert_type<Element>(tSrS);
         Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
-        // dS^T buffer: the step's parity, read from the pipeline state (uniform registers)
-        // rather than a toggled variable ptxas cannot prove warp-uniform; with one stage,
-        // the step count's.
-        const int buf = T::kStages == 1 ? step & 1 : read.index() & 1;
+        // dS^T buffer: the step count's parity (not the pipeline stage's: the head's end
+        // takes a stage, and the buffers must alternate between consecutive steps, whose
+        // dQ products read both warpgroups' dS^T), made warp-uniform with a shuffle so that
+        // ptxas keeps the dQ product's descriptors in uniform registers.
+        const int buf = __shfl_sync(0xffffffff, step, 0) & 1;
         Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         if constexpr (T::kSplitQueries) {
           // Both warpgroups' halves of P^T and dS^T to shared memory, then dV, dQ and dK
