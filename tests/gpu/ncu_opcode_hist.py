@@ -2,23 +2,29 @@
 `ncu --import R -k regex:K --page source --csv --print-source sass` output: where two
 kernels that do the same work differ in what they execute.
 
-    python3 tests/gpu/ncu_opcode_hist.py ours.csv [theirs.csv] [--per N] [--top 30]
+    python3 tests/gpu/ncu_opcode_hist.py ours.csv [theirs.csv] [--per N] [--top 30] [--stall stall_wait]
 
 --per N divides the counts by N (e.g. the number of 128x128 tiles) to read them per tile.
+--stall COLUMN sums that warp-stall sampling column per opcode instead of the executed
+instructions (stall_wait, stall_short_sb, ...: where the two kernels' warps wait by opcode,
+docs/perf-notes.md C63).
 """
 import csv
 import sys
 from collections import Counter
 
 
-def hist(path):
+def hist(path, column=None):
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.strip() and not ln.startswith("==")]
     rows = list(csv.reader(lines))
     head_i = next(i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r))
     head, body = rows[head_i], [r for r in rows[head_i + 1:] if len(r) == len(rows[head_i])]
     src = next(i for i, c in enumerate(head) if c.strip() == "Source")
-    ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
+    if column is None:
+        ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
+    else:
+        ex = next(i for i, c in enumerate(head) if c.strip() == column)
     per_op = Counter()
     for r in body:
         try:
@@ -37,9 +43,10 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     per = float(sys.argv[sys.argv.index("--per") + 1]) if "--per" in sys.argv else 1.0
     top = int(sys.argv[sys.argv.index("--top") + 1]) if "--top" in sys.argv else 30
-    args = [a for a in args if a not in (sys.argv[sys.argv.index("--per") + 1] if "--per" in sys.argv else None,
-                                         sys.argv[sys.argv.index("--top") + 1] if "--top" in sys.argv else None)]
-    hs = [hist(p) for p in args]
+    stall = sys.argv[sys.argv.index("--stall") + 1] if "--stall" in sys.argv else None
+    values = {sys.argv[sys.argv.index(o) + 1] for o in ("--per", "--top", "--stall") if o in sys.argv}
+    args = [a for a in args if a not in values]
+    hs = [hist(p, stall) for p in args]
     ops = sorted(set().union(*hs), key=lambda o: -max(h[o] for h in hs))
     print("opcode | " + " | ".join(args) + (" | difference" if len(hs) == 2 else ""))
     print("total | " + " | ".join(f"{sum(h.values()) / per:.0f}" for h in hs))
