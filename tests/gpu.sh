@@ -253,23 +253,29 @@ if [[ " $parts " == *" ncusrc "* ]]; then
   rm -f "$OUT/src.ncu-rep"
 fi
 # Executed instructions per opcode, our CUDA kernels against FLASH's (FA4 wheels installed,
-# PYTHONPATH set as in the two-call carry), one row: NCU_ROW=full@8192 bash tests/gpu.sh ncuhist
+# PYTHONPATH set as in the two-call carry), rows: NCU_ROW=full@8192,sliding@8192 bash tests/gpu.sh ncuhist
 # (docs/perf-notes.md C24; the counts are per 128x128 forward tile and per 64-row backward
 # step of a CTA for B*L = 16K, H = 16).
 if [[ " $parts " == *" ncuhist "* ]]; then
-  timeout "${T_NCU:-300}" ncu --clock-control none --profile-from-start off \
-    -k "regex:FlashAttentionForwardSm90|FlashAttentionBackwardSm90|fwd_kernel|bwd_kernel" \
-    --section SourceCounters -o "$OUT/src" -f python3 tests/gpu/ncu_row.py "${NCU_ROW:-full@8192}" \
-    --backend cuda --flash > "$OUT/ncuhist.log" 2>&1
-  echo "ncuhist rc=$?"
-  for k in fwd_kernel bwd_kernel FlashAttentionForwardSm90 FlashAttentionBackwardSm90; do
-    ncu --import "$OUT/src.ncu-rep" -k "regex:$k" --page source --csv --print-source sass > "$OUT/$k.csv" 2>&1
+  for row in $(echo "${NCU_ROW:-full@8192}" | tr ',' ' '); do
+    d="$OUT/ncuhist_${row//@/_}"; mkdir -p "$d"
+    timeout "${T_NCU:-300}" ncu --clock-control none --profile-from-start off \
+      -k "regex:FlashAttentionForwardSm90|FlashAttentionBackwardSm90|fwd_kernel|bwd_kernel" \
+      --section SourceCounters -o "$d/src" -f python3 tests/gpu/ncu_row.py "$row" \
+      --backend cuda --flash > "$d/ncuhist.log" 2>&1
+    echo "ncuhist $row rc=$?"
+    for k in fwd_kernel bwd_kernel FlashAttentionForwardSm90 FlashAttentionBackwardSm90; do
+      ncu --import "$d/src.ncu-rep" -k "regex:$k" --page source --csv --print-source sass > "$d/$k.csv" 2>&1
+    done
+    rm -f "$d/src.ncu-rep"
+    L=$(echo "$row" | cut -d@ -f2); tiles=$(( (16384 / L) * 16 * (L / 128) * (L / 128) ))
+    python3 tests/gpu/ncu_opcode_hist.py "$d/fwd_kernel.csv" "$d/FlashAttentionForwardSm90.csv" --per "$tiles" --top 40
+    python3 tests/gpu/ncu_opcode_hist.py "$d/bwd_kernel.csv" "$d/FlashAttentionBackwardSm90.csv" --per $(( tiles * 2 )) --top 45
+    # where the warps wait, by opcode, and how the exponentials are spaced (perf-notes C63)
+    python3 tests/gpu/ncu_opcode_hist.py "$d/bwd_kernel.csv" "$d/FlashAttentionBackwardSm90.csv" --stall stall_wait --top 12
+    python3 tests/gpu/sass_gaps.py "$d"/*.csv
+    gzip -f "$d"/*.csv
   done
-  rm -f "$OUT/src.ncu-rep"
-  L=$(echo "${NCU_ROW:-full@8192}" | cut -d@ -f2); tiles=$(( (16384 / L) * 16 * (L / 128) * (L / 128) ))
-  python3 tests/gpu/ncu_opcode_hist.py "$OUT/fwd_kernel.csv" "$OUT/FlashAttentionForwardSm90.csv" --per "$tiles" --top 40
-  python3 tests/gpu/ncu_opcode_hist.py "$OUT/bwd_kernel.csv" "$OUT/FlashAttentionBackwardSm90.csv" --per $(( tiles * 2 )) --top 45
-  gzip -f "$OUT"/*.csv
 fi
 # Corrupted and reused descriptors on the GPU backends under compute-sanitizer memcheck.
 if [[ " $parts " == *" fuzz "* ]]; then
