@@ -144,6 +144,9 @@ struct BwdTraits {
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  // What a stage of either pipeline receives: a query (dO) tile and its kBlockM lse2
+  // (delta) values.
+  static constexpr uint32_t kStageBytes = kBytesQ + kBlockM * sizeof(float);
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
 
   // A step's bias (and then dbias) tile: (queries, keys), keys contiguous as in global
@@ -185,12 +188,14 @@ struct BwdTraits {
     alignas(16) float delta[kStages][kBlockM];   // per step, beside the dO tile
     // The producer's record of each step it loads, read by the consumers after the step's
     // query stage is full, so that they keep no list cursor of their own (its registers
-    // spilled in their loop, docs/perf-notes.md C61): 2 * m + partial (m: the kBlockM-row
+    // spilled in their loop, docs/perf-notes.md C64): 2 * m + partial (m: the kBlockM-row
     // query step), or kEndOfHead after a head's last step (a stage with no data). A ring of
     // kStages + 1: step s's slot was last read for step s - kStages - 1, which the
     // consumers released before the producer could acquire step s - 1, so the producer
     // writes it before acquiring step s (its arrive then publishes the record).
     int step_rec[kStages + 1];
+    // The ring position after slot s, the same on both sides.
+    static __device__ __forceinline__ int next_rec_slot(int s) { return s == kStages ? 0 : s + 1; }
     // Column ranges of the CTA's keys for the current head, as (start, length) slots: a
     // key hides query i iff unsigned(i - start) < length; unused slots are (0, 0).
     alignas(16) int2 col_ranges[kBlockN][kMaxStagedRanges];
@@ -380,8 +385,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   constexpr int kBarrierdQEmpty = 2, kBarrierdQFull = 4;
 
   typename T::Pipeline::Params pipe_params;
-  // Each stage: a query (dO) tile and its kBlockM lse2 (delta) values.
-  pipe_params.transaction_bytes = T::kBytesQ + kBlockM * sizeof(float);
+  pipe_params.transaction_bytes = T::kStageBytes;
   pipe_params.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer
                                     : T::Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x % 128 == 0;
@@ -446,7 +450,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       int rec_slot = 0;   // step_rec's ring position
       auto record = [&](int rec) {
         store_step_rec(&ss.step_rec[rec_slot], rec);
-        rec_slot = rec_slot == T::kStages ? 0 : rec_slot + 1;
+        rec_slot = T::SharedStorage::next_rec_slot(rec_slot);
       };
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
@@ -472,11 +476,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // The head's end: a stage of both pipelines that carries no data (its expected bytes
         // completed here), whose record tells the consumers to go on to the next head.
         record(kEndOfHead);
-        constexpr uint32_t kStageBytes = T::kBytesQ + kBlockM * sizeof(float);
         pipe_q.producer_acquire(write);
-        Barrier::complete_transaction(pipe_q.producer_get_barrier(write), 0, kStageBytes);
+        Barrier::complete_transaction(pipe_q.producer_get_barrier(write), 0, T::kStageBytes);
         pipe_do.producer_acquire(write);
-        Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, kStageBytes);
+        Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, T::kStageBytes);
         ++write;
       }
     } else if (warp_in_group == 1) {
@@ -702,7 +705,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // The step the producer loaded into this stage (its record), or the head's end.
         pipe_q.consumer_wait(read);
         const int rec = load_step_rec(&ss.step_rec[rec_slot]);
-        rec_slot = rec_slot == T::kStages ? 0 : rec_slot + 1;
+        rec_slot = T::SharedStorage::next_rec_slot(rec_slot);
         if (rec == kEndOfHead) {
           pipe_do.consumer_wait(read);
           pipe_q.consumer_release(read);
