@@ -14,12 +14,26 @@ import sys
 from collections import Counter
 
 
-def hist(path, column=None):
+def read_source_csv(path):
+    """The header and instruction rows of an `ncu --page source --csv` export."""
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.strip() and not ln.startswith("==")]
     rows = list(csv.reader(lines))
     head_i = next(i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r))
-    head, body = rows[head_i], [r for r in rows[head_i + 1:] if len(r) == len(rows[head_i])]
+    head = rows[head_i]
+    return head, [r for r in rows[head_i + 1:] if len(r) == len(head)]
+
+
+def opcode(source):
+    """The opcode with its modifiers (MUFU.EX2) of one SASS line, past a predicate; "" if none."""
+    toks = source.strip().split()
+    if not toks:
+        return ""
+    return toks[1] if toks[0].startswith("@") and len(toks) > 1 else toks[0]
+
+
+def hist(path, column=None):
+    head, body = read_source_csv(path)
     src = next(i for i, c in enumerate(head) if c.strip() == "Source")
     if column is None:
         ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
@@ -31,11 +45,9 @@ def hist(path, column=None):
             n = float(r[ex].replace(",", ""))
         except ValueError:
             continue
-        toks = r[src].strip().split()
-        if not toks:
-            continue
-        op = toks[1] if toks[0].startswith("@") and len(toks) > 1 else toks[0]
-        per_op[op.split(".")[0]] += n
+        op = opcode(r[src])
+        if op:
+            per_op[op.split(".")[0]] += n
     return per_op
 
 

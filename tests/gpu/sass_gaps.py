@@ -12,10 +12,11 @@ instructions apart, ours ran them in runs of 4-5 (docs/perf-notes.md C63). From 
 instructions executed more than --min-exec times count (the hot loop); from cuobjdump
 output, the named kernel's whole code.
 """
-import csv
 import re
 import sys
 from collections import Counter
+
+from ncu_opcode_hist import opcode, read_source_csv   # (this directory, run as a script)
 
 
 def arg(name, default):
@@ -35,16 +36,11 @@ def ops_from_sass(path, kernel):
 
 
 def ops_from_csv(path, min_exec):
-    with open(path, newline="") as f:
-        rows = list(csv.reader(ln for ln in f if ln.strip() and not ln.startswith("==")))
-    hi = next(i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r))
-    head = rows[hi]
-    src = head.index("Source")
-    ex = next(i for i, c in enumerate(head) if c.startswith("Instructions Executed"))
+    head, body = read_source_csv(path)
+    src = next(i for i, c in enumerate(head) if c.strip() == "Source")
+    ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
     ops = []
-    for r in rows[hi + 1:]:
-        if len(r) != len(head):
-            continue
+    for r in body:
         try:
             n = float(r[ex].replace(",", ""))
         except ValueError:
@@ -60,7 +56,7 @@ def main():
     values = {arg(o, None) for o in ("--op", "--kernel", "--min-exec")}
     for path in [a for a in sys.argv[1:] if not a.startswith("--") and a not in values]:
         ops = ops_from_csv(path, min_exec) if path.endswith(".csv") else ops_from_sass(path, kernel)
-        at = [i for i, o in enumerate(ops) if o.split(" ", 1)[-1 if o.startswith("@") else 0].startswith(op)]
+        at = [i for i, o in enumerate(ops) if opcode(o).startswith(op)]
         gaps = Counter(min(b - a, 9) for a, b in zip(at, at[1:]) if b - a < 40)
         print(f"{path}: {len(at)} x {op}; gaps (9 = 9 or more): {dict(sorted(gaps.items()))}; "
               f"back to back {gaps.get(1, 0)} of {sum(gaps.values())}")
