@@ -92,6 +92,12 @@ namespace flexsparse::sm90 {
 // per thread (65536 / 384 threads, rounded down to a multiple of 8), so the warpgroups
 // share 3 * 168 = 504: the producer keeps 504 - 2 * kConsumerRegs (40 or 24). Asking for
 // more than the pool holds makes a consumer's setmaxnreg wait forever.
+// kConsumerWarpgroups: 2 (128-row work tiles), or 3 (192-row work tiles, 512 threads, a
+// pool of 4 * 128 = 512: consumers at 160, the producer at 32), FlashAttention-3's hd64
+// configuration (docs/perf-notes.md C65): at hd64 a warpgroup's softmax takes about twice
+// its two products' tensor-core time, so two warpgroups leave the tensor cores idle part
+// of each tile and three do not. A work tile must then lie in one descriptor row
+// (block_q a multiple of 192).
 // kTmaStore: the epilogue writes O through shared memory (stmatrix) and one TMA store per
 // warpgroup instead of 4-byte global stores from registers.
 // kPlain: built without the dense mask, the partial bitmaps and the per-score read of
@@ -105,7 +111,7 @@ namespace flexsparse::sm90 {
 // Biased calls take bias tiles where fwd_bias_tiles_ok holds.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kBiasTiles = kBiasTiles_;
@@ -114,18 +120,22 @@ struct FwdTraits {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPlain = kPlain_;
   static constexpr bool kTmaStore = kTmaStore_;
-  static constexpr int kConsumerRegs = kConsumerRegs_;
-  static constexpr int kProducerRegs = 504 - 2 * kConsumerRegs_;
-  static_assert(kProducerRegs >= 24 && kConsumerRegs_ % 8 == 0, "setmaxnreg: 24..256, multiples of 8");
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
+  static_assert(kConsumerWarpgroups == 2 || (kConsumerWarpgroups == 3 && kPlain_ && kOverlap_ && !kBiasTiles_),
+                "three consumer warpgroups: the plain overlapped kernel only");
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kFwdBlockM;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;   // 64 query rows per warpgroup
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kMmaThreads + 128;
-  static_assert(kThreads == 384 && 65536 / kThreads / 8 * 8 * 3 == 504,
-                "the register split assumes three warpgroups");
+  // The register pool (see above): what __launch_bounds__(kThreads, 1) gives each thread,
+  // rounded down to 8, times the warpgroups (504 at 384 threads, 512 at 512).
+  static constexpr int kRegisterPool = 65536 / kThreads / 8 * 8 * (kConsumerWarpgroups + 1);
+  static constexpr int kConsumerRegs = kConsumerRegs_;
+  static constexpr int kProducerRegs = kRegisterPool - kConsumerWarpgroups * kConsumerRegs_;
+  static_assert(kProducerRegs >= 24 && kProducerRegs <= 256 && kProducerRegs % 8 == 0 &&
+                kConsumerRegs_ % 8 == 0, "setmaxnreg: 24..256, multiples of 8");
   // Partial tiles stage up to this many column ranges per key in shared memory; masks
   // with more read them from global memory per score.
   static constexpr int kMaxStagedRanges = 4;
@@ -508,12 +518,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       bits_row = T::kPlain || pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh + qb * pr.bi_sq;
     };
-    const int wg = warpgroup - 1;                  // consumer warpgroup: 0 or 1
+    constexpr int kWarpgroups = T::kConsumerWarpgroups;
+    const int wg = warpgroup - 1;                  // consumer warpgroup: 0 .. kWarpgroups - 1
     const int wg_tid = tid % 128;
     constexpr int kStagedPerWarpgroup = kBlockN * 4 / 128;   // (key, slot) pairs per thread
-    constexpr int kBarrierColRanges = 1;           // + wg: 1, 2
-    constexpr int kBarrierSchedule = 3;            // + wg: 3, 4
-    constexpr int kBarrierEpilogue = 5;            // + wg: 5, 6
+    // Hardware barrier ids, one per consumer warpgroup each (15: the trace probe's).
+    constexpr int kBarrierColRanges = 1;
+    constexpr int kBarrierSchedule = kBarrierColRanges + kWarpgroups;
+    constexpr int kBarrierEpilogue = kBarrierSchedule + kWarpgroups;
     int buf = 0;
 
     float row_max[kRows], row_sum[kRows];
@@ -645,14 +657,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           interval = visible_interval(s0, s1, p.Lq, vis);
           ss.col_visible[wg][buf][wg_tid] = vis;
         }
-        x.all_interval = bar_sync_and_wg<128, kBarrierColRanges>(wg, interval);
+        x.all_interval = bar_sync_and_wg<128, kBarrierColRanges, kWarpgroups>(wg, interval);
       } else if (x.staged) {
         // This warpgroup's buffer (double-buffered: the barrier also tells that its
         // threads are done with the buffer of two tiles ago).
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < kStagedPerWarpgroup; ++e)
           reinterpret_cast<int2*>(ss.col_ranges[wg][buf])[wg_tid + e * 128] = x.cr_vals[e];
-        bar_sync_wg<128, kBarrierColRanges>(wg);
+        bar_sync_wg<128, kBarrierColRanges, kWarpgroups>(wg);
       }
       // Probe switches (FLEXSPARSE_CUDA_DEBUG): 1 = partial tiles without predicates,
       // 2 = no predicate work at all on partial tiles, 4 = no staging (wrong results;
@@ -839,7 +851,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     if (w < 0) break;
     set_work_tile(w);
     set_tile_inputs();
-    FWD_TRACE_START(wg, k == (p.debug >> 16) && wg_tid == 0);
+    // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
+    FWD_TRACE_START(wg < 2 ? wg : 3, k == (p.debug >> 16) && wg_tid == 0);
     FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 0);
     clear(tOrO);
     CUTLASS_PRAGMA_UNROLL
@@ -898,10 +911,13 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // to the other of two register buffers (the loop is unrolled by two), so nothing in
       // the softmax touches a register that the running wgmma reads or writes, and ptxas
       // has no reason to put the wait for it before the softmax (docs/perf-notes.md, C39).
-      // Scheduler barriers make the two warpgroups issue their pairs of wgmmas in turn
-      // (warpgroup 0 first).
-      auto issue_begin = [&] { bar_sync_wg<2 * 128, kBarrierSchedule>(wg); };
-      auto issue_end = [&] { bar_arrive_wg<2 * 128, kBarrierSchedule>(1 - wg); };
+      // Scheduler barriers make the warpgroups issue their pairs of wgmmas in turn, in a
+      // ring (warpgroup 0 first): a warpgroup's turn ends with an arrival at the next one's
+      // barrier.
+      auto issue_begin = [&] { bar_sync_wg<2 * 128, kBarrierSchedule, kWarpgroups>(wg); };
+      auto issue_end = [&] {
+        bar_arrive_wg<2 * 128, kBarrierSchedule, kWarpgroups>(wg + 1 == kWarpgroups ? 0 : wg + 1);
+      };
       using FragP = decltype(make_tensor<Element>(accumulator_as_a(FragS{}.layout())));
       FragP tOrP0 = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
       FragP tOrP1 = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));
@@ -1014,15 +1030,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         issue_begin();
         gemm<false, -1>(mma_pv, p_last, tOrV(_, _, _, read_v.index()), tOrO);
         issue_end();
-        // Warpgroup 0 takes the last turn that warpgroup 1 handed it, so that every arrival
-        // at a scheduler barrier is matched when the CTA exits.
+        // Warpgroup 0 takes the last turn that the last warpgroup handed it, so that every
+        // arrival at a scheduler barrier is matched when the CTA exits.
         if (wg == 0) issue_begin();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         release_v();
       };
       if (next_tile(n, partial)) {
-        if (wg == 1) issue_end();
+        if (wg == kWarpgroups - 1) issue_end();   // warpgroup 0's first turn
         {
           TileExtras x;
           x.n = n;
@@ -1043,11 +1059,44 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if (!partial && n < full_tiles_end) step(p_prev, p_next, std::true_type{});
           else step(p_prev, p_next, std::false_type{});
         };
-        while (true) {
-          if (!next_tile(n, partial)) { finish(tOrP0); break; }
-          step_either(tOrP0, tOrP1);
-          if (!next_tile(n, partial)) { finish(tOrP1); break; }
-          step_either(tOrP1, tOrP0);
+        if constexpr (kWarpgroups == 3) {
+          // One P buffer (at 160 registers two P buffers made ptxas serialise every wgmma,
+          // C7512): P(t) is written after the wait for O += P(t-1) V(t-1), which follows
+          // the softmax of tile t (FlashAttention-3's order).
+          auto step_one_buffer = [&](auto full) __attribute__((always_inline)) {
+            constexpr bool kFull = decltype(full)::value;
+            TileExtras x;
+            x.n = n;
+            x.partial = kFull ? false : partial;
+            if constexpr (kFull) x.staged = x.by_key = x.all_interval = false;
+            FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+            rescale_o(alpha);   // O holds P(t-2) V(t-2), complete
+            issue_qk(x, tSrS, full);
+            pipe_v.consumer_wait(read_v);
+            gemm<false, -1>(mma_pv, tOrP0, tOrV(_, _, _, read_v.index()), tOrO);
+            issue_end();
+            warpgroup_wait<1>();
+            warpgroup_fence_operand(tSrS);
+            release_k();
+            finish_scores(tSrS, x, full);
+            softmax(tSrS, alpha);
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tOrO);
+            release_v();
+            keep_p(tSrS, tOrP0);
+          };
+          while (next_tile(n, partial)) {
+            if (!partial && n < full_tiles_end) step_one_buffer(std::true_type{});
+            else step_one_buffer(std::false_type{});
+          }
+          finish(tOrP0);
+        } else {
+          while (true) {
+            if (!next_tile(n, partial)) { finish(tOrP0); break; }
+            step_either(tOrP0, tOrP1);
+            if (!next_tile(n, partial)) { finish(tOrP1); break; }
+            step_either(tOrP1, tOrP0);
+          }
         }
       } else {
         release_q();
@@ -1086,14 +1135,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto thr_copy_o = smem_copy_o.get_thread_slice(wg_tid);
       const bool store_leader = wg_tid == 0;
       if (store_leader) tma_store_wait<0>();   // the last work tile's store has read sO
-      bar_sync_wg<128, kBarrierEpilogue>(wg);
+      bar_sync_wg<128, kBarrierEpilogue, kWarpgroups>(wg);
       copy(smem_copy_o, thr_copy_o.retile_S(rO), thr_copy_o.partition_D(sO));
       cutlass::arch::fence_view_async_shared();
-      bar_sync_wg<128, kBarrierEpilogue>(wg);
+      bar_sync_wg<128, kBarrierEpilogue, kWarpgroups>(wg);
       if (store_leader) {
         Tensor mO = kp.tma_o.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
         Tensor gO = local_tile(mO(_, _, h, b), Shape<_64, Int<kHeadDim>>{},
-                               make_coord(m_block * 2 + wg, 0));
+                               make_coord(m_block * kWarpgroups + wg, 0));
         auto cta_o = kp.tma_o.get_slice(0);
         copy(kp.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
         tma_store_arrive();
@@ -1182,7 +1231,7 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   // tiles; FLEXSPARSE_CUDA_DEBUG bit 64 launches one CTA per work tile instead (A/Bs).
   // Work tiles past the grid come from p.tile_counter (zeroed by the caller) or, without
   // it, in a static round-robin.
-  const int n_work = fwd_work_tiles(p);
+  const int n_work = fwd_work_tiles(p, T::kBlockM);
   // (The redo pass's work tiles are known on the device only: a full persistent grid.)
   const int ctas = (p.debug & 64) && !p.redo_pass ? n_work : std::min(n_work, sm_count());
   kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);
@@ -1206,7 +1255,11 @@ inline bool fwd_bias_mma_ok(AttentionParams const& p) {
 // else the serial one; overlapped, the plain kernel where the call allows. The TMA-store
 // epilogue's staging buffer fits beside the pipeline up to head dim 128 (the bias tiles
 // take its place).
-template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232>
+// kWideRegs > 0: the plain overlapped kernel has a three-warpgroup build at that many
+// consumer registers, taken where the descriptor's query blocks hold whole 192-row work
+// tiles (block_q a multiple of 192: the full mask's descriptor, masks.full) unless
+// FLEXSPARSE_CUDA_DEBUG bit 134217728 asks for the two-warpgroup one (A/Bs).
+template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232, int kWideRegs = 0>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
   constexpr bool kTma = kHeadDim <= 128;
   // The plain overlapped kernel where the call has no dense mask, no bitmaps and staged
@@ -1215,6 +1268,12 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
   const bool plain = pr.dense == nullptr && pr.bits_index == nullptr &&
                      pr.n_col_ranges <= FwdTraits<Element, kHeadDim, kBlockN, kStages>::kMaxStagedRanges &&
                      !(p.debug & (4 | 1024));
+  if constexpr (kWideRegs > 0) {
+    if (overlap && p.bias == nullptr && plain && p.block_q % 192 == 0 && !(p.debug & 134217728)) {
+      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kWideRegs, kTma, true, false, 3>>(p, stream);
+      return;
+    }
+  }
   if (overlap && p.bias == nullptr && plain) {
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
     return;

@@ -88,9 +88,12 @@ struct AttentionParams : AttentionTensors {
   PredicateParams pred;
 };
 
-// The forward's work tiles: query tiles of kFwdBlockM rows, per (batch, head).
+// The forward's work tiles: query tiles of tile_m rows (128, or 192 in the three-warpgroup
+// kernels), per (batch, head). The host sizes the redo queue for 128 (the most tiles).
 constexpr int kFwdBlockM = 128;
-inline int fwd_work_tiles(const AttentionParams& p) { return (p.Lq + kFwdBlockM - 1) / kFwdBlockM * p.Hq * p.B; }
+inline int fwd_work_tiles(const AttentionParams& p, int tile_m = kFwdBlockM) {
+  return (p.Lq + tile_m - 1) / tile_m * p.Hq * p.B;
+}
 
 // The 32-bit words of AttentionParams::redo's bitmap for n_work work tiles.
 #ifdef __CUDACC__

@@ -185,37 +185,54 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// Named barrier kId0 + wg for a warp-uniform wg of 0 or 1, as a branch between two
-// immediates, so that the id never sits in a register (ptxas spilled such ids and reloaded
-// them from local memory before every barrier of the forward's main loop). The backward
-// keeps plain ids: there the branch measured 0-3% slower (docs/perf-notes.md C25).
-template <int kThreads, int kId0>
-__device__ __forceinline__ void bar_sync_wg(int wg) {
-  if (wg == 0) cutlass::arch::NamedBarrier::sync(kThreads, kId0);
-  else cutlass::arch::NamedBarrier::sync(kThreads, kId0 + 1);
+// Named barrier kHwId0 + wg (a hardware id: 0 is __syncthreads, 1..15 are free in our
+// kernels, which use none of CUTLASS's reserved ones) for a warp-uniform wg below
+// kWarpgroups (at most 3), as branches between immediates, so that the id never sits in a
+// register (ptxas spilled such ids and reloaded them from local memory before every barrier
+// of the forward's main loop). The backward keeps plain ids: there the branch measured 0-3%
+// slower (docs/perf-notes.md C25).
+template <int kId, int kThreads>
+__device__ __forceinline__ void bar_sync_hw() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads));
 }
-template <int kThreads, int kId0>
+template <int kId, int kThreads>
+__device__ __forceinline__ void bar_arrive_hw() {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads));
+}
+template <int kThreads, int kHwId0, int kWarpgroups = 2>
+__device__ __forceinline__ void bar_sync_wg(int wg) {
+  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16,
+                "hardware barrier ids 1..15, two or three warpgroups");
+  if (wg == 0) bar_sync_hw<kHwId0, kThreads>();
+  else if (kWarpgroups == 2 || wg == 1) bar_sync_hw<kHwId0 + 1, kThreads>();
+  else bar_sync_hw<kHwId0 + 2, kThreads>();
+}
+template <int kThreads, int kHwId0, int kWarpgroups = 2>
 __device__ __forceinline__ void bar_arrive_wg(int wg) {
-  if (wg == 0) cutlass::arch::NamedBarrier::arrive(kThreads, kId0);
-  else cutlass::arch::NamedBarrier::arrive(kThreads, kId0 + 1);
+  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16,
+                "hardware barrier ids 1..15, two or three warpgroups");
+  if (wg == 0) bar_arrive_hw<kHwId0, kThreads>();
+  else if (kWarpgroups == 2 || wg == 1) bar_arrive_hw<kHwId0 + 1, kThreads>();
+  else bar_arrive_hw<kHwId0 + 2, kThreads>();
 }
 
 // bar_sync_wg that also tells whether `pred` held in every participating thread (PTX
-// bar.red.and: the same barrier, with an AND of one predicate per thread). Ids are offset
-// by CUTLASS's reserved barriers, as NamedBarrier::sync offsets them.
-template <int kThreads, int kId0>
-__device__ __forceinline__ bool bar_sync_and_wg(int wg, bool pred) {
-  constexpr int kHwId = kId0 + static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+// bar.red.and: the same barrier, with an AND of one predicate per thread).
+template <int kId, int kThreads>
+__device__ __forceinline__ bool bar_sync_and_hw(bool pred) {
   uint32_t all;
-  if (wg == 0)
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
-                 " bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(pred)), "n"(kHwId), "n"(kThreads) : "memory");
-  else
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
-                 " bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(all) : "r"(uint32_t(pred)), "n"(kHwId + 1), "n"(kThreads) : "memory");
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
+               " bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
+               : "=r"(all) : "r"(uint32_t(pred)), "n"(kId), "n"(kThreads) : "memory");
   return all != 0;
+}
+template <int kThreads, int kHwId0, int kWarpgroups = 2>
+__device__ __forceinline__ bool bar_sync_and_wg(int wg, bool pred) {
+  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16,
+                "hardware barrier ids 1..15, two or three warpgroups");
+  if (wg == 0) return bar_sync_and_hw<kHwId0, kThreads>(pred);
+  if (kWarpgroups == 2 || wg == 1) return bar_sync_and_hw<kHwId0 + 1, kThreads>(pred);
+  return bar_sync_and_hw<kHwId0 + 2, kThreads>(pred);
 }
 
 }  // namespace flexsparse::sm90

@@ -1,6 +1,6 @@
 """Small calls of the CUDA backend for compute-sanitizer's racecheck and synccheck (too slow
 for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_DEBUG=32
-runs the serial one), head dims 64/128/256, column ranges, a dense mask with fully masked
+runs the serial one), head dims 64/128/256 (hd64's three-warpgroup forward too), column ranges, a dense mask with fully masked
 rows, bias, odd lengths, GQA, and the backward where it is built (every head dim). Prints one line per case;
 the tool's summary says whether any hazard was seen."""
 import os
@@ -49,6 +49,11 @@ def main():
         ("causal hd256", 1, 2, 2, 257, 257, 256, M.causal()),
         ("document hd256 gqa", 1, 4, 2, 330, 330, 256, M.document([100, 230])),
         ("dense fully masked rows", 1, 2, 2, L, L, 128, M.dense(dm)),
+        # hd64's three-warpgroup forward (192-row work tiles): the full mask, and partial
+        # tiles in a descriptor of 384-row query blocks
+        ("full hd64 three warpgroups gqa", 1, 4, 2, 500, 500, 64, None),
+        ("causal hd64 three warpgroups", 1, 2, 2, 450, 450, 64,
+         M.causal().compile(1, 2, 2, 450, 450, device="cuda", block_size=(384, 128))),
     ]
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""   # name filter
     for schedule in ("0", "32"):

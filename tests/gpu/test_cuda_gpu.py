@@ -415,6 +415,35 @@ def test_backward_preprocess_variants_agree(D, monkeypatch):
         assert err < 2e-2, (name, err.item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kind,Lq,Lk", [("full", 1000, 1000), ("full", 193, 700), ("full", 1, 300),
+                                        ("full", 2000, 517), ("causal", 1000, 1000),
+                                        ("document", 777, 777), ("sliding", 900, 900),
+                                        ("column_ranges", 1000, 1000)])
+def test_three_warpgroup_forward(kind, Lq, Lk, dtype, monkeypatch):
+    """Head dim 64's plain forward takes 192-row work tiles (three consumer warpgroups)
+    where the descriptor's query blocks hold whole ones: the full mask (its descriptor has
+    384-row query blocks) and any mask compiled with such blocks (partial tiles: staged
+    column ranges, by key and by slot). Against float64 with GQA and lengths no tile
+    divides, and against the two-warpgroup kernel (FLEXSPARSE_CUDA_DEBUG bit 134217728)."""
+    torch.manual_seed(hash((kind, Lq, Lk)) % 1000)
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    if kind == "full":
+        desc = M.full().compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+        assert desc.block_size == (384, 128)
+    else:
+        mask = T.mask_kinds(B, Hkv, Lq)[kind]
+        desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV, block_size=(384, 128))
+    q = torch.randn(B, Hq, Lq, D, device=T.DEV)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV) for _ in range(2))
+    three = check(B, Hq, Hkv, Lq, Lk, D, None, dtype, desc=desc, inputs=(q, k, v), backward=False)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "134217728")
+    two = flexsparse.attention(q.to(dtype), k.to(dtype), v.to(dtype), desc, backend="cuda",
+                               return_lse=True)
+    torch.testing.assert_close(three[0], two[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(three[1], two[1], atol=1e-4, rtol=1e-4)
+
+
 def test_softcap():
     torch.manual_seed(3)
     check(1, 4, 2, 500, 500, 128, M.document([200, 300]), torch.bfloat16, softcap=20.0,
