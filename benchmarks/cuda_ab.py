@@ -4,7 +4,9 @@ medians reported. Also checks each variant's output against the serial one.
 
     python -m benchmarks.cuda_ab [rows] [--variants 0,32] [--rounds 3] [--bwd]
 
-rows: kind@L[@D],... as in benchmarks.cuda_bench.
+rows: kind@L[@D],... as in benchmarks.cuda_bench. A variant "bits/bq" (e.g. 0/384) runs
+with the mask compiled at query blocks of bq rows (key blocks 128) instead of the mask's
+own block size.
 """
 import os
 import statistics
@@ -44,13 +46,16 @@ def main():
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
         fs_mask, _, _, _, has_bias = make_case(kind, B, L, device=q.device)
         bias = torch.randn(B, H, L, L, device="cuda", dtype=DTYPE) if has_bias else None
-        desc = fs_mask.compile(B, H, H, L, L, device=q.device)
-        flops = 4.0 * D * desc.num_visible(batch=B)
+        descs = {var: fs_mask.compile(B, H, H, L, L, device=q.device,
+                                      block_size=(int(var.split("/")[1]), 128) if "/" in var else None)
+                 for var in variants}
+        flops = 4.0 * D * descs[variants[0]].num_visible(batch=B)
         times = {(v, p): [] for v in variants for p in ("fwd", "bwd")}
         outs, grads = {}, {}
         for _ in range(rounds):
             for var in variants:
-                os.environ["FLEXSPARSE_CUDA_DEBUG"] = var
+                os.environ["FLEXSPARSE_CUDA_DEBUG"] = var.split("/")[0]
+                desc = descs[var]
                 fn = lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda")  # noqa: E731
                 outs[var] = fn().float()
                 times[(var, "fwd")].append(triton.testing.do_bench(fn, warmup=10, rep=60))
