@@ -417,36 +417,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   // FLEXSPARSE_CUDA_DEBUG bit 1048576: one buffer at head dim 64 too (A/Bs).
   const int bias_shift = (T::kBiasBufs == 2 && !(p.debug & 1048576)) ? 1 : 0;
   const int bias_mask = (1 << bias_shift) - 1;
-  // The steps of head h (query tiles listed for this key block, rows below Lq), in list
-  // order rotated by this CTA's key-tile index: the CTAs of one head run at the same time,
-  // and in list order they would all reduce into the same rows of dq_accum at the same
-  // moment (docs/perf-notes.md C66). The producer, the dQ writer and the bias loader walk
-  // the same order; the consumers follow the producer's step records. Deterministic calls
-  // keep list order (their dQ turns are taken in it); FLEXSPARSE_CUDA_DEBUG bit 268435456
-  // too (A/Bs).
-  const bool rotate_steps = !bp.deterministic && !(p.debug & 268435456);
-  auto for_each_step = [&](int h, auto&& fn) {
-    int m;
-    bool partial;
-    int r = 0;
-    if (rotate_steps) {
-      int total = 0;
-      TileCursor count(p.q_partial, b, h, kb);
-      while (count.next(p.q_full, b, h, kb, sub, m, partial)) total += m * kBlockM < p.Lq;
-      r = total > 0 ? n_block % total : 0;
-    }
-    // pass 0: the steps from the r-th on; pass 1: the first r
-    for (int pass = 0; pass < (r > 0 ? 2 : 1); ++pass) {
-      TileCursor walk(p.q_partial, b, h, kb);
-      int idx = 0;
-      while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
-        if (m * kBlockM >= p.Lq) continue;
-        if (pass == 1 && idx >= r) break;
-        if (pass == 1 || idx >= r) fn(m, partial);
-        ++idx;
-      }
-    }
-  };
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -484,9 +454,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       };
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
+        TileCursor walk(p.q_partial, b, h, kb);
         Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
         Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
-        for_each_step(h, [&](int m, bool partial) {
+        int m;
+        bool partial;
+        while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+          if (m * kBlockM >= p.Lq) continue;
           const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
           record(2 * m + (partial ? 1 : 0));
           pipe_q.producer_acquire(write);
@@ -498,7 +472,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           copy(kp.tma_do.with(*bar_do, 0, reused), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
           SM90_BULK_COPY_G2S::copy(kp.delta + rows, bar_do, ss.delta[write.index()], kBlockM * sizeof(float));
           ++write;
-        });
+        }
         // The head's end: a stage of both pipelines that carries no data (its expected bytes
         // completed here), whose record tells the consumers to go on to the next head.
         record(kEndOfHead);
@@ -514,8 +488,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int lane = threadIdx.x % 32;
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
+        TileCursor walk(p.q_partial, b, h, kb);
         const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
-        for_each_step(h, [&](int m, bool) {
+        int m;
+        bool partial;
+        while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+          if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
           const int i0 = m * kBlockM;
           const int turn = bp.deterministic
               ? dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN) : 0;
@@ -550,7 +528,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
             __syncwarp();
           }
-        });
+        }
       }
       if (lane == 0) tma_store_wait<0>();       // shared memory outlives the reductions
     } else if (T::kBiasTiles && warp_in_group == 2) {
@@ -567,7 +545,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             const int h = hk * group + g;
             Tensor tBgB = cta_b.partition_S(
                 local_tile(mB(_, _, h / p.bias_head_div, bb), tile_b, make_coord(_, n_block)));
-            for_each_step(h, [&](int m, bool) {
+            TileCursor walk(p.q_partial, b, h, kb);
+            int m;
+            bool partial;
+            while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+              if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
               const int buf = loads & bias_mask;
               if (loads > bias_mask)
                 cutlass::arch::ClusterBarrier::wait(&ss.bias_empty[buf], ((loads >> bias_shift) - 1) & 1);
@@ -577,7 +559,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               copy(kp.tma_bias.with(ss.bias_full[buf], 0, streamed), tBgB(_, _, _, m),
                    cta_b.partition_D(sBias));
               ++loads;
-            });
+            }
           }
         }
       }
