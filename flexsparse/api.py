@@ -20,7 +20,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
               bias: Optional[torch.Tensor] = None, scale: Optional[float] = None,
               softcap: Optional[float] = None, return_lse: bool = False,
               backend: str = "auto", deterministic: bool = False,
-              block_size: Optional[Tuple[int, int]] = None,
+              block_size: Tuple[int, int] = masks_mod.DEFAULT_BLOCK_SIZE,
               kernel_options: Optional[dict] = None,
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Masked/sparse attention. See README and docs/semantics.md.
@@ -28,9 +28,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     query (B, Hq, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv); Hq % Hkv == 0.
     mask: None, a bool tensor, a `flexsparse.masks` mask, a compiled `BlockDescriptor`,
     or a FlexAttention `BlockMask`. Returns out (B, Hq, Lq, Dv), and lse (B, Hq, Lq)
-    when `return_lse`. `block_size`: (block_q, block_k) of the descriptor made from a
-    mask that is not compiled yet; None takes the mask's preferred one ((128, 128); the
-    full mask, mask=None included, (384, 128)). `kernel_options`: per-call choices of the Triton block kernels
+    when `return_lse`. `kernel_options`: per-call choices of the Triton block kernels
     (`flexsparse/ops/kernel_options.py`: bwd_mode, trim_lists, dq_from_ds, *_config);
     other backends ignore them.
     """
@@ -43,8 +41,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
         bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     B, Hq, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
-    if block_size is not None:      # (None: the mask's preferred_block_size)
-        block_size = masks_mod.block_pair(block_size)
+    block_size = masks_mod.block_pair(block_size)
     desc = compile_mask(mask, B, Hq, Hkv, Lq, Lk, device=query.device, block_size=block_size)
     _check_bias(bias, query, B, Hq, Hkv, Lq, Lk)
     # Types while tracing; values eagerly here, and under torch.compile by the op's kernel
@@ -98,7 +95,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=
     return (out, lse) if return_lse else out
 
 
-def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=None) -> BlockDescriptor:
+def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAULT_BLOCK_SIZE
+                 ) -> BlockDescriptor:
     """Whatever the user passed as `mask`, as a BlockDescriptor for these sizes."""
     if isinstance(mask, BlockDescriptor):
         # check_sizes: eager a ValueError here; under torch.compile (symbolic sizes) a graph

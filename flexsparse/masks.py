@@ -126,16 +126,10 @@ def _compiled_builder():
 class Mask:
     """Base class. Subclasses implement `_parts(sizes) -> DescriptorParts` and `__repr__`."""
 
-    # The block size of compile(block_size=None).
-    preferred_block_size: Tuple[int, int] = DEFAULT_BLOCK_SIZE
-
     def compile(self, B: int, Hq: int, Hkv: int, Lq: int, Lk: int, *, device=None,
-                block_size: Optional[Tuple[int, int]] = None,
+                block_size: Tuple[int, int] = DEFAULT_BLOCK_SIZE,
                 compiled_build: bool = False) -> BlockDescriptor:
         """The BlockDescriptor of this mask for these sizes (H = query heads).
-
-        `block_size`: (block_q, block_k) or one int for both; None takes the mask's
-        `preferred_block_size` ((128, 128) but for `full()`).
 
         `compiled_build`: build at static shapes through torch.compile (one compile per
         mask kind and device, seconds, then a few fused kernels per build instead of one
@@ -145,7 +139,7 @@ class Mask:
         if Hkv <= 0 or Hq % Hkv != 0:
             raise ValueError(f"num_kv_heads: Hq={Hq} must be a multiple of Hkv={Hkv}")
         _check_bool("compiled_build", compiled_build)
-        bq, bk = block_pair(self.preferred_block_size if block_size is None else block_size)
+        bq, bk = block_pair(block_size)
         sz = Sizes(B, Hq, Hkv, Lq, Lk, bq, bk, canonical_device(device or self._default_device()))
         if _is_compiling():
             return self._descriptor(sz)
@@ -222,11 +216,6 @@ class Mask:
 # =============================================================== full / dense / blocks
 
 class _Full(Mask):
-    # Query blocks of 384 rows: nothing is masked, so the block size changes only which
-    # kernels can run, and 384 holds whole work tiles of every CUDA forward (128 rows, and
-    # the three-warpgroup hd64 kernel's 192; docs/perf-notes.md C65).
-    preferred_block_size = (384, 128)
-
     def _parts(self, sz):
         state = torch.full((1, 1, sz.nQB, sz.nKB), FULL, dtype=torch.int32, device=sz.device)
         return DescriptorParts(state=state)

@@ -49,9 +49,10 @@ def main():
         ("causal hd256", 1, 2, 2, 257, 257, 256, M.causal()),
         ("document hd256 gqa", 1, 4, 2, 330, 330, 256, M.document([100, 230])),
         ("dense fully masked rows", 1, 2, 2, L, L, 128, M.dense(dm)),
-        # hd64's three-warpgroup forward (192-row work tiles): the full mask, and partial
-        # tiles in a descriptor of 384-row query blocks
-        ("full hd64 three warpgroups gqa", 1, 4, 2, 500, 500, 64, None),
+        # hd64's three-warpgroup forward (192-row work tiles, descriptors of 384-row query
+        # blocks): the full mask, and partial tiles
+        ("full hd64 three warpgroups gqa", 1, 4, 2, 500, 500, 64,
+         M.full().compile(1, 4, 2, 500, 500, device="cuda", block_size=(384, 128))),
         ("causal hd64 three warpgroups", 1, 2, 2, 450, 450, 64,
          M.causal().compile(1, 2, 2, 450, 450, device="cuda", block_size=(384, 128))),
     ]

@@ -422,18 +422,14 @@ def test_backward_preprocess_variants_agree(D, monkeypatch):
                                         ("column_ranges", 1000, 1000)])
 def test_three_warpgroup_forward(kind, Lq, Lk, dtype, monkeypatch):
     """Head dim 64's plain forward takes 192-row work tiles (three consumer warpgroups)
-    where the descriptor's query blocks hold whole ones: the full mask (its descriptor has
-    384-row query blocks) and any mask compiled with such blocks (partial tiles: staged
-    column ranges, by key and by slot). Against float64 with GQA and lengths no tile
+    where the descriptor's query blocks hold whole ones (block_q a multiple of 192): the
+    full mask and masks with partial tiles (staged column ranges, by key and by slot),
+    compiled at 384-row query blocks. Against float64 with GQA and lengths no tile
     divides, and against the two-warpgroup kernel (FLEXSPARSE_CUDA_DEBUG bit 134217728)."""
     torch.manual_seed(hash((kind, Lq, Lk)) % 1000)
     B, Hq, Hkv, D = 2, 4, 2, 64
-    if kind == "full":
-        desc = M.full().compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
-        assert desc.block_size == (384, 128)
-    else:
-        mask = T.mask_kinds(B, Hkv, Lq)[kind]
-        desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV, block_size=(384, 128))
+    mask = M.full() if kind == "full" else T.mask_kinds(B, Hkv, Lq)[kind]
+    desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV, block_size=(384, 128))
     q = torch.randn(B, Hq, Lq, D, device=T.DEV)
     k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV) for _ in range(2))
     three = check(B, Hq, Hkv, Lq, Lk, D, None, dtype, desc=desc, inputs=(q, k, v), backward=False)
