@@ -1,15 +1,16 @@
 // Forward attention over a block descriptor on Hopper (sm_90a).
 //
 // A persistent kernel: each CTA takes work tiles (a 128-row query tile of one (batch,
-// head)) one after another, so that one tile's epilogue and the next one's first loads
-// overlap. The producer takes the next work tile from a global counter (in work-tile
-// order, as the hardware would hand out one CTA per tile) and passes it to the consumers
-// through shared memory. A CTA has three warpgroups:
+// head); 192 rows in the three-consumer build, FwdTraits) one after another, so that one
+// tile's epilogue and the next one's first loads overlap. The producer takes the next
+// work tile from a global counter (in work-tile order, as the hardware would hand out one
+// CTA per tile) and passes it to the consumers through shared memory. A CTA has a
+// producer and two (or three) consumer warpgroups:
 //   warpgroup 0 (producer, registers given back): one thread issues TMA loads of the
 //     query tile and then, in list order, of the key and value tiles the descriptor lists
 //     for this query block (partial list first, then full list), through two TMA
 //     pipelines (keys, values) of kStages stages each;
-//   warpgroups 1, 2 (consumers, 64 query rows each): S = Q K^T with wgmma from shared
+//   warpgroups 1, 2 [, 3] (consumers, 64 query rows each): S = Q K^T with wgmma from shared
 //     memory, element predicates on partial tiles, online softmax in registers,
 //     O += P V with P as the register A operand. With FwdTraits::kOverlap (hd64, hd128
 //     without bias) the two consumers take turns at the tensor cores and each runs the
