@@ -996,14 +996,18 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         FWD_TRACE(7);
         FWD_TRACE_NEXT();
       };
-      // Tile t >= 1. In flight on entry: O += P(t-2) V(t-2) (t >= 2), which read p_next.
-      // full: std::true_type where the tile is neither partial nor past Lk (full_tile).
-      auto step = [&](FragP& p_prev, FragP& p_next, auto full) __attribute__((always_inline)) {
+      // x: the current tile's, before load_extras (full tiles load none).
+      auto init_extras = [&](TileExtras& x, auto full) __attribute__((always_inline)) {
         constexpr bool kFull = decltype(full)::value;
-        TileExtras x;
         x.n = n;
         x.partial = kFull ? false : partial;
         if constexpr (kFull) x.staged = x.by_key = x.all_interval = false;
+      };
+      // Tile t >= 1. In flight on entry: O += P(t-2) V(t-2) (t >= 2), which read p_next.
+      // full: std::true_type where the tile is neither partial nor past Lk (full_tile).
+      auto step = [&](FragP& p_prev, FragP& p_next, auto full) __attribute__((always_inline)) {
+        TileExtras x;
+        init_extras(x, full);
         FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
@@ -1056,20 +1060,18 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // warps' path). FLEXSPARSE_CUDA_DEBUG bit 16777216: every tile on the general
         // path (A/Bs).
         const int full_tiles_end = (p.debug & 16777216) ? 0 : p.Lk / kBlockN;
-        auto step_either = [&](FragP& p_prev, FragP& p_next) __attribute__((always_inline)) {
-          if (!partial && n < full_tiles_end) step(p_prev, p_next, std::true_type{});
-          else step(p_prev, p_next, std::false_type{});
+        // run_step(full) with full = std::true_type on the full-tile path, else false_type.
+        auto either_path = [&](auto&& run_step) __attribute__((always_inline)) {
+          if (!partial && n < full_tiles_end) run_step(std::true_type{});
+          else run_step(std::false_type{});
         };
         if constexpr (kWarpgroups == 3) {
           // One P buffer (at 160 registers two P buffers made ptxas serialise every wgmma,
           // C7512): P(t) is written after the wait for O += P(t-1) V(t-1), which follows
           // the softmax of tile t (FlashAttention-3's order).
           auto step_one_buffer = [&](auto full) __attribute__((always_inline)) {
-            constexpr bool kFull = decltype(full)::value;
             TileExtras x;
-            x.n = n;
-            x.partial = kFull ? false : partial;
-            if constexpr (kFull) x.staged = x.by_key = x.all_interval = false;
+            init_extras(x, full);
             FragS tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
             rescale_o(alpha);   // O holds P(t-2) V(t-2), complete
             issue_qk(x, tSrS, full);
@@ -1086,17 +1088,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             release_v();
             keep_p(tSrS, tOrP0);
           };
-          while (next_tile(n, partial)) {
-            if (!partial && n < full_tiles_end) step_one_buffer(std::true_type{});
-            else step_one_buffer(std::false_type{});
-          }
+          while (next_tile(n, partial)) either_path(step_one_buffer);
           finish(tOrP0);
         } else {
           while (true) {
             if (!next_tile(n, partial)) { finish(tOrP0); break; }
-            step_either(tOrP0, tOrP1);
+            either_path([&](auto full) __attribute__((always_inline)) { step(tOrP0, tOrP1, full); });
             if (!next_tile(n, partial)) { finish(tOrP1); break; }
-            step_either(tOrP1, tOrP0);
+            either_path([&](auto full) __attribute__((always_inline)) { step(tOrP1, tOrP0, full); });
           }
         }
       } else {

@@ -199,18 +199,20 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void bar_arrive_hw() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads));
 }
+template <int kHwId0, int kWarpgroups>
+constexpr bool wg_barrier_ids_ok() {
+  return kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16;
+}
 template <int kThreads, int kHwId0, int kWarpgroups = 2>
 __device__ __forceinline__ void bar_sync_wg(int wg) {
-  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16,
-                "hardware barrier ids 1..15, two or three warpgroups");
+  static_assert(wg_barrier_ids_ok<kHwId0, kWarpgroups>(), "hardware barrier ids 1..15, two or three warpgroups");
   if (wg == 0) bar_sync_hw<kHwId0, kThreads>();
   else if (kWarpgroups == 2 || wg == 1) bar_sync_hw<kHwId0 + 1, kThreads>();
   else bar_sync_hw<kHwId0 + 2, kThreads>();
 }
 template <int kThreads, int kHwId0, int kWarpgroups = 2>
 __device__ __forceinline__ void bar_arrive_wg(int wg) {
-  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16,
-                "hardware barrier ids 1..15, two or three warpgroups");
+  static_assert(wg_barrier_ids_ok<kHwId0, kWarpgroups>(), "hardware barrier ids 1..15, two or three warpgroups");
   if (wg == 0) bar_arrive_hw<kHwId0, kThreads>();
   else if (kWarpgroups == 2 || wg == 1) bar_arrive_hw<kHwId0 + 1, kThreads>();
   else bar_arrive_hw<kHwId0 + 2, kThreads>();
@@ -228,8 +230,7 @@ __device__ __forceinline__ bool bar_sync_and_hw(bool pred) {
 }
 template <int kThreads, int kHwId0, int kWarpgroups = 2>
 __device__ __forceinline__ bool bar_sync_and_wg(int wg, bool pred) {
-  static_assert(kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16,
-                "hardware barrier ids 1..15, two or three warpgroups");
+  static_assert(wg_barrier_ids_ok<kHwId0, kWarpgroups>(), "hardware barrier ids 1..15, two or three warpgroups");
   if (wg == 0) return bar_sync_and_hw<kHwId0, kThreads>(pred);
   if (kWarpgroups == 2 || wg == 1) return bar_sync_and_hw<kHwId0 + 1, kThreads>(pred);
   return bar_sync_and_hw<kHwId0 + 2, kThreads>(pred);
