@@ -122,21 +122,26 @@ BlockListParams list_params(const OptTensor& count, const OptTensor& index, int6
   BlockListParams l;
   FLEXSPARSE_CHECK(count.has_value() && index.has_value(), "flexsparse cuda: the descriptor's ", name,
               " lists are missing (the cuda backend needs all eight block lists)");
-  Tensor c = count->to(at::kInt).contiguous();
-  Tensor x = index->to(at::kInt).contiguous();
+  FLEXSPARSE_CHECK(count->dim() == 3 && count->size(2) == n_rows, "flexsparse cuda: ", name,
+              "_count shape ", count->sizes(), " (expected (Bd, Hd, ", n_rows, "))");
+  FLEXSPARSE_CHECK((index->dim() == 4 || (index->dim() == 5 && index->size(4) == 2 && index->size(3) <= 4)) &&
+                  index->size(0) == count->size(0) && index->size(1) == count->size(1) &&
+                  index->size(2) == n_rows,
+              "flexsparse cuda: ", name, "_index shape ", index->sizes());
+  // Rows expanded from one (stride 0 in both tensors): that row only, read by every row.
+  const bool one_row = n_rows > 1 && count->stride(2) == 0 && index->stride(2) == 0;
+  const int64_t stored_rows = one_row ? 1 : n_rows;
+  Tensor c = (one_row ? count->narrow(2, 0, 1) : *count).to(at::kInt).contiguous();
+  Tensor x = (one_row ? index->narrow(2, 0, 1) : *index).to(at::kInt).contiguous();
   keep.push_back(c);
   keep.push_back(x);
-  FLEXSPARSE_CHECK(c.dim() == 3 && c.size(2) == n_rows, "flexsparse cuda: ", name, "_count shape ",
-              c.sizes(), " (expected (Bd, Hd, ", n_rows, "))");
   const int64_t Bd = c.size(0), Hd = c.size(1);
   FLEXSPARSE_CHECK(Bd == 1 || Bd == B, "flexsparse cuda: ", name, "_count batch ", Bd, " for B=", B);
-  FLEXSPARSE_CHECK((x.dim() == 4 || (x.dim() == 5 && x.size(4) == 2 && x.size(3) <= 4)) &&
-                  x.size(0) == Bd && x.size(1) == Hd && x.size(2) == n_rows,
-              "flexsparse cuda: ", name, "_index shape ", x.sizes());
   l.count = c.data_ptr<int32_t>();
   l.index = x.data_ptr<int32_t>();
-  l.batch_stride = Bd == 1 ? 0 : Hd * n_rows;
-  l.head_stride = n_rows;
+  l.batch_stride = Bd == 1 ? 0 : Hd * stored_rows;
+  l.head_stride = stored_rows;
+  l.row_stride = one_row ? 0 : 1;
   l.head_div = head_div(Hd, Hq, Hkv, name);
   l.ranges = x.dim() == 5 ? static_cast<int>(x.size(3)) : 0;
   l.width = x.dim() == 5 ? 2 * l.ranges : static_cast<int>(x.size(3));

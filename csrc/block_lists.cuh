@@ -24,7 +24,7 @@ struct ListRow {
 
   __device__ __forceinline__ ListRow(const BlockListParams& p, int b, int h, int row) {
     if (p.count == nullptr) return;
-    int64_t r = b * p.batch_stride + (h / p.head_div) * p.head_stride + row;
+    int64_t r = b * p.batch_stride + (h / p.head_div) * p.head_stride + row * p.row_stride;
     count = max(__ldg(p.count + r), 0);
     n_blocks = p.n_blocks;
     ranges = p.ranges;
@@ -83,7 +83,7 @@ struct TileCursor {
     left = 0;
     tiles_left = 0;
     if (p.count == nullptr) return;
-    const int64_t r = b * p.batch_stride + (h / p.head_div) * p.head_stride + row;
+    const int64_t r = b * p.batch_stride + (h / p.head_div) * p.head_stride + row * p.row_stride;
     left = max(__ldg(p.count + r), 0);
     n_blocks = p.n_blocks;
     index = p.index + r * p.width;

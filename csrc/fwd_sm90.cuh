@@ -98,7 +98,8 @@ namespace flexsparse::sm90 {
 // configuration (docs/perf-notes.md C65): at hd64 a warpgroup's softmax takes about twice
 // its two products' tensor-core time, so two warpgroups leave the tensor cores idle part
 // of each tile and three do not. A work tile must then lie in one descriptor row
-// (block_q a multiple of 192, e.g. a mask compiled with block_size=(384, 128)).
+// (block_q a multiple of 192, e.g. a mask compiled with block_size=(384, 128)), or the
+// kv lists' rows must all be one (row_stride 0: the full mask).
 // kTmaStore: the epilogue writes O through shared memory (stmatrix) and one TMA store per
 // warpgroup instead of 4-byte global stores from registers.
 // kPlain: built without the dense mask, the partial bitmaps and the per-score read of
@@ -1257,7 +1258,8 @@ inline bool fwd_bias_mma_ok(AttentionParams const& p) {
 // take its place).
 // kWideRegs > 0: the plain overlapped kernel has a three-warpgroup build at that many
 // consumer registers, taken where the descriptor's query blocks hold whole 192-row work
-// tiles (block_q a multiple of 192, e.g. 384) unless
+// tiles (block_q a multiple of 192, e.g. 384) or its kv lists are one row for all (the
+// full mask) unless
 // FLEXSPARSE_CUDA_DEBUG bit 134217728 asks for the two-warpgroup one (A/Bs).
 template <class Element, int kHeadDim, int kBlockN, int kStages, int kOverlapRegs = 232, int kWideRegs = 0>
 void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool overlap) {
@@ -1269,7 +1271,9 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
                      pr.n_col_ranges <= FwdTraits<Element, kHeadDim, kBlockN, kStages>::kMaxStagedRanges &&
                      !(p.debug & (4 | 1024));
   if constexpr (kWideRegs > 0) {
-    if (overlap && p.bias == nullptr && plain && p.block_q % 192 == 0 && !(p.debug & 134217728)) {
+    // A 192-row tile straddles 128-row descriptor rows unless they all read one row.
+    const bool tiles_fit = p.block_q % 192 == 0 || (p.kv_partial.row_stride == 0 && p.kv_full.row_stride == 0);
+    if (overlap && p.bias == nullptr && plain && tiles_fit && !(p.debug & 134217728)) {
       launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kWideRegs, kTma, true, false, 3>>(p, stream);
       return;
     }

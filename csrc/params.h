@@ -10,12 +10,15 @@ namespace flexsparse {
 // index is either explicit (Bd, Hd, n_rows, width) or the range form
 // (Bd, Hd, n_rows, ranges, 2) of half-open block ranges. Both contiguous (the host makes
 // them so). Batch index b reads row b * batch_stride (0 when Bd == 1), head h reads
-// h / head_div.
+// h / head_div. Lists whose rows are all the same (row_stride 0: the descriptor's tensors
+// expanded from one row, as the full mask's kv lists are) keep that one row per head, so
+// any row reads it: a kernel may then take work tiles that straddle descriptor rows.
 struct BlockListParams {
   const int32_t* count = nullptr;   // nullptr: the list is empty in every row
   const int32_t* index = nullptr;
   int64_t batch_stride = 0;         // in rows
   int64_t head_stride = 0;          // in rows
+  int row_stride = 1;               // in rows: 1, or 0 where every row is the same
   int head_div = 1;
   int width = 0;                    // explicit form: entries per row; range form: 2 * ranges
   int ranges = 0;                   // 0: explicit indices, else the number of ranges per row

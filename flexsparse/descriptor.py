@@ -54,21 +54,25 @@ class BlockDescriptor:
         Widths, when given, must bound the number of blocks of each kind in a row
         (an analytic mask knows this); they keep the lists O(N) for banded masks.
         """
+        # A state whose query-block rows are one row expanded (stride 0: the full mask, a
+        # key-padding mask) gives kv lists of that row, expanded the same way: the CUDA
+        # forward sees from the stride that every row reads the same lists, so its work
+        # tiles need not lie within one descriptor row (csrc/params.h, BlockListParams).
+        nQB = state.shape[-2]
+        one_row = nQB > 1 and state.stride(-2) == 0
+        kv_state = state[..., :1, :] if one_row else state
         st = state.transpose(-1, -2)
-        sels = (state == PARTIAL, state == FULL, st == PARTIAL, st == FULL)
+        sels = (kv_state == PARTIAL, kv_state == FULL, st == PARTIAL, st == FULL)
+        lists = None
         if not static_shapes():
-            ranges = _as_ranges(sels)         # few runs of blocks per row: range form
-            if ranges is not None:
-                return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
-                                       *ranges, **predicates)
-        kv_count, kv_index = _block_lists(sels[0], kv_width)
-        kv_full_count, kv_full_index = _block_lists(sels[1], kv_width)
-        q_count, q_index = _block_lists(sels[2], q_width)
-        q_full_count, q_full_index = _block_lists(sels[3], q_width)
-        return BlockDescriptor(
-            tuple(seq_lengths), tuple(block_size), tuple(num_heads),
-            kv_count, kv_index, kv_full_count, kv_full_index,
-            q_count, q_index, q_full_count, q_full_index, **predicates)
+            lists = _as_ranges(sels)          # few runs of blocks per row: range form
+        if lists is None:
+            widths = (kv_width, kv_width, q_width, q_width)
+            lists = [t for sel, w in zip(sels, widths) for t in _block_lists(sel, w)]
+        if one_row:
+            lists[:4] = [t.expand(*t.shape[:2], nQB, *t.shape[3:]) for t in lists[:4]]
+        return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
+                               *lists, **predicates)
 
     # ------------------------------------------------------------ what the op reads
 

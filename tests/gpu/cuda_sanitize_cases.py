@@ -55,6 +55,8 @@ def main():
          M.full().compile(1, 4, 2, 500, 500, device="cuda", block_size=(384, 128))),
         ("causal hd64 three warpgroups", 1, 2, 2, 450, 450, 64,
          M.causal().compile(1, 2, 2, 450, 450, device="cuda", block_size=(384, 128))),
+        # ... and over 128-row blocks, the full mask's kv lists being one row for all
+        ("full hd64 three warpgroups default blocks", 2, 2, 1, 450, 333, 64, M.full()),
     ]
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""   # name filter
     for schedule in ("0", "32"):

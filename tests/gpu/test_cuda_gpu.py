@@ -2,6 +2,7 @@
 rule of test_triton_gpu.check: every mask kind, dtype and head dim against float64.
 Skipped without CUDA or without the built extension."""
 import os
+import re
 import sys
 
 import pytest
@@ -438,6 +439,45 @@ def test_three_warpgroup_forward(kind, Lq, Lk, dtype, monkeypatch):
                                return_lse=True)
     torch.testing.assert_close(three[0], two[0], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(three[1], two[1], atol=1e-4, rtol=1e-4)
+
+
+def _consumer_warpgroups(fn):
+    """The consumer warpgroup counts of the CUDA forward kernels that fn() launches, read
+    from their names (FwdTraits' last template argument)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "fwd_kernel<" in e.name]
+    return {int(re.search(r"FwdTraits<.*, (\d+)> >", n).group(1)) for n in names}
+
+
+@pytest.mark.parametrize("Lq,Lk", [(1000, 1000), (193, 700), (2000, 517), (129, 64)])
+def test_full_mask_takes_three_warpgroups_at_default_blocks(Lq, Lk, monkeypatch):
+    """The full mask's kv lists are one row expanded (stride 0), which the host reads as
+    "every query row reads the same lists": head dim 64's forward then takes 192-row work
+    tiles over the default 128-row descriptor blocks. The kernel names say which ran; the
+    results match float64 and the two-warpgroup kernel. A causal descriptor (rows differ)
+    keeps two warpgroups."""
+    torch.manual_seed(Lq + Lk)
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    desc = M.full().compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    assert desc.block_size == (128, 128) and desc.kv_full_count.stride(2) == 0
+    q = torch.randn(B, Hq, Lq, D, device=T.DEV)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV) for _ in range(2))
+    qh, kh, vh = (t.to(torch.bfloat16) for t in (q, k, v))
+    call = lambda d: flexsparse.attention(qh, kh, vh, d, backend="cuda", return_lse=True)  # noqa: E731
+    assert _consumer_warpgroups(lambda: call(desc)) == {3}
+    three = check(B, Hq, Hkv, Lq, Lk, D, None, torch.bfloat16, desc=desc, inputs=(q, k, v),
+                  backward=False)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "134217728")
+    assert _consumer_warpgroups(lambda: call(desc)) == {2}
+    two = call(desc)
+    torch.testing.assert_close(three[0], two[0], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(three[1], two[1], atol=1e-4, rtol=1e-4)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    causal = M.causal().compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    assert _consumer_warpgroups(lambda: call(causal)) == {2}
 
 
 def test_softcap():
