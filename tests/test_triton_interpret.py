@@ -301,6 +301,9 @@ def test_list_trimming_and_argument_cache():
     B, H, L, D = 1, 2, 64, 32
     q, k, v = qkv(B, H, H, L, L, D, seed=5)
     mt = M.full().compile(B, H, H, L, L, device=DEV, block_size=(32, 32)).mask_tensors()
+    # (The full mask's kv lists are one row expanded, stride 0: copies to edit in place.)
+    assert mt.kv_full_index.stride(2) == 0
+    mt = mt._replace(kv_full_index=mt.kv_full_index.clone(), kv_full_count=mt.kv_full_count.clone())
     c = call_args(q, k, v, None, mt, 32, 32, 0.2, 0.0)
     assert c.mask.ranges == ListRanges(kv_partial=EMPTY_LIST, kv_full=1, q_partial=EMPTY_LIST,
                                        q_full=1)
