@@ -87,8 +87,11 @@ def cuda_extensions():
                             # forward's main loop), as FlashAttention-3 builds.
                             # FLEXSPARSE_NVCC_FLAGS: extra nvcc flags for probe builds
                             # (tests/gpu.sh trace: -DFLEXSPARSE_FWD_TRACE).
+                            # FLEXSPARSE_CUDA_CODE=compute_90a: PTX only, no ptxas (CI's
+                            # compile check on two cores; the device builds sm_90a SASS).
                             "nvcc": ["-O3", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
-                                     "-gencode=arch=compute_90a,code=sm_90a"]
+                                     "-gencode=arch=compute_90a,code="
+                                     + os.environ.get("FLEXSPARSE_CUDA_CODE", "sm_90a")]
                                     + os.environ.get("FLEXSPARSE_NVCC_FLAGS", "").split()})
     return [ext], {"build_ext": BuildExtension}
 
