@@ -2,13 +2,19 @@
 path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible entries,
 4*D each forward, 2.5x that backward).
 
-    python -m benchmarks.cuda_bench [rows] [--no-bwd]   rows: kind@L[@D],... (default: a quick set)
+    python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N]   rows: kind@L[@D],...
+
+(default rows: a quick set). --rounds N: the backends take turns N times per row and each
+column is the median of its N do_bench medians, so that the machine's drift over a row
+(same-build passes differ by up to 10% on one H200, docs/perf-notes.md C67) falls on every
+column alike and the ratios hold better than the absolute numbers.
 
 Kinds as in benchmarks.bench.make_case; "sliding<W>" is a sliding window of W tokens (the
 default rows include W = 64, 256 and 4096 besides 1024: issue 16's small windows), and
 "<kind>_bias" (causal_bias, document_bias, sliding256_bias, ...) that mask with a trainable
 (B, H, L, L) bias (its gradient timed too).
 """
+import statistics
 import sys
 
 import torch
@@ -21,6 +27,7 @@ H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv
 CUDA_ONLY = "--cuda-only" in sys.argv     # probes: the CUDA columns alone
 DET = "--deterministic" in sys.argv       # our backwards in deterministic mode
+ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 1
 # FlexAttention's FLASH backend (FA4, CuTe-DSL), where its wheels are installed
 # (../shared/tools/flash-backend-wheels.sh).
 FLASH = {"BACKEND": "FLASH"}
@@ -38,6 +45,22 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
+def interleaved(fns, rounds, timer=bench, report=print):
+    """{name: median ms} of the callables in `fns` ({name: fn}), each timed `rounds` times,
+    taking turns within a round. A callable that raises is reported and takes no more
+    turns (FlexAttention's compile failing on a mask, for instance)."""
+    times = {name: [] for name in fns}
+    live = dict(fns)
+    for _ in range(rounds):
+        for name, fn in list(live.items()):
+            try:
+                times[name].append(timer(fn))
+            except Exception as e:  # report, keep going
+                report(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+                del live[name]
+    return {name: statistics.median(t) for name, t in times.items() if t}
+
+
 def row(kind, L, D):
     from torch.nn.attention.flex_attention import flex_attention
     B = max(1, TOKENS // L)
@@ -49,30 +72,29 @@ def row(kind, L, D):
     bias = torch.randn(B, H, L, L, device="cuda", dtype=DTYPE) if has_bias else None
     desc = fs_mask.compile(B, H, H, L, L, device=q.device)
     flops = 4.0 * D * desc.num_visible(batch=B)
-    res = {}
     ref = flexsparse.attention(q, k, v, desc, bias=bias, backend="triton")
     got = flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda")
     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    res["cuda"] = bench(lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda"))
+    fwd = {"cuda": lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda")}
     fa = bm = None
     if not CUDA_ONLY:
-        res["triton"] = bench(lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton"))
+        fwd["triton"] = lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="triton")
     if not CUDA_ONLY and bias is None:
         try:
             fa = torch.compile(flex_attention, dynamic=False)
             bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
-            res["flex"] = bench(lambda: fa(q, k, v, block_mask=bm))
+            fwd["flex"] = lambda: fa(q, k, v, block_mask=bm)
         except Exception as e:  # report, keep going
             print(f"flex {kind}: {type(e).__name__}: {str(e)[:200]}")
             fa = None
         if fa is not None and HAS_FLASH:
-            try:
-                res["flash"] = bench(lambda: fa(q, k, v, block_mask=bm, kernel_options=FLASH))
-            except Exception as e:  # report, keep going
-                print(f"flash {kind}: {type(e).__name__}: {str(e)[:200]}")
+            fwd["flash"] = lambda: fa(q, k, v, block_mask=bm, kernel_options=FLASH)
     F = torch.nn.functional
     if sdpa_causal is not None and not CUDA_ONLY and bias is None:
-        res["sdpa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal))
+        fwd["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal)
+    res = interleaved(fwd, ROUNDS, report=lambda m: print(f"{kind} {m}"))
+    if "flex" not in res:
+        fa = None
     gerr = float("nan")
     if BWD:
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
@@ -98,14 +120,16 @@ def row(kind, L, D):
             runs["sdpa"] = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=sdpa_causal)
         if CUDA_ONLY:
             runs = {"cuda": runs["cuda"]}
-        for name, fn in runs.items():
-            try:
-                # A compiled backward with donated buffers refuses retain_graph=True (the
-                # FLASH row of full 8K failed so on 2026-11-25); bench.py turns them off too.
-                with _no_donated_buffers():
-                    res[name + "_bwd"] = bench(bwd_of(fn))
-            except Exception as e:  # report, keep going
-                print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
+        # A compiled backward with donated buffers refuses retain_graph=True (the FLASH
+        # row of full 8K failed so on 2026-11-25); bench.py turns them off too.
+        with _no_donated_buffers():
+            steps = {}
+            for name, fn in runs.items():
+                try:
+                    steps[name + "_bwd"] = bwd_of(fn)
+                except Exception as e:  # report, keep going
+                    print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
+            res.update(interleaved(steps, ROUNDS, report=lambda m: print(f"{kind} {m}")))
     tf = {n: (2.5 if n.endswith("_bwd") else 1.0) * flops / ms * 1e-9 for n, ms in res.items()}
     names = ("cuda", "triton", "flex", "flash", "sdpa",
              "cuda_bwd", "triton_bwd", "flex_bwd", "flash_bwd", "sdpa_bwd")
@@ -121,7 +145,8 @@ def row(kind, L, D):
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     spec = args[0] if args else DEFAULT
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K"
+          + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else ""))
     print("| mask | L | D | cuda fwd | triton fwd | flex fwd | flash fwd | sdpa fwd | cuda bwd "
           "| triton bwd | flex bwd | flash bwd | sdpa bwd | cuda / flash (else flex) fwd / bwd "
           "| rel err vs triton out / grads |")

@@ -180,7 +180,8 @@ if [[ " $parts " == *" step "* ]]; then
     | tee "$OUT/step_timeline.md"
 fi
 if want cudabench; then
-  timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} 2>&1 \
+  # CUDABENCH_ARGS="--rounds 3": the backends take turns, medians (steadier ratios)
+  timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} ${CUDABENCH_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_bench.md"
 fi
 if want tests || want demo; then

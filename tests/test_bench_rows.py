@@ -19,3 +19,27 @@ def test_step_bench_rows_on_cpu():
         assert r["max_abs_diff"] == 0.0, r
         assert r["once_ms"] > 0 and r["every_step_ms"] > 0, r
         assert r["pipelined_once_ms"] > 0 and r["pipelined_every_step_ms"] > 0, r
+
+
+def test_cuda_bench_backends_take_turns():
+    """cuda_bench --rounds: the backends are timed in turns, each column the median of its
+    rounds; one that raises is reported once and takes no more turns."""
+    from benchmarks.cuda_bench import interleaved
+    order, reports = [], []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 9.0])}
+
+    def timer(fn):
+        return fn()
+
+    def run(name):
+        def fn():
+            order.append(name)
+            if name == "bad":
+                raise RuntimeError("no kernel")
+            return next(times[name])
+        return fn
+
+    got = interleaved({n: run(n) for n in ("a", "bad", "b")}, 3, timer=timer, report=reports.append)
+    assert order == ["a", "bad", "b", "a", "b", "a", "b"]
+    assert got == {"a": 2.0, "b": 5.0}
+    assert reports == ["bad: RuntimeError: no kernel"]
