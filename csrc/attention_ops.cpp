@@ -230,6 +230,10 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
 }
 
 DType dtype_of(const Tensor& t) {
+#ifdef FLEXSPARSE_COMPILE_CHECK_BF16_ONLY   // sm90_utils.cuh: CI's compile-check build
+  FLEXSPARSE_CHECK(t.scalar_type() == at::kBFloat16,
+                   "flexsparse cuda: this build (FLEXSPARSE_COMPILE_CHECK_BF16_ONLY) has no fp16 kernels");
+#endif
   return t.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
 }
 

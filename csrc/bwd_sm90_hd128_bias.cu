@@ -9,7 +9,7 @@ void bwd_sm90_hd<128, 64, false, true>(BackwardParams const& p, DType dtype, cud
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, true>>(p, stream);
   else
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 128, 2, 64, false, true>>(p, stream);
+    sm90::launch_bwd<sm90::BwdTraits<sm90::Fp16Element, 128, 2, 64, false, true>>(p, stream);
 }
 
 }  // namespace flexsparse

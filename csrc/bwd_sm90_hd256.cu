@@ -11,7 +11,7 @@ void bwd_sm90_hd<256, 64, false>(BackwardParams const& p, DType dtype, cudaStrea
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 256, 1, 64, false>>(p, stream);
   else
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 256, 1, 64, false>>(p, stream);
+    sm90::launch_bwd<sm90::BwdTraits<sm90::Fp16Element, 256, 1, 64, false>>(p, stream);
 }
 
 }  // namespace flexsparse

@@ -10,7 +10,7 @@ void bwd_sm90_hd<256, 64, true>(BackwardParams const& p, DType dtype, cudaStream
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 256, 1, 64, true>>(p, stream);
   else
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 256, 1, 64, true>>(p, stream);
+    sm90::launch_bwd<sm90::BwdTraits<sm90::Fp16Element, 256, 1, 64, true>>(p, stream);
 }
 
 }  // namespace flexsparse

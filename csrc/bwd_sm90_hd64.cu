@@ -11,7 +11,7 @@ void bwd_sm90_hd<64, 64, false>(BackwardParams const& p, DType dtype, cudaStream
   if (dtype == DType::kBFloat16)
     sm90::launch_bwd<sm90::BwdTraits<cutlass::bfloat16_t, 64, 2>>(p, stream);
   else
-    sm90::launch_bwd<sm90::BwdTraits<cutlass::half_t, 64, 2>>(p, stream);
+    sm90::launch_bwd<sm90::BwdTraits<sm90::Fp16Element, 64, 2>>(p, stream);
 }
 
 }  // namespace flexsparse

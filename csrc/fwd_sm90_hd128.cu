@@ -12,7 +12,7 @@ void fwd_sm90_hd<128>(AttentionParams const& p, DType dtype, cudaStream_t stream
   if (dtype == DType::kBFloat16)
     sm90::launch_fwd_schedule<cutlass::bfloat16_t, 128, 128, 2, 240>(p, stream, overlap);
   else
-    sm90::launch_fwd_schedule<cutlass::half_t, 128, 128, 2, 240>(p, stream, overlap);
+    sm90::launch_fwd_schedule<sm90::Fp16Element, 128, 128, 2, 240>(p, stream, overlap);
 }
 
 }  // namespace flexsparse

@@ -13,7 +13,7 @@ void fwd_sm90_hd<256>(AttentionParams const& p, DType dtype, cudaStream_t stream
   if (dtype == DType::kBFloat16)
     sm90::launch_fwd_schedule<cutlass::bfloat16_t, 256, 64, 2, 240>(p, stream, overlap);
   else
-    sm90::launch_fwd_schedule<cutlass::half_t, 256, 64, 2, 240>(p, stream, overlap);
+    sm90::launch_fwd_schedule<sm90::Fp16Element, 256, 64, 2, 240>(p, stream, overlap);
 }
 
 }  // namespace flexsparse

@@ -13,7 +13,7 @@ void fwd_sm90_hd<64>(AttentionParams const& p, DType dtype, cudaStream_t stream)
   if (dtype == DType::kBFloat16)
     sm90::launch_fwd_schedule<cutlass::bfloat16_t, 64, 128, 3, 240, 160>(p, stream, overlap);
   else
-    sm90::launch_fwd_schedule<cutlass::half_t, 64, 128, 3, 240, 160>(p, stream, overlap);
+    sm90::launch_fwd_schedule<sm90::Fp16Element, 64, 128, 3, 240, 160>(p, stream, overlap);
 }
 
 }  // namespace flexsparse
