@@ -16,6 +16,7 @@ import torch
 import triton.testing
 
 import flexsparse
+from flexsparse import masks
 from benchmarks.bench import make_case, parse_rows
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
@@ -46,9 +47,9 @@ def main():
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE) for _ in range(3))
         fs_mask, _, _, _, has_bias = make_case(kind, B, L, device=q.device)
         bias = torch.randn(B, H, L, L, device="cuda", dtype=DTYPE) if has_bias else None
-        blocks = {var: dict(block_size=(int(var.split("/")[1]), 128)) if "/" in var else {}
-                  for var in variants}
-        descs = {var: fs_mask.compile(B, H, H, L, L, device=q.device, **blocks[var])
+        descs = {var: fs_mask.compile(B, H, H, L, L, device=q.device,
+                                      block_size=(int(var.split("/")[1]), 128) if "/" in var
+                                      else masks.DEFAULT_BLOCK_SIZE)
                  for var in variants}
         flops = 4.0 * D * descs[variants[0]].num_visible(batch=B)
         times = {(v, p): [] for v in variants for p in ("fwd", "bwd")}
