@@ -143,7 +143,10 @@ def row(kind, L, D):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    argv = sys.argv[1:]
+    # (options and their values out: "--rounds N")
+    args = [a for i, a in enumerate(argv) if not a.startswith("--")
+            and not (i > 0 and argv[i - 1] == "--rounds")]
     spec = args[0] if args else DEFAULT
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K"
           + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else ""))
