@@ -142,12 +142,15 @@ def row(kind, L, D):
           flush=True)
 
 
-def main():
-    argv = sys.argv[1:]
-    # (options and their values out: "--rounds N")
+def row_spec(argv):
+    """The row list among the arguments (options and their values left out: --rounds N)."""
     args = [a for i, a in enumerate(argv) if not a.startswith("--")
             and not (i > 0 and argv[i - 1] == "--rounds")]
-    spec = args[0] if args else DEFAULT
+    return args[0] if args else DEFAULT
+
+
+def main():
+    spec = row_spec(sys.argv[1:])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K"
           + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else ""))
     print("| mask | L | D | cuda fwd | triton fwd | flex fwd | flash fwd | sdpa fwd | cuda bwd "

@@ -43,3 +43,11 @@ def test_cuda_bench_backends_take_turns():
     assert order == ["a", "bad", "b", "a", "b", "a", "b"]
     assert got == {"a": 2.0, "b": 5.0}
     assert reports == ["bad: RuntimeError: no kernel"]
+
+
+def test_cuda_bench_row_spec_skips_option_values():
+    from benchmarks.cuda_bench import DEFAULT, row_spec
+    assert row_spec(["--rounds", "3"]) == DEFAULT
+    assert row_spec(["full@8192@128", "--rounds", "3"]) == "full@8192@128"
+    assert row_spec(["--rounds", "3", "causal@4096@64"]) == "causal@4096@64"
+    assert row_spec([]) == DEFAULT
