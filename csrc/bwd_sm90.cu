@@ -1,12 +1,14 @@
 // Backward entry: workspace size, what the kernels support, and the head dim's kernels
 // (bwd_sm90_hd*.cu, kernels in bwd_sm90.cuh).
+#include <algorithm>
+
 #include "kernels.h"
 
 namespace flexsparse {
 
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
-  const size_t rows = static_cast<size_t>(f.B) * f.Hq * bwd_lq_pad(f);
+  const size_t rows = static_cast<size_t>(f.B) * f.Hq * std::max(bwd_lq_pad(f, 64), bwd_lq_pad(f, 80));
   // dq_accum, lse2, delta; deterministic: a turn counter per 64 rows (one per query step of
   // either size) and warpgroup half
   return rows * (f.D + 2) * sizeof(float) + (p.deterministic ? rows / 64 * 2 * sizeof(int) : 0);
@@ -44,6 +46,18 @@ static bool bias_tiles_call(BackwardParams const& p) {
   return p.dbias == nullptr || tma_tileable(p.dbias, p.dbias_sq, p.dbias_sk, p.dbias_sh, p.dbias_sb);
 }
 
+// The calls the 80-row head dim 128 kernel takes (BwdTraits, kRowSteps): plain, without
+// column ranges (no room to stage them), not deterministic, and every block list one row
+// for all (stride 0: the full mask), so that walking all query rows is walking the lists.
+// FLEXSPARSE_CUDA_DEBUG bit 268435456: the 64-row kernel instead (A/Bs).
+static bool row_steps_call(BackwardParams const& p) {
+  const AttentionParams& f = p.fwd;
+  const bool one_row = f.kv_partial.row_stride == 0 && f.kv_full.row_stride == 0 &&
+                       f.q_partial.row_stride == 0 && f.q_full.row_stride == 0;
+  return f.D == 128 && one_row && plain_call(p) && f.pred.col_ranges == nullptr && !p.deterministic &&
+         !(f.debug & 268435456);
+}
+
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
   if (bias_tiles_call(p)) {
     // (these kernels write every dbias entry, zeros where the descriptor lists no block)
@@ -65,9 +79,12 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {
       if (plain && p.fwd.block_q % 128 == 0) bwd_sm90_hd<64, 128, true>(p, dtype, stream);
       else bwd_sm90_hd<64, 64, false>(p, dtype, stream);
       break;
-    // (hd128 has no plain kernel: one without spills measured the same as the general
-    // kernel twice, docs/perf-notes.md C29 and C40.)
-    case 128: bwd_sm90_hd<128, 64, false>(p, dtype, stream); break;
+    // (hd128 has no plain 64-row kernel: one without spills measured the same as the
+    // general kernel twice, docs/perf-notes.md C29 and C40.)
+    case 128:
+      if (plain && row_steps_call(p)) bwd_sm90_hd<128, 80, true>(p, dtype, stream);
+      else bwd_sm90_hd<128, 64, false>(p, dtype, stream);
+      break;
     case 256:
       if (plain) bwd_sm90_hd<256, 64, true>(p, dtype, stream);
       else bwd_sm90_hd<256, 64, false>(p, dtype, stream);

@@ -42,12 +42,22 @@
 
 namespace flexsparse::sm90 {
 
-// kBlockM_: query rows per step, 64 or 128. At head dim 64 a 64-row step is half the
+// kBlockM_: query rows per step, 64, 80 or 128. At head dim 64 a 64-row step is half the
 // tensor-core work of a 128-row one for the same per-step cost (barriers, lse and delta,
 // the dQ hand-off), so head dim 64 takes 128 where the descriptor's query blocks are
 // multiples of 128, as FlashAttention-3/4 do. The accumulators (S^T, dP^T: 64 + 64, dK,
 // dV: 32 + 32 registers per thread) fit only in the plain kernel: with the general one's
 // pointers and flags live as well, ptxas spilled ~55 words per step (928 B).
+// 80 (head dim 128, plain, FlashAttention-3/4's step where no mask is given): 25% more
+// tensor work per step than 64 for the same per-step cost, with S^T and dP^T at 40 + 40
+// registers beside dK and dV at 64 + 64 (128 rows would need 64 + 64). 80-row steps do
+// not tile 128-row query blocks, so this kernel walks every query row in 80-row steps
+// (kRowSteps): bwd_sm90 takes it only where every block list is one row for all (stride
+// 0, the full mask), so the block state is one value and the q list holds every query
+// block or none. dQ = dS K has 80 rows, no multiple of wgmma's 64, so it is computed
+// transposed, dQ^T = K^T dS^T (each warpgroup half of the head dim as M, the 80 queries
+// as N; kDqSwapAB), from dS in the keys-contiguous layout. Its shared memory (~226 KB)
+// leaves no room for staged column ranges, so it takes calls without them.
 // kPlain_: the kernel for calls without bias, dbias, softcap, dense mask or bitmaps, and
 // with at most kMaxStagedRanges column ranges per key (bwd_sm90 picks it): the code and
 // the live registers of those features are compiled out.
@@ -65,8 +75,13 @@ struct BwdTraits {
                 "bias tiles: the general kernel at head dims 64 and 128, 64-row steps");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;     // query rows per step
-  static_assert(kBlockM == 64 || (kBlockM == 128 && kPlain_),
-                "query steps of 64 rows, or 128 in the plain kernel (whose registers fit them)");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kPlain_) || (kBlockM == 80 && kPlain_ && kHeadDim_ == 128),
+                "query steps of 64 rows, or 128 / 80 (head dim 128) in the plain kernel (whose registers fit them)");
+  // Steps over all of the query rows instead of the listed blocks; dQ transposed (above).
+  static constexpr bool kRowSteps = kBlockM == 80;
+  static constexpr bool kDqSwapAB = kBlockM == 80;
+  // Whether the kernel stages column ranges (the 80-row kernel has no shared memory left).
+  static constexpr bool kColRanges = !kRowSteps;
   // Head dim 256: 64 keys per CTA, the warpgroups split queries and head dim (see above).
   static constexpr bool kSplitQueries = kHeadDim == 256;
   static_assert(!kSplitQueries || kBlockM == 64, "head dim 256 takes 64-row query steps");
@@ -107,13 +122,24 @@ struct BwdTraits {
   // dQ: (queries, head dim) over the keys. 64-row steps: each warpgroup takes half of the
   // head dim. 128-row steps (head dim 64): each warpgroup takes 64 of the rows and the
   // whole head dim, one 64x64 wgmma per k-block instead of two 64x32 ones (FA3/FA4's
-  // hd64 split; docs/perf-notes.md C44).
+  // hd64 split; docs/perf-notes.md C44). 80-row steps: dQ^T = K^T dS^T, (head dim,
+  // queries), each warpgroup half of the head dim (A = K^T, head dim contiguous; B = dS,
+  // keys contiguous).
   static constexpr bool kDqSplitRows = kBlockM == 128;
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<_64, Int<kDqSplitRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
-                           kBiasTiles ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
-      conditional_t<kDqSplitRows, Wg2x1, Wg1x2>{}));
+  // dS in shared memory with keys contiguous (else queries)
+  static constexpr bool kDsKeysContiguous = kBiasTiles || kDqSwapAB;
+  using TiledMmadQ = conditional_t<kDqSwapAB,
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kBlockN>>,
+                               GMMA::Major::MN, GMMA::Major::K>(),
+          Wg2x1{})),
+      decltype(make_tiled_mma(
+          GMMA::ss_op_selector<Element, Element, float,
+                               Shape<_64, Int<kDqSplitRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
+                               kBiasTiles ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
+          conditional_t<kDqSplitRows, Wg2x1, Wg1x2>{}))>;
+  // The dQ accumulator's shape: (queries, head dim), or (head dim, queries) transposed.
+  using DqShape = conditional_t<kDqSwapAB, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
 
   using SmemAtomK = GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(
@@ -121,9 +147,10 @@ struct BwdTraits {
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // also V
   // dS stored (queries, keys) with queries contiguous: the MN-major A operand of dQ.
   // kBiasTiles: keys contiguous instead (the K-major A operand), which is dbias's layout in
-  // global memory, so that each buffer is also the dbias tile's TMA store source.
+  // global memory, so that each buffer is also the dbias tile's TMA store source;
+  // kDqSwapAB: keys contiguous too (the K-major B operand of dQ^T).
   using SmemLayoutdS = decltype(tile_to_shape(
-      conditional_t<kBiasTiles, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_MN_SW128_Atom<Element>>{},
+      conditional_t<kDsKeysContiguous, GMMA::Layout_K_SW128_Atom<Element>, GMMA::Layout_MN_SW128_Atom<Element>>{},
       Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   // Transposed views of the same bytes.
   using SmemLayoutQt = decltype(composition(
@@ -198,7 +225,7 @@ struct BwdTraits {
     static __device__ __forceinline__ int next_rec_slot(int s) { return s == kStages ? 0 : s + 1; }
     // Column ranges of the CTA's keys for the current head, as (start, length) slots: a
     // key hides query i iff unsigned(i - start) < length; unused slots are (0, 0).
-    alignas(16) int2 col_ranges[kBlockN][kMaxStagedRanges];
+    alignas(16) int2 col_ranges[kColRanges ? kBlockN : 1][kMaxStagedRanges];
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
@@ -257,6 +284,41 @@ __device__ __forceinline__ int dq_turn_of(AttentionParams const& p, int b, int h
   for (int s = 16; s > 0; s >>= 1) turn += __shfl_xor_sync(0xffffffff, turn, s);
   return turn;
 }
+
+// The query steps a CTA walks for one head: the q lists' blocks in list order, partial
+// first (TileCursor), or with kRowSteps every kBlockM-row step of [0, Lq) where the lists
+// hold any block (bwd_sm90 takes that kernel only for lists of one row for all, whose
+// q list then holds every query block or none; partial if its partial list holds them).
+// next(...): the next step (false: none left), m its kBlockM-row index, and whether it
+// needs element predicates (p, b, h, kb and sub the same on every call).
+template <class T, bool kRowSteps = T::kRowSteps>
+struct QuerySteps {
+  TileCursor cursor;
+  __device__ __forceinline__ QuerySteps(AttentionParams const& p, int b, int h, int kb)
+      : cursor(p.q_partial, b, h, kb) {}
+  __device__ __forceinline__ bool next(AttentionParams const& p, int b, int h, int kb, int sub, int& m,
+                                       bool& partial) {
+    return cursor.next(p.q_full, b, h, kb, sub, m, partial);
+  }
+};
+
+template <class T>
+struct QuerySteps<T, true> {
+  int next_step = 0, steps = 0;
+  bool partial_steps = false;
+  __device__ __forceinline__ QuerySteps(AttentionParams const& p, int b, int h, int kb) {
+    const int partial = ListRow(p.q_partial, b, h, kb).count;
+    const int full = ListRow(p.q_full, b, h, kb).count;
+    steps = partial + full > 0 ? (p.Lq + T::kBlockM - 1) / T::kBlockM : 0;
+    partial_steps = partial > 0;
+  }
+  __device__ __forceinline__ bool next(AttentionParams const&, int, int, int, int, int& m, bool& partial) {
+    if (next_step >= steps) return false;
+    m = next_step++;
+    partial = partial_steps;
+    return true;
+  }
+};
 
 // Spin until *flag == value (bounded: a descriptor whose q and kv lists disagree would
 // otherwise hang the kernel; past the bound the order is simply not enforced).
@@ -454,12 +516,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       };
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        TileCursor walk(p.q_partial, b, h, kb);
+        QuerySteps<T> walk(p, b, h, kb);
         Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
         Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
         int m;
         bool partial;
-        while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+        while (walk.next(p, b, h, kb, sub, m, partial)) {
           if (m * kBlockM >= p.Lq) continue;
           const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
           record(2 * m + (partial ? 1 : 0));
@@ -488,11 +550,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int lane = threadIdx.x % 32;
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
-        TileCursor walk(p.q_partial, b, h, kb);
+        QuerySteps<T> walk(p, b, h, kb);
         const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
         int m;
         bool partial;
-        while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+        while (walk.next(p, b, h, kb, sub, m, partial)) {
           if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
           const int i0 = m * kBlockM;
           const int turn = bp.deterministic
@@ -545,10 +607,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             const int h = hk * group + g;
             Tensor tBgB = cta_b.partition_S(
                 local_tile(mB(_, _, h / p.bias_head_div, bb), tile_b, make_coord(_, n_block)));
-            TileCursor walk(p.q_partial, b, h, kb);
+            QuerySteps<T> walk(p, b, h, kb);
             int m;
             bool partial;
-            while (walk.next(p.q_full, b, h, kb, sub, m, partial)) {
+            while (walk.next(p, b, h, kb, sub, m, partial)) {
               if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
               const int buf = loads & bias_mask;
               if (loads > bias_mask)
@@ -595,8 +657,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Tensor tdPrdO = wg_sdp.partition_fragment_B(sdO);
     Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);
     Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);
-    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);
-    Tensor tdQrK = wg_dq.partition_fragment_B(sKt);
+    // dQ's operands: dS and K^T, or (kDqSwapAB) K^T and dS.
+    auto tdQrdS = [&] {
+      if constexpr (T::kDqSwapAB) return wg_dq.partition_fragment_B(sdS);
+      else return wg_dq.partition_fragment_A(sdS);
+    }();
+    auto tdQrK = [&] {
+      if constexpr (T::kDqSwapAB) return wg_dq.partition_fragment_A(sKt);
+      else return wg_dq.partition_fragment_B(sKt);
+    }();
     // Split queries: P^T and dS^T as the A operands of dV and dK, from shared memory.
     auto tdVrPt = [&] {
       if constexpr (T::kSplitQueries) return wg_dkv.partition_fragment_A(sPt);
@@ -608,9 +677,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }();
     // dS^T to shared memory with stmatrix: a key row's adjacent queries are contiguous in
     // the MN-major dS layout, so the untransposed 8x8 matrices of the accumulator fit
-    // (kBiasTiles: keys contiguous, stmatrix.trans).
+    // (kBiasTiles, kDqSwapAB: keys contiguous, stmatrix.trans).
     auto smem_copy_ds = [&] {
-      if constexpr (T::kBiasTiles) return make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+      if constexpr (T::kDsKeysContiguous) return make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
       else return make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     }();
     auto thr_copy_ds = smem_copy_ds.get_thread_slice(tid);
@@ -672,8 +741,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int32_t* bits_head = kPlain || pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
       // The keys are the CTA's for the whole walk: their column ranges are read once.
-      const bool staged = cr_base != nullptr && (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
-      if (staged) {
+      const bool staged = T::kColRanges && cr_base != nullptr && (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
+      if (T::kColRanges && staged) {
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
         for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
           const int key = e / T::kMaxStagedRanges, slot = e % T::kMaxStagedRanges;
@@ -693,7 +762,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // range slot. FLEXSPARSE_CUDA_DEBUG bit 8: the range tests instead (A/Bs).
       int2 vis[kRows];
       bool interval = staged && pr.n_col_ranges <= 2 && !(p.debug & 8);
-      if (interval) {
+      if (T::kColRanges && interval) {
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const int2* slots = ss.col_ranges[row_base + 8 * r];
@@ -732,7 +801,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
         // Element predicates of partial tiles: hidden scores become -inf (raw).
         if (partial) {
-          if (interval) {
+          if (!T::kColRanges) {
+            // (no column ranges: bwd_sm90 gives this kernel no calls that have them)
+          } else if (interval) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               CUTLASS_PRAGMA_UNROLL
@@ -892,7 +963,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // dQ products read both warpgroups' dS^T), made warp-uniform with a shuffle so that
         // ptxas keeps the dQ product's descriptors in uniform registers.
         const int buf = __shfl_sync(0xffffffff, step, 0) & 1;
-        Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
         if constexpr (T::kSplitQueries) {
           // Both warpgroups' halves of P^T and dS^T to shared memory, then dV, dQ and dK
           // over all of the step's queries. (The buffer written here was last read by the
@@ -939,7 +1010,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
-          gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+          if constexpr (T::kDqSwapAB) gemm<true, 1>(mma_dq, tdQrK, tdQrdS(_, _, _, buf), tdQrdQ);
+          else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           pipe_do.consumer_release(read);
           gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
         }
@@ -1064,7 +1136,8 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
 // The same, with kHeadDim / 8 threads per row, each reading 16 bytes of O and of dO and
 // zeroing 32 bytes of dq_accum (the one-warp-per-row version above moves 8 bytes per lane
 // and ran at ~2.5 TB/s: 102 us of a sliding-window backward's ~950, docs/perf-notes.md
-// C28). Lq_pad is a multiple of 128, so every CTA's rows exist; rows past Lq are padding.
+// C28). Lq_pad is a multiple of 128 or of 80, so every CTA's rows exist (16 to 32 per CTA);
+// rows past Lq are padding.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256)
 bwd_preprocess_wide(BackwardParams const bp, float* dq_accum, float* lse2, float* delta,
@@ -1126,16 +1199,23 @@ bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   typename T::TiledMmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(typename T::DqShape{}));
   const float* acc = dq_accum + (((int64_t)b * p.Hq + h) * Lq_pad + m * kBlockM) * kHeadDim +
                      (tid / 128) * (kBlockM * kHeadDim / 2);
   CUTLASS_PRAGMA_UNROLL
   for (int x = 0; x < size(tdQcdQ); x += 2) {
-    const int i = get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
     const float2 v = *reinterpret_cast<const float2*>(acc + dq_slot(x, tid));
-    cutlass::NumericArrayConverter<Element, float, 2> cvt;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + i * kRowStride + d) =
-        cvt(cutlass::Array<float, 2>{{v.x * p.scale, v.y * p.scale}});
+    if constexpr (T::kDqSwapAB) {
+      // entries x, x + 1: (d, i) and (d, i + 1)
+      const int d = get<0>(tdQcdQ(x)), i = get<1>(tdQcdQ(x));
+      tile[i * kRowStride + d] = static_cast<Element>(v.x * p.scale);
+      tile[(i + 1) * kRowStride + d] = static_cast<Element>(v.y * p.scale);
+    } else {
+      const int i = get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
+      cutlass::NumericArrayConverter<Element, float, 2> cvt;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + i * kRowStride + d) =
+          cvt(cutlass::Array<float, 2>{{v.x * p.scale, v.y * p.scale}});
+    }
   }
   __syncthreads();
   constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
@@ -1153,7 +1233,7 @@ template <class T>
 void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   using Element = typename T::Element;
   AttentionParams const& p = bp.fwd;
-  const int Lq_pad = bwd_lq_pad(p);
+  const int Lq_pad = bwd_lq_pad(p, T::kBlockM);
   const int64_t rows = (int64_t)p.B * p.Hq * Lq_pad;
   float* dq_accum = static_cast<float*>(bp.workspace);
   float* lse2 = dq_accum + rows * p.D;

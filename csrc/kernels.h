@@ -50,9 +50,12 @@ template <> void fwd_sm90_hd<256>(AttentionParams const& p, DType dtype, cudaStr
 // Hopper backward (bwd_sm90.cu). The caller allocates bwd_sm90_workspace_bytes(p) bytes of
 // device memory for p.workspace (uninitialised); nothing else is allocated inside.
 size_t bwd_sm90_workspace_bytes(BackwardParams const& p);
-// Query rows of the workspace's per-row arrays: Lq rounded up to 128, a whole number of
-// query steps of either size (64 or 128 rows).
-inline int bwd_lq_pad(AttentionParams const& p) { return (p.Lq + 127) / 128 * 128; }
+// Query rows of the workspace's per-row arrays for a kernel of `step`-row query steps: Lq
+// rounded up to 128 (a whole number of 64- or 128-row steps), or to 80 for 80-row steps.
+// bwd_sm90_workspace_bytes sizes the workspace for the larger.
+inline int bwd_lq_pad(AttentionParams const& p, int step) {
+  return step == 80 ? (p.Lq + 79) / 80 * 80 : (p.Lq + 127) / 128 * 128;
+}
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // Column ranges per key the backward stages in shared memory. The plain kernels
 // (BwdTraits::kPlain) have no path for more, so bwd_sm90 and BwdTraits read this one value.
@@ -66,6 +69,7 @@ void bwd_sm90_hd(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<64, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<64, 128, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<128, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
+template <> void bwd_sm90_hd<128, 80, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<256, 64, false>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<256, 64, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);
 template <> void bwd_sm90_hd<64, 64, false, true>(BackwardParams const& p, DType dtype, cudaStream_t stream);

@@ -58,11 +58,16 @@ class BlockDescriptor:
         # key-padding mask) gives kv lists of that row, expanded the same way: the CUDA
         # forward sees from the stride that every row reads the same lists, so its work
         # tiles need not lie within one descriptor row (csrc/params.h, BlockListParams).
-        nQB = state.shape[-2]
+        # Key-block columns expanded from one (the full mask) give q lists of one row the
+        # same way: with both, the CUDA backward may walk all query rows in steps that
+        # straddle the blocks (csrc/bwd_sm90.cuh, kRowSteps).
+        nQB, nKB = state.shape[-2], state.shape[-1]
         one_row = nQB > 1 and state.stride(-2) == 0
+        one_col = nKB > 1 and state.stride(-1) == 0
         kv_state = state[..., :1, :] if one_row else state
         st = state.transpose(-1, -2)
-        sels = (kv_state == PARTIAL, kv_state == FULL, st == PARTIAL, st == FULL)
+        q_state = st[..., :1, :] if one_col else st
+        sels = (kv_state == PARTIAL, kv_state == FULL, q_state == PARTIAL, q_state == FULL)
         lists = None
         if not static_shapes():
             lists = _as_ranges(sels)          # few runs of blocks per row: range form
@@ -71,6 +76,8 @@ class BlockDescriptor:
             lists = [t for sel, w in zip(sels, widths) for t in _block_lists(sel, w)]
         if one_row:
             lists[:4] = [t.expand(*t.shape[:2], nQB, *t.shape[3:]) for t in lists[:4]]
+        if one_col:
+            lists[4:] = [t.expand(*t.shape[:2], nKB, *t.shape[3:]) for t in lists[4:]]
         return BlockDescriptor(tuple(seq_lengths), tuple(block_size), tuple(num_heads),
                                *lists, **predicates)
 

@@ -217,8 +217,9 @@ class Mask:
 
 class _Full(Mask):
     def _parts(self, sz):
-        # One row for every query block (descriptor.from_block_state keeps it one row).
-        state = torch.full((1, 1, 1, sz.nKB), FULL, dtype=torch.int32, device=sz.device)
+        # One value for every block (descriptor.from_block_state keeps its lists one row:
+        # the CUDA kernels see from the strides that every row reads the same lists).
+        state = torch.full((1, 1, 1, 1), FULL, dtype=torch.int32, device=sz.device)
         return DescriptorParts(state=state.expand(1, 1, sz.nQB, sz.nKB))
 
     def __repr__(self):

@@ -219,3 +219,20 @@ def test_masks_with_user_tensors_are_not_cached_and_value_masks_copy():
     cr = M.column_ranges(torch.zeros(1, 1, 8, 2, dtype=torch.int32), causal=False)
     assert cr.compile(1, 1, 1, 8, 8) is not cr.compile(1, 1, 1, 8, 8)
     assert M.and_(M.causal(), d).compile(1, 1, 1, 8, 8) is not M.and_(M.causal(), d).compile(1, 1, 1, 8, 8)
+
+
+def test_full_mask_lists_are_one_row_for_all():
+    """The full mask's block state is one value: its kv lists (one per query block) and q
+    lists (one per key block) are one row expanded (stride 0), which the CUDA kernels read
+    as "every row the same" (the forward's 192-row tiles at hd64, the backward's 80-row
+    steps at hd128). A key-padding mask's kv lists are one row, its q lists are not."""
+    d = M.full().compile(2, 4, 2, 1000, 700)
+    for name in ("kv_count", "kv_index", "kv_full_count", "kv_full_index",
+                 "q_count", "q_index", "q_full_count", "q_full_index"):
+        t = getattr(d, name)
+        assert t.shape[2] > 1 and t.stride(2) == 0, name
+    assert bool((d.block_state() == FULL).all()) and bool(d.to_dense().all())
+    keys = torch.arange(700) < 650
+    pad = M.dense(keys.view(1, 1, 1, 700)).compile(2, 4, 2, 1000, 700)
+    assert pad.kv_full_count.stride(2) == 0 and pad.q_full_count.stride(2) != 0
+    assert torch.equal(pad.to_dense(), keys.view(1, 1, 1, 700).expand_as(pad.to_dense()))

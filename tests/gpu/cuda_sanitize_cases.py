@@ -57,6 +57,9 @@ def main():
          M.causal().compile(1, 2, 2, 450, 450, device="cuda", block_size=(384, 128))),
         # ... and over 128-row blocks, the full mask's kv lists being one row for all
         ("full hd64 three warpgroups default blocks", 2, 2, 1, 450, 333, 64, M.full()),
+        # hd128's 80-row backward (every list one row for all: the full mask), GQA heads
+        # one after another, lengths no step divides
+        ("full hd128 80-row backward gqa", 2, 4, 2, 333, 290, 128, M.full()),
     ]
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""   # name filter
     for schedule in ("0", "32"):

@@ -480,6 +480,53 @@ def test_full_mask_takes_three_warpgroups_at_default_blocks(Lq, Lk, monkeypatch)
     assert _consumer_warpgroups(lambda: call(causal)) == {2}
 
 
+def _bwd_step_rows(fn):
+    """The query-step sizes of the CUDA backward kernels that fn() launches, read from
+    their names (BwdTraits' fourth template argument)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "bwd_kernel<" in e.name]
+    return {int(re.search(r"BwdTraits<[^,]+, \d+, \d+, (\d+)", n).group(1)) for n in names}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("Lq,Lk", [(1000, 1000), (200, 700), (2000, 517), (300, 129), (1280, 256)])
+def test_full_mask_backward_takes_80_row_steps(Lq, Lk, dtype, monkeypatch):
+    """The full mask's kv and q lists are one row expanded (stride 0), which the host reads
+    as "the block state is one value": head dim 128's backward then walks every query row
+    in 80-row steps (dQ transposed). The kernel names say which ran; the gradients match
+    float64 and the 64-row kernel (bit 268435456), at lengths that no step divides, with
+    GQA. Causal, deterministic calls and the bit keep 64-row steps."""
+    torch.manual_seed(Lq * 7 + Lk)
+    B, Hq, Hkv, D = 2, 4, 2, 128
+    desc = M.full().compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    assert desc.q_full_count.stride(2) == 0 and desc.kv_full_count.stride(2) == 0
+    q = torch.randn(B, Hq, Lq, D, device=T.DEV)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV) for _ in range(2))
+    dout = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=dtype)
+
+    def grads(d, deterministic=False):
+        qh, kh, vh = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        out = flexsparse.attention(qh, kh, vh, d, backend="cuda", deterministic=deterministic)
+        out.backward(dout)
+        return qh.grad, kh.grad, vh.grad
+
+    assert _bwd_step_rows(lambda: grads(desc)) == {80}
+    check(B, Hq, Hkv, Lq, Lk, D, None, dtype, desc=desc, inputs=(q, k, v))
+    eighty = grads(desc)
+    assert _bwd_step_rows(lambda: grads(desc, deterministic=True)) == {64}
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "268435456")
+    assert _bwd_step_rows(lambda: grads(desc)) == {64}
+    sixty_four = grads(desc)
+    for name, a, b in zip(("dq", "dk", "dv"), eighty, sixty_four):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    causal = M.causal().compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    assert _bwd_step_rows(lambda: grads(causal)) == {64}
+
+
 def test_softcap():
     torch.manual_seed(3)
     check(1, 4, 2, 500, 500, 128, M.document([200, 300]), torch.bfloat16, softcap=20.0,
