@@ -48,7 +48,8 @@ namespace flexsparse::sm90 {
 // multiples of 128, as FlashAttention-3/4 do. The accumulators (S^T, dP^T: 64 + 64, dK,
 // dV: 32 + 32 registers per thread) fit only in the plain kernel: with the general one's
 // pointers and flags live as well, ptxas spilled ~55 words per step (928 B).
-// 80 (head dim 128, plain, FlashAttention-3/4's step where no mask is given): 25% more
+// 80 (head dim 128, plain, FlashAttention-3/4's step where no mask is given; for now only
+// with FLEXSPARSE_CUDA_DEBUG bit 268435456, slower than 64 as built, C68): 25% more
 // tensor work per step than 64 for the same per-step cost, with S^T and dP^T at 40 + 40
 // registers beside dK and dV at 64 + 64 (128 rows would need 64 + 64). 80-row steps do
 // not tile 128-row query blocks, so this kernel walks every query row in 80-row steps
