@@ -26,6 +26,9 @@ def cutlass_include():
     return path if os.path.isdir(os.path.join(path, "cute")) else None
 
 
+EXT_SHAPES = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+
+
 def unity_sources(sources):
     """FLEXSPARSE_UNITY_TUS=N: the .cu files compiled as N translation units that include
     them (build/unity/), for CI's compile check on two cores. Each nvcc run pays ~50 s of
@@ -43,7 +46,11 @@ def unity_sources(sources):
     units = []
     for i in range(min(n, len(cu))):
         path = os.path.join("build", "unity", f"unity_{i}.cu")
-        text = "".join(f'#include "{os.path.abspath(f)}"\n' for f in cu[i::n])
+        # A file that enables CuTe's extended wgmma shapes defines the macro before its
+        # first include; in a unit it must come before any file's, so the unit starts with it.
+        ext = any(EXT_SHAPES in open(f).read() for f in cu[i::n])
+        text = (f"{EXT_SHAPES}\n" if ext else "") + "".join(
+            f'#include "{os.path.abspath(f)}"\n' for f in cu[i::n])
         if not os.path.exists(path) or open(path).read() != text:
             with open(path, "w") as out:
                 out.write(text)

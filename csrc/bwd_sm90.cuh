@@ -139,6 +139,9 @@ struct BwdTraits {
                                Shape<_64, Int<kDqSplitRows ? kHeadDim : kHeadDim / 2>, Int<kBlockN>>,
                                kBiasTiles ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
           conditional_t<kDqSplitRows, Wg2x1, Wg1x2>{}))>;
+  static_assert(!kRowSteps || decltype(size<1>(typename TiledMmaSdP::AtomShape_MNK{}))::value == kBlockM,
+                "80-row steps take 64x80 wgmma atoms: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED "
+                "before the first CuTe include (bwd_sm90_hd128_m80.cu)");
   // The dQ accumulator's shape: (queries, head dim), or (head dim, queries) transposed.
   using DqShape = conditional_t<kDqSwapAB, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
 
