@@ -42,6 +42,45 @@
 
 namespace flexsparse::sm90 {
 
+// Timeline probe, compiled in only with -DFLEXSPARSE_BWD_TRACE (tests/gpu.sh btrace, which
+// builds a separate copy): the first thread of each consumer warpgroup stamps the SM clock
+// at fixed points of each of its first kBwdTraceSteps query steps, in the CTAs of key tiles
+// 0, 1 and gridDim.x / 2 of (kv head 0, batch 0), into a global buffer that those CTAs
+// print at exit (tests/gpu/bwd_trace.py reads it). Events per step: 0 query stage ready,
+// 1 S^T issued, 2 dO stage ready and dP^T issued, 3 S^T done, 4 P^T computed, 5 dP^T done,
+// 6 dS^T computed, dV issued and dS^T stored, 7 both warpgroups' dS^T stored (barrier),
+// 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed to the writer, 11 dK done.
+// As the forward's probe (C33), the stamps slow the loop: read durations as relative.
+#ifdef FLEXSPARSE_BWD_TRACE
+constexpr int kBwdTraceCtas = 3, kBwdTraceSteps = 130, kBwdTraceEvents = 12;
+static __device__ uint32_t bwd_trace_buf[kBwdTraceCtas][kBwdTraceSteps][2][kBwdTraceEvents];
+// clock and global timer (ns) at the consumers' first and last step, per traced CTA
+static __device__ uint32_t bwd_trace_cal[kBwdTraceCtas][4];
+__device__ __forceinline__ int bwd_trace_cta() {
+  if (blockIdx.y != 0 || blockIdx.z != 0) return -1;
+  return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
+}
+__device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
+  asm volatile("{\n .reg .u32 c;\n mov.u32 c, %%clock;\n st.global.u32 [%0], c;\n}" ::"l"(at) : "memory");
+}
+#define BWD_TRACE(e) \
+  if (trace_cta >= 0 && tid % 128 == 0 && step < kBwdTraceSteps) bwd_trace_stamp(&bwd_trace_buf[trace_cta][step][wg][e])
+#define BWD_TRACE_CALIBRATE(i)                                                                 \
+  if (trace_cta >= 0 && tid == 0) {                                                             \
+    uint32_t c, g;                                                                              \
+    asm volatile("mov.u32 %0, %%clock;\n mov.u32 %1, %%globaltimer_lo;" : "=r"(c), "=r"(g)); \
+    bwd_trace_cal[trace_cta][2 * (i)] = c;                                                      \
+    bwd_trace_cal[trace_cta][2 * (i) + 1] = g;                                                  \
+  }
+#else
+#define BWD_TRACE(e) \
+  do {               \
+  } while (0)
+#define BWD_TRACE_CALIBRATE(i) \
+  do {                         \
+  } while (0)
+#endif
+
 // kBlockM_: query rows per step, 64, 80 or 128. At head dim 64 a 64-row step is half the
 // tensor-core work of a 128-row one for the same per-step cost (barriers, lse and delta,
 // the dQ hand-off), so head dim 64 takes 128 where the descriptor's query blocks are
@@ -730,6 +769,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Barrier::wait(&ss.barrier_kv, 0);
     typename T::PipelineState read;
     int step = 0;   // steps done: the P^T / dS^T buffer's parity with one stage
+#ifdef FLEXSPARSE_BWD_TRACE
+    const int trace_cta = bwd_trace_cta();
+    BWD_TRACE_CALIBRATE(0);
+#endif
     int rec_slot = 0;   // step_rec's ring position
     for (int g = 0; g < group; ++g) {
       const int h = hk * group + g;
@@ -789,12 +832,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const int m = rec >> 1;
         const bool partial = rec & 1;
         const int i0 = m * kBlockM;
+        BWD_TRACE(0);
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
+        BWD_TRACE(1);
         pipe_do.consumer_wait(read);
         gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
+        BWD_TRACE(2);
 
         // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
         // padding past Lq holds +inf and 0, so those columns get P = 0.
@@ -802,6 +848,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const float* delta = ss.delta[read.index()] + col_base;
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
+        BWD_TRACE(3);
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
         // Element predicates of partial tiles: hidden scores become -inf (raw).
         if (partial) {
@@ -916,8 +963,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               }
             }
           }
+          BWD_TRACE(4);
           warpgroup_wait<0>();                  // dP^T done
           warpgroup_fence_operand(tdPrdP);
+          BWD_TRACE(5);
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; c += 2) {
             const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
@@ -987,12 +1036,14 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
           copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
+          BWD_TRACE(6);
           // kBiasTiles: the last step's dbias store has read its dS buffer before anyone
           // passes this barrier (the next step writes that buffer).
           if constexpr (T::kBiasTiles) {
             if (store_dbias && tid == 0) tma_store_wait<0>();
           }
           cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          BWD_TRACE(7);
           if constexpr (T::kBiasTiles) {
             if (tid == 0) {
               // FLEXSPARSE_CUDA_DEBUG bit 4096: no dbias store (wrong dbias; timing probes only).
@@ -1016,8 +1067,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
           if constexpr (T::kDqSwapAB) gemm<true, 1>(mma_dq, tdQrK, tdQrdS(_, _, _, buf), tdQrdQ);
           else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+          BWD_TRACE(8);
           pipe_do.consumer_release(read);
           gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+          BWD_TRACE(9);
         }
         warpgroup_fence_operand(tdQrdQ);
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
@@ -1027,14 +1080,31 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
+        BWD_TRACE(10);
         warpgroup_wait<0>();                    // dK done
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
+        BWD_TRACE(11);
         pipe_q.consumer_release(read);
         ++read;
         ++step;
       }
     }
+#ifdef FLEXSPARSE_BWD_TRACE
+    BWD_TRACE_CALIBRATE(1);
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // both warpgroups' stamps
+    if (tid == 0 && trace_cta >= 0) {
+      __threadfence_block();
+      const uint32_t* cal = bwd_trace_cal[trace_cta];
+      printf("BWDCAL %d %u %u %u %u\n", blockIdx.x, cal[0], cal[1], cal[2], cal[3]);
+      for (int w = 0; w < 2; ++w)
+        for (int s = 0; s < min(step, kBwdTraceSteps); ++s) {
+          const uint32_t* e = bwd_trace_buf[trace_cta][s][w];
+          printf("BWDTRACE %d %d %d %u %u %u %u %u %u %u %u %u %u %u %u\n", blockIdx.x, w, s, e[0], e[1], e[2],
+                 e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11]);
+        }
+    }
+#endif
     // kBiasTiles: the last dbias store has read its dS buffer before the epilogue reuses
     // shared memory (and before the CTA's shared memory goes).
     if constexpr (T::kBiasTiles) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|ibwd|topk|hf|probe|step ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ibwd|topk|hf|probe|step ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -160,6 +160,18 @@ if [[ " $parts " == *" trace "* ]]; then
   echo "trace build: $(( $(date +%s) - t0 )) s"
   PYTHONPATH="$tr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
     ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
+fi
+# The CUDA backward's timeline per query step (a second build, with -DFLEXSPARSE_BWD_TRACE, in
+# a copy of the tree; not part of "all"):
+#   BTRACE_ROWS="full@8192@128 causal@8192@128" BTRACE_BITS=0,268435456 bash tests/gpu.sh btrace
+if [[ " $parts " == *" btrace "* ]]; then
+  btr=/tmp/flexsparse_btrace
+  t0=$(date +%s)
+  side_build "$btr" -DFLEXSPARSE_BWD_TRACE "$OUT/btrace_build.log" \
+    || { echo "backward trace build failed"; grep -E "error" "$OUT/btrace_build.log" | head; }
+  echo "backward trace build: $(( $(date +%s) - t0 )) s"
+  PYTHONPATH="$btr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_BTRACE:-240}" python3 tests/gpu/bwd_trace.py \
+    ${BTRACE_ROWS:-} --bits "${BTRACE_BITS:-0}" --raw "$OUT" 2>&1 | tee "$OUT/bwd_trace.txt"
 fi
 # Per-kernel GPU time of a training step (torch.profiler): ours, and with SPLIT_ARGS=--flash
 # FlexAttention's FLASH backend beside it (FA4 wheels installed, PYTHONPATH as in the

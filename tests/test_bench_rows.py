@@ -51,3 +51,27 @@ def test_cuda_bench_row_spec_skips_option_values():
     assert row_spec(["full@8192@128", "--rounds", "3"]) == "full@8192@128"
     assert row_spec(["--rounds", "3", "causal@4096@64"]) == "causal@4096@64"
     assert row_spec([]) == DEFAULT
+
+
+def test_bwd_trace_summary_reads_the_stamps():
+    """tests/gpu/bwd_trace.py (the backward's timeline probe): the stamps of the second
+    launch are read, and each phase's median over the steady steps comes out."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "gpu", "bwd_trace.py")
+    spec = importlib.util.spec_from_file_location("bwd_trace", path)
+    bt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+    lines = ["BWDTRACE 0 0 0 " + " ".join(["1"] * 12), "=== launch 0 done", "BWDCAL 0 0 0 1800 1000"]
+    for s in range(6):      # steps 1000 cycles apart, event e at 10 * e (+5 for wg 1)
+        for wg in (0, 1):
+            lines.append(f"BWDTRACE 0 {wg} {s} " + " ".join(str(1000 * s + 10 * e + 5 * wg) for e in range(12)))
+    lines.append("=== launch 1 done")
+    steps, cal = bt.parse("\n".join(lines))
+    assert set(steps) == {(0, 0), (0, 1)} and len(steps[(0, 0)]) == 6 and cal == {0: [0, 0, 1800, 1000]}
+    text = bt.summarize("full@8192@128", "0", steps, cal)
+    assert "64-row steps, tensor-core floor per step 2560 cycles" in text
+    assert "1.800 cycles per ns" in text
+    assert "CTA 0 wg0: 6 steps, period 1000" in text and "exponentials 10" in text
+    assert "to the next stage 890" in text
+    assert bt.step_rows("full@8192@128", "268435456") == 80 and bt.step_rows("causal@8192@128", "268435456") == 64
