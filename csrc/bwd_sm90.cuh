@@ -363,6 +363,15 @@ struct QuerySteps<T, true> {
   }
 };
 
+// A zero that ptxas cannot see through, the same in every lane (so that what is computed
+// from it stays in uniform registers): a shared-memory base offset by it is rebuilt where
+// it is used instead of hoisted out of the loop.
+__device__ __forceinline__ int opaque_zero() {
+  int z;
+  asm volatile("mov.b32 %0, 0;" : "=r"(z));
+  return __shfl_sync(0xffffffff, z, 0);
+}
+
 // Spin until *flag == value (bounded: a descriptor whose q and kv lists disagree would
 // otherwise hang the kernel; past the bound the order is simply not enforced).
 __device__ __forceinline__ void wait_turn(const int* flag, int value) {
@@ -836,10 +845,24 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
+        // The 80-row kernel rebuilds K's and V's descriptors per step (from a base offset by
+        // an opaque zero): held across the loop, its 16 + 8 loop-invariant descriptors of K,
+        // V and K^T were spilled and reloaded every step (docs/perf-notes.md C68).
+        const int kv_zero = T::kRowSteps ? opaque_zero() : 0;
+        if constexpr (T::kRowSteps)
+          gemm<true, -1>(mma_sdp, wg_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k.data() + kv_zero),
+                                                                           typename T::SmemLayoutK{})),
+                         tSrQ(_, _, _, read.index()), tSrS);
+        else
+          gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
         BWD_TRACE(1);
         pipe_do.consumer_wait(read);
-        gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
+        if constexpr (T::kRowSteps)
+          gemm<true, -1>(mma_sdp, wg_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.v.data() + kv_zero),
+                                                                           typename T::SmemLayoutK{})),
+                         tdPrdO(_, _, _, read.index()), tdPrdP);
+        else
+          gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
         BWD_TRACE(2);
 
         // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
@@ -1065,7 +1088,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
-          if constexpr (T::kDqSwapAB) gemm<true, 1>(mma_dq, tdQrK, tdQrdS(_, _, _, buf), tdQrdQ);
+          if constexpr (T::kDqSwapAB)
+            gemm<true, 1>(mma_dq, wg_dq.partition_fragment_A(make_tensor(make_smem_ptr(ss.k.data() + kv_zero),
+                                                                         typename T::SmemLayoutKt{})),
+                          tdQrdS(_, _, _, buf), tdQrdQ);
           else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           BWD_TRACE(8);
           pipe_do.consumer_release(read);
