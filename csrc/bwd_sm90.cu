@@ -46,16 +46,17 @@ static bool bias_tiles_call(BackwardParams const& p) {
   return p.dbias == nullptr || tma_tileable(p.dbias, p.dbias_sq, p.dbias_sk, p.dbias_sh, p.dbias_sb);
 }
 
-// The calls the 80-row head dim 128 kernel can take (BwdTraits, kRowSteps): plain, without
-// column ranges (no room to stage them), not deterministic, and every block list one row
-// for all (stride 0: the full mask), so that walking all query rows is walking the lists.
+// Of the plain calls (the caller checks), those the 80-row head dim 128 kernel can take
+// (BwdTraits, kRowSteps): without column ranges (no room to stage them), not
+// deterministic, and every block list one row for all (stride 0: the full mask), so that
+// walking all query rows is walking the lists.
 // Only with FLEXSPARSE_CUDA_DEBUG bit 268435456: it measured 6% slower than the 64-row
 // kernel (docs/perf-notes.md C68), and stays for the next attempt (its spills).
 static bool row_steps_call(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   const bool one_row = f.kv_partial.row_stride == 0 && f.kv_full.row_stride == 0 &&
                        f.q_partial.row_stride == 0 && f.q_full.row_stride == 0;
-  return f.D == 128 && one_row && plain_call(p) && f.pred.col_ranges == nullptr && !p.deterministic &&
+  return f.D == 128 && one_row && f.pred.col_ranges == nullptr && !p.deterministic &&
          (f.debug & 268435456);
 }
 

@@ -798,7 +798,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
       // The keys are the CTA's for the whole walk: their column ranges are read once.
       const bool staged = T::kColRanges && cr_base != nullptr && (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
-      if (T::kColRanges && staged) {
+      if (staged) {
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
         for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
           const int key = e / T::kMaxStagedRanges, slot = e % T::kMaxStagedRanges;
@@ -818,7 +818,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // range slot. FLEXSPARSE_CUDA_DEBUG bit 8: the range tests instead (A/Bs).
       int2 vis[kRows];
       bool interval = staged && pr.n_col_ranges <= 2 && !(p.debug & 8);
-      if (T::kColRanges && interval) {
+      if (interval) {
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const int2* slots = ss.col_ranges[row_base + 8 * r];
@@ -845,24 +845,21 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
         Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        // The 80-row kernel rebuilds K's and V's descriptors per step (from a base offset by
-        // an opaque zero): held across the loop, its 16 + 8 loop-invariant descriptors of K,
-        // V and K^T were spilled and reloaded every step (docs/perf-notes.md C68).
+        // The A operands from K and V (and K^T): the fragments made before the loop, or in
+        // the 80-row kernel rebuilt per step from a base offset by an opaque zero (held
+        // across the loop, its 16 + 8 loop-invariant descriptors of K, V and K^T were
+        // spilled and reloaded every step, docs/perf-notes.md C68).
         const int kv_zero = T::kRowSteps ? opaque_zero() : 0;
-        if constexpr (T::kRowSteps)
-          gemm<true, -1>(mma_sdp, wg_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.k.data() + kv_zero),
-                                                                           typename T::SmemLayoutK{})),
-                         tSrQ(_, _, _, read.index()), tSrS);
-        else
-          gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
+        auto a_operand = [&](auto const& before_loop, auto const& slice, Element* base, auto layout) {
+          if constexpr (T::kRowSteps) return slice.partition_fragment_A(make_tensor(make_smem_ptr(base + kv_zero), layout));
+          else return before_loop;
+        };
+        gemm<true, -1>(mma_sdp, a_operand(tSrK, wg_sdp, ss.k.data(), typename T::SmemLayoutK{}),
+                       tSrQ(_, _, _, read.index()), tSrS);
         BWD_TRACE(1);
         pipe_do.consumer_wait(read);
-        if constexpr (T::kRowSteps)
-          gemm<true, -1>(mma_sdp, wg_sdp.partition_fragment_A(make_tensor(make_smem_ptr(ss.v.data() + kv_zero),
-                                                                           typename T::SmemLayoutK{})),
-                         tdPrdO(_, _, _, read.index()), tdPrdP);
-        else
-          gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
+        gemm<true, -1>(mma_sdp, a_operand(tdPrV, wg_sdp, ss.v.data(), typename T::SmemLayoutK{}),
+                       tdPrdO(_, _, _, read.index()), tdPrdP);
         BWD_TRACE(2);
 
         // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
@@ -875,9 +872,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
         // Element predicates of partial tiles: hidden scores become -inf (raw).
         if (partial) {
-          if (!T::kColRanges) {
-            // (no column ranges: bwd_sm90 gives this kernel no calls that have them)
-          } else if (interval) {
+          if (interval) {
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               CUTLASS_PRAGMA_UNROLL
@@ -1089,8 +1084,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
           // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
           if constexpr (T::kDqSwapAB)
-            gemm<true, 1>(mma_dq, wg_dq.partition_fragment_A(make_tensor(make_smem_ptr(ss.k.data() + kv_zero),
-                                                                         typename T::SmemLayoutKt{})),
+            gemm<true, 1>(mma_dq, a_operand(tdQrK, wg_dq, ss.k.data(), typename T::SmemLayoutKt{}),
                           tdQrdS(_, _, _, buf), tdQrdQ);
           else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           BWD_TRACE(8);
