@@ -53,6 +53,13 @@ side_build() {
 # desc_ab is build_ab with AB_FLAGS=-DFLEXSPARSE_DESC32 (CuTe's 32-bit descriptor add, C59).
 if [[ " $parts " == *" desc_ab "* ]]; then parts="$parts build_ab"; AB_FLAGS="${AB_FLAGS:--DFLEXSPARSE_DESC32}"; fi
 ab_tree=/tmp/flexsparse_ab
+# btrace (below): its -DFLEXSPARSE_BWD_TRACE build starts here too, beside the main build.
+btr=/tmp/flexsparse_btrace
+if [[ " $parts " == *" btrace "* ]]; then
+  bt0=$(date +%s)
+  (side_build "$btr" -DFLEXSPARSE_BWD_TRACE "$OUT/btrace_build.log"; echo $? > "$btr.rc") &
+  btrace_pid=$!
+fi
 if [[ " $parts " == *" build_ab "* ]]; then
   (side_build "$ab_tree" "${AB_FLAGS:-}" "$OUT/ab_build.log" "${AB_CSRC:-}"; echo $? > "$ab_tree/.rc") &
 fi
@@ -165,11 +172,10 @@ fi
 # a copy of the tree; not part of "all"):
 #   BTRACE_ROWS="full@8192@128 causal@8192@128" BTRACE_BITS=0,268435456 bash tests/gpu.sh btrace
 if [[ " $parts " == *" btrace "* ]]; then
-  btr=/tmp/flexsparse_btrace
-  t0=$(date +%s)
-  side_build "$btr" -DFLEXSPARSE_BWD_TRACE "$OUT/btrace_build.log" \
+  wait "$btrace_pid"
+  [ "$(cat "$btr.rc" 2>/dev/null)" = 0 ] \
     || { echo "backward trace build failed"; grep -E "error" "$OUT/btrace_build.log" | head; }
-  echo "backward trace build: $(( $(date +%s) - t0 )) s"
+  echo "backward trace build done $(( $(date +%s) - bt0 )) s after it started"
   PYTHONPATH="$btr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_BTRACE:-240}" python3 tests/gpu/bwd_trace.py \
     ${BTRACE_ROWS:-} --bits "${BTRACE_BITS:-0}" --raw "$OUT" 2>&1 | tee "$OUT/bwd_trace.txt"
 fi
@@ -308,13 +314,16 @@ if [[ " $parts " == *" sanitize "* ]]; then
 fi
 # The CUDA backend (csrc/) under compute-sanitizer: memcheck over its tests of odd sizes and
 # masks; racecheck and synccheck over a few small calls (tests/gpu/cuda_sanitize_cases.py).
-if [[ " $parts " == *" csanitize "* ]]; then
+# CSAN_PYTEST=0 skips the pytest memcheck (only the cases file's, with CSAN_TOOLS=memcheck).
+if [[ " $parts " == *" csanitize "* ]] && [ "${CSAN_PYTEST:-1}" = 1 ]; then
   timeout "${T_CSAN:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_gpu.py \
     -k "${CSAN_K:-odd_lengths or fully_masked or gqa or (mask_kinds and bf16) or head_dims or poisoned or bias or softcap}" \
     > "$OUT/csan_memcheck.log" 2>&1
   rc=$?; echo "csrc memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|Invalid|passed|failed|FAILED" "$OUT/csan_memcheck.log" | tail -8
+fi
+if [[ " $parts " == *" csanitize "* ]]; then
   for tool in ${CSAN_TOOLS:-racecheck synccheck}; do
     timeout "${T_CSAN_TOOL:-200}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
       python3 tests/gpu/cuda_sanitize_cases.py ${CSAN_CASES:+--only "$CSAN_CASES"} > "$OUT/csan_$tool.log" 2>&1
