@@ -4,6 +4,10 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
     python -m benchmarks.cuda_index_bench [--lengths 8192,32768] [--widths 16,64,256]
     python -m benchmarks.cuda_index_bench --backward [--lengths ...] [--widths ...]
 
+The last column, "cuda 1 row/warp ms", times the CUDA forward again with
+FLEXSPARSE_CUDA_DEBUG=536870912 (one query row per warp: the kernel before its warps
+streamed through runs of rows), in the same process, for a same-build A/B.
+
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes
 (atomic dK/dV, and the deterministic sorted mode), each over the CUDA forward's out and
@@ -28,6 +32,7 @@ reads and gathers per entry; on the H100 it reached only 0.42 TB/s, so it is no 
 """
 import argparse
 import math
+import os
 
 import torch
 import triton.testing
@@ -58,6 +63,19 @@ def forward(backend, q, k, v, idx):
     scale = 1 / math.sqrt(D)
     return lambda: torch.ops.flexsparse.attention(q, k, v, None, *mt, 128, 128, scale, 0.0,
                                                   backend, False)[0]
+
+
+def one_row_per_warp(fn):
+    """fn() with the CUDA index forward at one query row per warp (a debug bit)."""
+    old = os.environ.get("FLEXSPARSE_CUDA_DEBUG")
+    os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(int(old or 0) | 536870912)
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ["FLEXSPARSE_CUDA_DEBUG"]
+        else:
+            os.environ["FLEXSPARSE_CUDA_DEBUG"] = old
 
 
 def probe(k, v, idx):
@@ -131,8 +149,8 @@ def main():
           f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")
     print("| L | W | triton fwd ms | cuda fwd ms | cuda / triton speed | triton TB/s | cuda TB/s "
           "| kv head K+V MB | ceiling TB/s | triton / ceil | cuda / ceil "
-          "| index_select TB/s | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| index_select TB/s | max abs diff | cuda 1 row/warp ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for L in map(int, a.lengths.split(",")):
         for W in map(int, a.widths.split(",")):
             q, k, v, idx = inputs(L, W)
@@ -140,6 +158,7 @@ def main():
             try:
                 t_tri = bench(forward("triton", q, k, v, idx))
                 t_cuda = bench(forward("cuda", q, k, v, idx))
+                t_one = one_row_per_warp(lambda: bench(forward("cuda", q, k, v, idx)))
                 diff = (forward("triton", q, k, v, idx)().float()
                         - forward("cuda", q, k, v, idx)().float()).abs().max().item()
                 t_probe, probe_bytes = probe(k, v, idx)
@@ -153,7 +172,7 @@ def main():
             print(f"| {L} | {W} | {t_tri:.3f} | {t_cuda:.3f} | {t_tri / t_cuda:.2f} | "
                   f"{tbs(t_tri):.2f} | {tbs(t_cuda):.2f} | {head_bytes / 2**20:.0f} | "
                   f"{ceil_tbs:.2f} | {tbs(t_tri) / ceil_tbs:.2f} | {tbs(t_cuda) / ceil_tbs:.2f} | "
-                  f"{probe_tbs:.2f} | {diff:.1e} |", flush=True)
+                  f"{probe_tbs:.2f} | {diff:.1e} | {t_one:.3f} |", flush=True)
             del q, k, v, idx
             torch.cuda.empty_cache()
 
