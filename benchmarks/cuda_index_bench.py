@@ -4,9 +4,10 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
     python -m benchmarks.cuda_index_bench [--lengths 8192,32768] [--widths 16,64,256]
     python -m benchmarks.cuda_index_bench --backward [--lengths ...] [--widths ...]
 
-The last column, "cuda 1 row/warp ms", times the CUDA forward again with
-FLEXSPARSE_CUDA_DEBUG=536870912 (one query row per warp: the kernel before its warps
-streamed through runs of rows), in the same process, for a same-build A/B.
+The last columns time the CUDA forward again under each FLEXSPARSE_CUDA_DEBUG value of
+--variants (default 536870912: one query row per warp, the kernel before its warps
+streamed through runs of rows; 1073741824: CTAs of half an SM's shared memory), in the
+same process, for a same-build A/B.
 
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes
@@ -65,10 +66,10 @@ def forward(backend, q, k, v, idx):
                                                   backend, False)[0]
 
 
-def one_row_per_warp(fn):
-    """fn() with the CUDA index forward at one query row per warp (a debug bit)."""
+def with_debug(bits, fn):
+    """fn() with FLEXSPARSE_CUDA_DEBUG set to `bits` (the CUDA ops read it per call)."""
     old = os.environ.get("FLEXSPARSE_CUDA_DEBUG")
-    os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(int(old or 0) | 536870912)
+    os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(bits)
     try:
         return fn()
     finally:
@@ -141,7 +142,10 @@ def main():
     ap.add_argument("--widths", default="16,64,256")
     ap.add_argument("--backward", action="store_true",
                     help="the backward table (CUDA index backward vs Triton) instead")
+    ap.add_argument("--variants", default="536870912",
+                    help="FLEXSPARSE_CUDA_DEBUG values to time the CUDA forward under too")
     a = ap.parse_args()
+    variants = [int(x) for x in a.variants.split(",") if x]
     if a.backward:
         backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))))
         return
@@ -149,8 +153,9 @@ def main():
           f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")
     print("| L | W | triton fwd ms | cuda fwd ms | cuda / triton speed | triton TB/s | cuda TB/s "
           "| kv head K+V MB | ceiling TB/s | triton / ceil | cuda / ceil "
-          "| index_select TB/s | max abs diff | cuda 1 row/warp ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| index_select TB/s | max abs diff |"
+          + "".join(f" cuda ms, debug {bits} |" for bits in variants))
+    print("|---" * (13 + len(variants)) + "|")
     for L in map(int, a.lengths.split(",")):
         for W in map(int, a.widths.split(",")):
             q, k, v, idx = inputs(L, W)
@@ -158,7 +163,8 @@ def main():
             try:
                 t_tri = bench(forward("triton", q, k, v, idx))
                 t_cuda = bench(forward("cuda", q, k, v, idx))
-                t_one = one_row_per_warp(lambda: bench(forward("cuda", q, k, v, idx)))
+                t_var = [with_debug(bits, lambda: bench(forward("cuda", q, k, v, idx)))
+                         for bits in variants]
                 diff = (forward("triton", q, k, v, idx)().float()
                         - forward("cuda", q, k, v, idx)().float()).abs().max().item()
                 t_probe, probe_bytes = probe(k, v, idx)
@@ -172,7 +178,8 @@ def main():
             print(f"| {L} | {W} | {t_tri:.3f} | {t_cuda:.3f} | {t_tri / t_cuda:.2f} | "
                   f"{tbs(t_tri):.2f} | {tbs(t_cuda):.2f} | {head_bytes / 2**20:.0f} | "
                   f"{ceil_tbs:.2f} | {tbs(t_tri) / ceil_tbs:.2f} | {tbs(t_cuda) / ceil_tbs:.2f} | "
-                  f"{probe_tbs:.2f} | {diff:.1e} | {t_one:.3f} |", flush=True)
+                  f"{probe_tbs:.2f} | {diff:.1e} |" + "".join(f" {t:.3f} |" for t in t_var),
+                  flush=True)
             del q, k, v, idx
             torch.cuda.empty_cache()
 

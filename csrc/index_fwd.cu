@@ -73,6 +73,12 @@ template <int kD, int kHeads>
 constexpr int cta_warps() {
   return std::min(Config<kD>::kMaxWarps, kSmemPerSm / warp_smem_bytes<kD, kHeads>());
 }
+// FLEXSPARSE_CUDA_DEBUG bit 1073741824 (A/Bs): CTAs of half an SM's shared memory, two per SM.
+template <int kD, int kHeads>
+constexpr int half_cta_warps() {
+  return std::max(1, std::min(Config<kD>::kMaxWarps,
+                              (kSmemPerSm / 2 - 1024) / warp_smem_bytes<kD, kHeads>()));
+}
 
 using namespace warp_mma;   // cp.async, ldmatrix, Mma<T>, swizzle (warp_mma.cuh)
 
@@ -112,11 +118,10 @@ struct Cursor {
 
 // ------------------------------------------------------------------ the kernel
 
-template <typename T, int kD, int kHeads>
-__global__ void __launch_bounds__(cta_warps<kD, kHeads>() * 32)
+template <typename T, int kD, int kHeads, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
     index_fwd_kernel(const IndexParams p, const int64_t per_warp) {
   constexpr int kStages = Config<kD>::kStages;
-  constexpr int kWarps = cta_warps<kD, kHeads>();
   constexpr int kChunks = kD / 8;           // 16-byte chunks per row
   constexpr int kTile = kKeys * kD;         // elements of one K (or V) stage
   constexpr int kSteps = kD / 16;           // k-steps of Q K^T, n-tile pairs of P V
@@ -452,9 +457,8 @@ inline int64_t items_per_warp(int64_t items, int warps, bool one) {
   return std::max<int64_t>(1, (items + slots - 1) / slots);
 }
 
-template <typename T, int kD, int kHeads>
-void launch(IndexParams const& p, cudaStream_t stream) {
-  constexpr int kWarps = cta_warps<kD, kHeads>();
+template <typename T, int kD, int kHeads, int kWarps>
+void launch_warps(IndexParams const& p, cudaStream_t stream) {
   constexpr int smem = kWarps * warp_smem_bytes<kD, kHeads>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
@@ -464,10 +468,16 @@ void launch(IndexParams const& p, cudaStream_t stream) {
   const int64_t blocks = (warps + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
-  auto kernel = index_fwd_kernel<T, kD, kHeads>;
+  auto kernel = index_fwd_kernel<T, kD, kHeads, kWarps>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, per_warp);
   CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, int kD, int kHeads>
+void launch(IndexParams const& p, cudaStream_t stream) {
+  if (p.debug & 1073741824) launch_warps<T, kD, kHeads, half_cta_warps<kD, kHeads>()>(p, stream);
+  else launch_warps<T, kD, kHeads, cta_warps<kD, kHeads>()>(p, stream);
 }
 
 // G <= 8 query heads per kv head (the usual GQA) fit one 8-row half of the MMA's M.

@@ -60,7 +60,7 @@ if [[ " $parts " == *" btrace "* ]]; then
   (side_build "$btr" -DFLEXSPARSE_BWD_TRACE "$OUT/btrace_build.log"; echo $? > "$btr.rc") &
   btrace_pid=$!
 fi
-if [[ " $parts " == *" build_ab "* ]]; then
+if [[ " $parts " == *" build_ab "* || " $parts " == *" ifwd_ab "* ]]; then
   (side_build "$ab_tree" "${AB_FLAGS:-}" "$OUT/ab_build.log" "${AB_CSRC:-}"; echo $? > "$ab_tree/.rc") &
 fi
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
@@ -135,6 +135,18 @@ if [[ " $parts " == *" ifwd "* ]]; then
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ifwd_memcheck.log" | tail -3
   timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:-} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bench.md"
+fi
+# The index forward's table from the second build (AB_CSRC, e.g. an older csrc/), after
+# this build's (ifwd): IFWD_ARGS="--variants ''" AB_CSRC=.ab_base/csrc bash tests/gpu.sh ifwd ifwd_ab
+if [[ " $parts " == *" ifwd_ab "* ]]; then
+  wait
+  if [ "$(cat "$ab_tree/.rc" 2>/dev/null)" != 0 ]; then
+    echo "second build failed"; grep -E "error" "$OUT/ab_build.log" | head
+  else
+    (cd "$ab_tree" && PYTHONPATH="$ab_tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_IFWDBENCH:-240}" \
+       python3 -m benchmarks.cuda_index_bench --variants "" ${IFWD_AB_ARGS:-} 2>&1) | grep -v Warning \
+      | tee "$OUT/cuda_index_bench_other.md"
+  fi
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, then its table.
 if [[ " $parts " == *" ibwd "* ]]; then
