@@ -4,10 +4,9 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
     python -m benchmarks.cuda_index_bench [--lengths 8192,32768] [--widths 16,64,256]
     python -m benchmarks.cuda_index_bench --backward [--lengths ...] [--widths ...]
 
-The last columns time the CUDA forward again under each FLEXSPARSE_CUDA_DEBUG value of
---variants (default 536870912: one query row per warp, the kernel before its warps
-streamed through runs of rows; 1073741824: CTAs of half an SM's shared memory), in the
-same process, for a same-build A/B.
+--variants 1,2 adds columns: the CUDA forward timed again under each of those
+FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits; the
+index forward reads none today, docs/perf-notes.md C69).
 
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes
@@ -142,7 +141,7 @@ def main():
     ap.add_argument("--widths", default="16,64,256")
     ap.add_argument("--backward", action="store_true",
                     help="the backward table (CUDA index backward vs Triton) instead")
-    ap.add_argument("--variants", default="536870912",
+    ap.add_argument("--variants", default="",
                     help="FLEXSPARSE_CUDA_DEBUG values to time the CUDA forward under too")
     a = ap.parse_args()
     variants = [int(x) for x in a.variants.split(",") if x]

@@ -120,9 +120,9 @@ if [[ " $parts " == *" topk "* ]]; then
   timeout "${T_TOPKBENCH:-300}" python3 -m benchmarks.topk_bench --lengths "${TOPK_LENGTHS:-8192,16384,32768}" \
     --chunk-elements "" --kernel-configs "${TOPK_CONFIGS:-8192x8}" --cuda-warps "${TOPK_WARPS:-1,4,8,16}" --out "$OUT/topk.md" 2>&1 | grep -v Warn
 fi
-# The CUDA index forward (csrc/index_fwd.cu, issue 17): its tests, the runs-of-rows test
-# under compute-sanitizer memcheck, then its table against Triton and the gather ceiling
-# (with the one-row-per-warp column, the same build's A/B).
+# The CUDA index forward (csrc/index_fwd.cu, issue 17): its tests, some under
+# compute-sanitizer memcheck, then its table against Triton and the gather ceiling
+# (IFWD_ARGS="--variants 1,2": columns under those FLEXSPARSE_CUDA_DEBUG values).
 if [[ " $parts " == *" ifwd "* ]]; then
   timeout "${T_IFWD:-300}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_cuda_index_gpu.py \
     > "$OUT/ifwd_tests.log" 2>&1
@@ -130,7 +130,7 @@ if [[ " $parts " == *" ifwd "* ]]; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
   timeout "${T_IFWD_CSAN:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_gpu.py \
-    -k "runs_of_rows or fully_padded or gqa" > "$OUT/ifwd_memcheck.log" 2>&1
+    -k "fully_padded or gqa or out_of_range" > "$OUT/ifwd_memcheck.log" 2>&1
   rc=$?; echo "ifwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ifwd_memcheck.log" | tail -3
   timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:-} 2>&1 \

@@ -79,25 +79,6 @@ def test_gqa(G):
     check_forward(q, k, v, idx)
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("G, W", [(4, 16), (4, 33), (17, 5)])
-def test_runs_of_rows_per_warp(D, G, W, monkeypatch):
-    """Enough query rows that each warp streams through a run of several (runs cross kv
-    heads, batches and 16-head groups; some rows fully padded, some one entry): against
-    float64, and bitwise the same as one row per warp (FLEXSPARSE_CUDA_DEBUG bit
-    536870912), which shares no state between rows."""
-    B, Hkv, Lq = 2, 3, 701                           # no run length divides 701
-    q, k, v, idx = TI._make(B, Hkv * G, Hkv, Lq, 389, D, D, W, torch.bfloat16, seed=D + W + G)
-    idx[0, 1, 100:140] = -1                          # fully padded rows inside runs
-    idx[1, 2, 300:320, 1:] = -1                      # one entry left
-    idx[1, 0, 500:510] = 389                         # past Lk only: read nothing
-    out, lse = check_forward(q, k, v, idx)
-    assert torch.all(out[0, G:2 * G, 100:140] == 0) and torch.all(lse[0, G:2 * G, 100:140] == -math.inf)
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "536870912")
-    one_out, one_lse = cuda_forward(q, k, v, idx)
-    assert torch.equal(out, one_out) and torch.equal(lse, one_lse)
-
-
 @pytest.mark.parametrize("D", [64, 256])
 def test_fully_padded_rows(D):
     """Rows whose entries are all -1 or out of range: out exactly 0, lse -inf; W = 0 too."""
