@@ -283,6 +283,7 @@ IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double sof
 std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double scale,
                                            double softcap) {
   IndexParams p = index_params(in, idx, scale, softcap);
+  if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
   const Tensor& q = in.q;
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, q.options().dtype(at::kFloat));
