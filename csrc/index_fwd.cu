@@ -8,17 +8,13 @@
 // (scores) and K (P V) dimensions. Each gathered row is loaded once for all the heads.
 //
 // Gather: each warp runs its own ring of kStages shared-memory stages of 16 K rows and
-// 16 V rows, so kStages - 1 chunks of 16 keys are in flight while the warp computes on
-// one. With G <= 8 (the usual GQA) a stage is filled by bulk copies (cp.async.bulk, one
-// instruction per whole row: lane l copies slot l % 16's K or V row) completing on the
-// stage's shared-memory barrier; inactive slots copy a row of zeros. Otherwise by 16-byte
-// cp.async copies (src-size 0 for inactive entries: the stage gets zeros and global
-// memory is not touched). The bulk copies take the per-chunk address arithmetic of 16
-// cp.async per lane out of the loop (SASS: 414 instructions per chunk against 730 at
-// hd128; C69 suggests the time follows them, docs/perf-notes.md C70). The index of the chunk after
-// the next one to be issued is loaded a full iteration early, so its latency overlaps
-// the math. Warps of a CTA share nothing (no block barriers); the CTA only packs several
-// warps onto an SM.
+// 16 V rows, filled with 16-byte cp.async copies (src-size 0 for inactive entries: the
+// stage gets zeros and global memory is not touched), so kStages - 1 chunks of 16 keys
+// are in flight while the warp computes on one. The index of the chunk after the next
+// one to be issued is loaded a full iteration early, so its latency overlaps the math.
+// Warps of a CTA share nothing (no block barriers); the CTA only packs several warps
+// onto an SM. (Whole rows by cp.async.bulk instead, one instruction per row on a stage
+// barrier, measured 1.3x slower: docs/perf-notes.md C70.)
 //
 // Math per chunk: S = Q K^T (fp32 accumulators), scaled, optional softcap and bias, in
 // the log2 domain; inactive keys to -inf; online softmax per head row (row max across
@@ -26,14 +22,13 @@
 // accumulators) times V with ldmatrix.trans. At the end out = O / l, lse = m + log l
 // (natural log); a row with no active entry gets out 0, lse -inf.
 //
-// The per-chunk arithmetic is what a warp spends between its gathers, so two things are
-// skipped: with G <= 8 (kHalfRows) the
+// The per-chunk arithmetic is what a warp spends between its gathers (its time follows
+// the instructions per chunk, docs/perf-notes.md C69, C70), so two things are skipped: with G <= 8 (kHalfRows) the
 // tile's rows 8-15 are zero queries, and their scores, exponentials and O rescale are not
 // computed (the MMAs still run: M is 16); and O is rescaled lazily, as the block forward
 // does (fwd_sm90.cuh): a row keeps the max it subtracts until a chunk's max exceeds it by
 // more than kRescaleMargin, so P stays below 2^8 and most chunks skip O's rescale.
-// FLEXSPARSE_CUDA_DEBUG (A/Bs): bit 536870912, the kernel before these (cp.async, all 16
-// rows, a rescale every chunk); bit 1073741824, the cp.async gather with the new arithmetic.
+// FLEXSPARSE_CUDA_DEBUG bit 536870912: all 16 rows and a rescale every chunk (A/Bs).
 //
 // Safety: an index is used only if 0 <= idx < Lk, whatever its value (int64 indices are
 // compared before narrowing); inactive entries read nothing, so a NaN stored in a row
@@ -49,76 +44,54 @@
 namespace flexsparse {
 namespace index_fwd {
 
-using namespace warp_mma;   // cp.async, bulk copies, ldmatrix, Mma<T>, swizzle (warp_mma.cuh)
+using namespace warp_mma;   // cp.async, ldmatrix, Mma<T>, swizzle (warp_mma.cuh)
 
 constexpr int kKeys = 16;    // gathered keys per stage (one k-step of P V)
 constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: more warps
 
-// Stages per warp and warps per CTA, per head dim and gather. Shared memory per warp: the
-// query tile and kStages x 16 rows of K and of V (and the stages' keys and barriers).
-//   cp.async (16 query rows, swizzled rows of D): D=64: 18 KB/warp, three CTAs per SM;
-//     D=128: 28 KB/warp, two CTAs per SM; D=256: 40 KB/warp, one CTA per SM.
-//   bulk (8 query rows, rows of D + 8, one stage less at D=64 to keep three CTAs):
-//     D=64: 15 KB/warp; D=128: 28 KB/warp; D=256: 37 KB/warp.
-template <int kD, bool kBulk>
+// Stages per warp and warps per CTA, per head dim. Shared memory per warp: the query
+// tile (16 x D) and kStages x 16 rows of K and of V. D=64: 18 KB/warp, three CTAs per
+// SM; D=128: 28 KB/warp, two CTAs per SM; D=256: 40 KB/warp, one CTA per SM.
+template <int kD>
 struct Config;
-template <bool kBulk>
-struct Config<64, kBulk> {
-  static constexpr int kStages = kBulk ? 3 : 4, kWarps = 4;
+template <>
+struct Config<64> {
+  static constexpr int kStages = 4, kWarps = 4;
 };
-template <bool kBulk>
-struct Config<128, kBulk> {
+template <>
+struct Config<128> {
   static constexpr int kStages = 3, kWarps = 4;
 };
-template <bool kBulk>
-struct Config<256, kBulk> {
+template <>
+struct Config<256> {
   static constexpr int kStages = 2, kWarps = 4;
 };
 
-// A warp's shared memory: the query tile, K and V stages (2-byte elements), then the
-// stages' barriers (bulk) and keys (int32). Rows: kD elements XOR-swizzled in 16-byte
-// chunks (cp.async writes each chunk where it belongs), or, for the bulk copies (which
-// write a row contiguously), kD + 8 elements, so the 8 rows one ldmatrix phase reads
-// start 16 bytes apart mod 128 and hit different banks all the same.
-template <int kD, bool kBulk>
-struct Layout {
-  static constexpr int kStages = Config<kD, kBulk>::kStages;
-  static constexpr int kRow = kBulk ? kD + 8 : kD;       // elements per row
-  static constexpr int kQRows = kBulk ? 8 : kHeads;
-  static constexpr int kTile = kKeys * kRow;             // elements of one K (or V) stage
-  static constexpr int kRowsBytes = (kQRows * kRow + 2 * kStages * kTile) * 2;
-  static constexpr int kBarBytes = kBulk ? kStages * 8 : 0;
-  static constexpr int kBytes = (kRowsBytes + kBarBytes + kStages * kKeys * 4 + 15) / 16 * 16;
-  static __device__ __forceinline__ int at(int row, int chunk) {
-    if constexpr (kBulk) return row * kRow + chunk * 8;
-    else return swizzle<kD>(row, chunk);
-  }
-};
-
-template <int kD, bool kBulk>
-constexpr int cta_smem_bytes() {
-  return Config<kD, kBulk>::kWarps * Layout<kD, kBulk>::kBytes;
+template <int kD>
+constexpr int warp_smem_bytes() {
+  // query tile + K and V stages (2-byte elements) + the keys of each stage (int32)
+  return (kHeads * kD + 2 * Config<kD>::kStages * kKeys * kD) * 2 +
+         Config<kD>::kStages * kKeys * 4;
 }
 
-// Zeros in global memory: the source of an inactive slot's bulk copy (rows up to D = 256).
-__device__ __align__(128) const uint16_t kZeroRow[256] = {};
-
+template <int kD>
+constexpr int cta_smem_bytes() {
+  return Config<kD>::kWarps * warp_smem_bytes<kD>();
+}
 
 // ------------------------------------------------------------------ the kernel
 
-template <typename T, int kD, bool kHalfRows, bool kBulk>
-__global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
+template <typename T, int kD, bool kHalfRows>
+__global__ void __launch_bounds__(Config<kD>::kWarps * 32)
     index_fwd_kernel(const IndexParams p) {
-  using L = Layout<kD, kBulk>;
-  static_assert(!kBulk || kHalfRows, "the bulk path's query tile has 8 rows");
   constexpr int kHalves = kHalfRows ? 1 : 2;   // accumulator row halves that hold heads
   constexpr float kRescaleMargin = 8.f;
   const bool eager_rescale = p.debug & 536870912;
   const float rescale_margin = eager_rescale ? 0.f : kRescaleMargin;
-  constexpr int kStages = L::kStages;
-  constexpr int kWarps = Config<kD, kBulk>::kWarps;
+  constexpr int kStages = Config<kD>::kStages;
+  constexpr int kWarps = Config<kD>::kWarps;
   constexpr int kChunks = kD / 8;           // 16-byte chunks per row
-  constexpr int kTile = L::kTile;
+  constexpr int kTile = kKeys * kD;         // elements of one K (or V) stage
   constexpr int kSteps = kD / 16;           // k-steps of Q K^T, n-tile pairs of P V
   // The query tile's A fragments stay in registers up to D = 128; at D = 256 they are
   // read from shared memory per k-step (64 more registers beside the 128 of O).
@@ -128,12 +101,10 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  unsigned char* warp_smem = smem + warp * L::kBytes;
-  T* s_q = reinterpret_cast<T*>(warp_smem);  // [kQRows][kRow]
-  T* s_k = s_q + L::kQRows * L::kRow;       // [kStages][kKeys][kRow]
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD>());
+  T* s_k = s_q + kHeads * kD;               // [kStages][kKeys][kD], swizzled rows
   T* s_v = s_k + kStages * kTile;
-  uint64_t* s_bar = reinterpret_cast<uint64_t*>(warp_smem + L::kRowsBytes);   // [kStages] (bulk)
-  int* s_keys = reinterpret_cast<int*>(warp_smem + L::kRowsBytes + L::kBarBytes);   // [kStages][kKeys]
+  int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);   // [kStages][kKeys]
 
   // This warp's work item: (batch, kv head, head group, query row), query row fastest.
   const int n_groups = (p.G + kHeads - 1) / kHeads;
@@ -162,57 +133,20 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
     return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
   };
 
-  const int n_chunks = static_cast<int>((p.W + kKeys - 1) / kKeys);
-  if constexpr (kBulk) {
-    // One barrier per stage (a warp's own: one arrival, the copies' bytes), and the query
-    // tile's rows past `heads` zeroed here (its rows below come with chunk 0's copies).
-    if (lane == 0) {
+  // Query tile: rows of the `heads` query heads, zeros below (src-size 0).
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) mbarrier_init(smem_addr(s_bar + s), 1);
-      fence_mbarrier_init();
-    }
-    for (int e = lane; e < L::kQRows * kChunks; e += 32) {
-      const int r = e / kChunks, c = e % kChunks;
-      if (r >= heads) *reinterpret_cast<uint4*>(s_q + L::at(r, c)) = make_uint4(0, 0, 0, 0);
-    }
-    __syncwarp();
-  } else {
-    // Query tile: rows of the `heads` query heads, zeros below (src-size 0).
-#pragma unroll
-    for (int t = 0; t < kHeads * kChunks / 32; ++t) {
-      const int e = t * 32 + lane;
-      const int r = e / kChunks, c = e % kChunks;
-      const bool ok = r < heads;
-      cp_async_16(smem_addr(s_q + L::at(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
-                  ok ? 16 : 0);
-    }
+  for (int t = 0; t < kHeads * kChunks / 32; ++t) {
+    const int e = t * 32 + lane;
+    const int r = e / kChunks, c = e % kChunks;
+    const bool ok = r < heads;
+    cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
+                ok ? 16 : 0);
   }
 
   // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
-  // 16-31 the same keys again); inactive slots get zero rows. Bulk: lane l copies slot
-  // l % 16's whole K row (l < 16) or V row (l >= 16) in one instruction, an inactive slot
-  // from kZeroRow, and at chunk 0 lanes below `heads` also copy their query row; the
-  // stage's barrier expects all of those bytes.
-  auto issue = [&](int key_of_lane, int stage, int chunk) {
+  // 16-31 the same keys again); inactive slots get zero rows.
+  auto issue = [&](int key_of_lane, int stage) {
     if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
-    if constexpr (kBulk) {
-      constexpr int kRowBytes = kD * 2;
-      const uint32_t bar = smem_addr(s_bar + stage);
-      if (lane == 0)
-        mbarrier_arrive_expect_tx(bar, 2 * kKeys * kRowBytes + (chunk == 0 ? heads * kRowBytes : 0));
-      __syncwarp();
-      // (this stage's rows were last read by the warp's ldmatrix: generic-proxy reads
-      // before the async proxy's writes)
-      fence_proxy_async_shared();
-      const bool is_v = lane >= kKeys;
-      const T* src = key_of_lane < 0 ? reinterpret_cast<const T*>(kZeroRow)
-          : is_v ? v_head + key_of_lane * p.v_sn : k_head + key_of_lane * p.k_sn;
-      T* dst = (is_v ? s_v : s_k) + stage * kTile + (lane & (kKeys - 1)) * L::kRow;
-      bulk_copy_g2s(smem_addr(dst), src, kRowBytes, bar);
-      if (chunk == 0 && lane < heads)
-        bulk_copy_g2s(smem_addr(s_q + lane * L::kRow), q_row + lane * p.q_sh, kRowBytes, bar);
-      return;
-    }
     T* dk = s_k + stage * kTile;
     T* dv = s_v + stage * kTile;
 #pragma unroll
@@ -221,21 +155,22 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
       const int r = e / kChunks, c = e % kChunks;
       const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
       const bool ok = key >= 0;
-      const int off = L::at(r, c);
+      const int off = swizzle<kD>(r, c);
       // An inactive slot copies nothing; its source operand is any valid address.
       cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
       cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
     }
   };
 
+  const int n_chunks = static_cast<int>((p.W + kKeys - 1) / kKeys);
   const int slot = lane & (kKeys - 1);
   // Prologue: chunks 0 .. kStages-2, one commit group each (the query tile rides with
   // chunk 0), then the key of the next chunk to issue.
   int next_key = load_key(slot);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_chunks) issue(next_key, s, s);
-    if constexpr (!kBulk) cp_async_commit();
+    if (s < n_chunks) issue(next_key, s);
+    cp_async_commit();
     next_key = load_key(static_cast<int64_t>(s + 1) * kKeys + slot);
   }
 
@@ -270,36 +205,18 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
   //   Q (A operand):  heads (lane/8 % 2)*8 + lane%8, chunk 2*step + lane/16
   //   K (B, scores):  keys (lane/16)*8 + lane%8,     chunk 2*step + lane/8 % 2
   //   V (B, trans):   keys (lane/8 % 2)*8 + lane%8,  chunk 2*step + lane/16
-  //   Q, 8-row tile (bulk): heads lane%8, chunk 2*step + lane/8 % 2 (x2: a[0], a[2];
-  //                   a[1], a[3] are the tile's zero rows 8-15)
   const int q_ld_row = ((lane >> 3) & 1) * 8 + (lane & 7), q_ld_chunk = lane >> 4;
   const int k_ld_row = (lane >> 4) * 8 + (lane & 7), k_ld_chunk = (lane >> 3) & 1;
   const int v_ld_row = q_ld_row, v_ld_chunk = q_ld_chunk;
-  auto load_q = [&](uint32_t (&a)[4], int st) {
-    if constexpr (kBulk) {
-      uint32_t x[2];
-      ldmatrix_x2(x, smem_addr(s_q + L::at(lane & 7, 2 * st + ((lane >> 3) & 1))));
-      a[0] = x[0];
-      a[1] = 0u;
-      a[2] = x[1];
-      a[3] = 0u;
-    } else {
-      ldmatrix_x4(a, smem_addr(s_q + L::at(q_ld_row, 2 * st + q_ld_chunk)));
-    }
-  };
 
   for (int chunk = 0; chunk < n_chunks; ++chunk) {
     // Refill the stage that the previous iteration finished with.
     const int ahead = chunk + kStages - 1;
-    if (ahead < n_chunks) issue(next_key, ahead % kStages, ahead);
-    if constexpr (!kBulk) cp_async_commit();
+    if (ahead < n_chunks) issue(next_key, ahead % kStages);
+    cp_async_commit();
     next_key = load_key(static_cast<int64_t>(ahead + 1) * kKeys + slot);
-    if constexpr (kBulk) {
-      mbarrier_wait(smem_addr(s_bar + chunk % kStages), (chunk / kStages) & 1);
-    } else {
-      cp_async_wait<kStages - 1>();
-      __syncwarp();
-    }
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
 
     const int stage = chunk % kStages;
     const T* k_s = s_k + stage * kTile;
@@ -308,7 +225,7 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
       if (chunk == 0) {
 #pragma unroll
         for (int st = 0; st < kSteps; ++st)
-          load_q(q_frag[st], st);
+          ldmatrix_x4(q_frag[st], smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
       }
     }
     // The keys of this lane's four score columns (-1: inactive).
@@ -337,10 +254,10 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
 #pragma unroll
         for (int x = 0; x < 4; ++x) a[x] = q_frag[st][x];
       } else {
-        load_q(a, st);
+        ldmatrix_x4(a, smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
       }
       uint32_t kb[4];
-      ldmatrix_x4(kb, smem_addr(k_s + L::at(k_ld_row, 2 * st + k_ld_chunk)));
+      ldmatrix_x4(kb, smem_addr(k_s + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
       Mma<T>::run(s_acc[0], a, kb[0], kb[1]);
       Mma<T>::run(s_acc[1], a, kb[2], kb[3]);
     }
@@ -412,16 +329,14 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
 #pragma unroll
     for (int st = 0; st < kSteps; ++st) {
       uint32_t vb[4];
-      ldmatrix_x4_trans(vb, smem_addr(v_s + L::at(v_ld_row, 2 * st + v_ld_chunk)));
+      ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
       Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
       Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
     }
     // Every lane is done reading this stage before any lane refills it.
     __syncwarp();
   }
-  // Nothing left in flight when the warp ends (e.g. W = 0): cp.async groups are waited
-  // here; every bulk copy was issued for a chunk the loop waited for.
-  if constexpr (!kBulk) cp_async_wait<0>();
+  cp_async_wait<0>();   // nothing left in flight when the warp ends (e.g. W = 0)
 
   // Epilogue: row sums over the quad, out = O / l, lse = (m + log2 l) * ln 2.
   T* out = static_cast<T*>(p.out);
@@ -445,31 +360,27 @@ __global__ void __launch_bounds__(Config<kD, kBulk>::kWarps * 32)
   }
 }
 
-template <typename T, int kD, bool kHalfRows, bool kBulk>
+template <typename T, int kD, bool kHalfRows>
 void launch(IndexParams const& p, cudaStream_t stream) {
-  constexpr int kWarps = Config<kD, kBulk>::kWarps;
-  constexpr int smem = cta_smem_bytes<kD, kBulk>();
+  constexpr int kWarps = Config<kD>::kWarps;
+  constexpr int smem = cta_smem_bytes<kD>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
   if (items == 0) return;
   const int64_t blocks = (items + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
-  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kBulk>;
+  auto kernel = index_fwd_kernel<T, kD, kHalfRows>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
 }
 
-// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows, and take the
-// bulk-copy gather. FLEXSPARSE_CUDA_DEBUG (A/Bs): bit 536870912, the kernel before both
-// (cp.async, 16 rows, a rescale every chunk); bit 1073741824, the cp.async gather with the
-// new arithmetic (8 rows, lazy rescale).
+// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows.
 template <typename T, int kD>
 void launch_rows(IndexParams const& p, cudaStream_t stream) {
-  if (p.G > 8 || (p.debug & 536870912)) launch<T, kD, false, false>(p, stream);
-  else if (p.debug & 1073741824) launch<T, kD, true, false>(p, stream);
-  else launch<T, kD, true, true>(p, stream);
+  if (p.G <= 8 && !(p.debug & 536870912)) launch<T, kD, true>(p, stream);
+  else launch<T, kD, false>(p, stream);
 }
 
 template <int kD>
