@@ -81,7 +81,7 @@ constexpr int cta_smem_bytes() {
 
 // ------------------------------------------------------------------ the kernel
 
-template <typename T, int kD, bool kHalfRows>
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 __global__ void __launch_bounds__(Config<kD>::kWarps * 32)
     index_fwd_kernel(const IndexParams p) {
   constexpr int kHalves = kHalfRows ? 1 : 2;   // accumulator row halves that hold heads
@@ -145,6 +145,20 @@ __global__ void __launch_bounds__(Config<kD>::kWarps * 32)
 
   // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
   // 16-31 the same keys again); inactive slots get zero rows.
+  // kNarrowAddr (FLEXSPARSE_CUDA_DEBUG bit 1073741824, not yet measured): this lane's
+  // 16-byte piece of every row it copies (c = lane % kChunks: 32 lanes cover whole rows)
+  // and the row strides in bytes as 32-bit values (the launch checks they fit), so that a
+  // row's address is one 32 x 32 + 64-bit multiply-add instead of a 64-bit multiply, a
+  // scale and selects per copy (SASS per chunk at hd128: 710 -> 494 instructions). An
+  // inactive slot reads row 0 with the copy's ignore-src set (zeros written, nothing
+  // read; with Lk = 0 the address is the query row's, which exists).
+  static_assert(32 % kChunks == 0 || kChunks % 32 == 0, "a lane's piece is the same in every row");
+  const char* k_piece = p.Lk > 0 ? reinterpret_cast<const char*>(k_head + (lane % kChunks) * 8)
+                                 : reinterpret_cast<const char*>(q_row);
+  const char* v_piece = p.Lk > 0 ? reinterpret_cast<const char*>(v_head + (lane % kChunks) * 8)
+                                 : reinterpret_cast<const char*>(q_row);
+  const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_sn * 2);
+  const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_sn * 2);
   auto issue = [&](int key_of_lane, int stage) {
     if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
     T* dk = s_k + stage * kTile;
@@ -154,11 +168,17 @@ __global__ void __launch_bounds__(Config<kD>::kWarps * 32)
       const int e = t * 32 + lane;
       const int r = e / kChunks, c = e % kChunks;
       const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
-      const bool ok = key >= 0;
       const int off = swizzle<kD>(r, c);
-      // An inactive slot copies nothing; its source operand is any valid address.
-      cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
-      cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
+      if constexpr (kNarrowAddr) {
+        const uint64_t row = static_cast<uint32_t>(max(key, 0));
+        cp_async_16_or_zeros(smem_addr(dk + off), k_piece + row * k_row_bytes, key < 0);
+        cp_async_16_or_zeros(smem_addr(dv + off), v_piece + row * v_row_bytes, key < 0);
+      } else {
+        const bool ok = key >= 0;
+        // An inactive slot copies nothing; its source operand is any valid address.
+        cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
+        cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
+      }
     }
   };
 
@@ -360,7 +380,7 @@ __global__ void __launch_bounds__(Config<kD>::kWarps * 32)
   }
 }
 
-template <typename T, int kD, bool kHalfRows>
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch(IndexParams const& p, cudaStream_t stream) {
   constexpr int kWarps = Config<kD>::kWarps;
   constexpr int smem = cta_smem_bytes<kD>();
@@ -370,17 +390,27 @@ void launch(IndexParams const& p, cudaStream_t stream) {
   const int64_t blocks = (items + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
-  auto kernel = index_fwd_kernel<T, kD, kHalfRows>;
+  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
 }
 
-// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows.
+// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows. Bit 1073741824:
+// 32-bit row addressing (kNarrowAddr), where the K and V row strides fit in it.
+template <typename T, int kD, bool kHalfRows>
+void launch_addr(IndexParams const& p, cudaStream_t stream) {
+  constexpr int64_t kMaxStride = int64_t{1} << 31;   // elements: 2 * stride < 2^32 bytes
+  const bool narrow = (p.debug & 1073741824) && p.k_sn >= 0 && p.k_sn < kMaxStride &&
+                      p.v_sn >= 0 && p.v_sn < kMaxStride;
+  if (narrow) launch<T, kD, kHalfRows, true>(p, stream);
+  else launch<T, kD, kHalfRows, false>(p, stream);
+}
+
 template <typename T, int kD>
 void launch_rows(IndexParams const& p, cudaStream_t stream) {
-  if (p.G <= 8 && !(p.debug & 536870912)) launch<T, kD, true>(p, stream);
-  else launch<T, kD, false>(p, stream);
+  if (p.G <= 8 && !(p.debug & 536870912)) launch_addr<T, kD, true>(p, stream);
+  else launch_addr<T, kD, false>(p, stream);
 }
 
 template <int kD>

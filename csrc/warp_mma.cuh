@@ -20,6 +20,19 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
                : "memory");
 }
 
+// 16 bytes global -> shared, bypassing L1, or (zeros) 16 zero bytes written and nothing
+// read (cp.async's ignore-src predicate: no src-size arithmetic per copy).
+__device__ __forceinline__ void cp_async_16_or_zeros(uint32_t dst, const void* src, bool zeros) {
+  asm volatile(
+      "{\n"
+      ".reg .pred z;\n"
+      "setp.ne.b32 z, %2, 0;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, z;\n"
+      "}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(zeros))
+      : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

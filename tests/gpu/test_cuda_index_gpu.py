@@ -84,14 +84,14 @@ def test_gqa(G):
 def test_half_rows_and_the_kernel_before(D, W, monkeypatch):
     """G <= 8 takes the kernel that skips the tile's zero rows 8-15 and rescales O lazily;
     FLEXSPARSE_CUDA_DEBUG bit 536870912 the kernel before (all 16 rows, a rescale every
-    chunk). Both under the float64 rule, with padding, out-of-range entries and a fully
-    padded row; G = 3."""
+    chunk); bit 1073741824 adds 32-bit row addressing to either. All under the float64
+    rule, with padding, out-of-range entries and a fully padded row; G = 3."""
     q, k, v, idx = TI._make(2, 6, 2, 41, 403, D, D, W, torch.bfloat16, seed=D + W)
     check = check_forward if W else cuda_forward       # (W = 0: every row fully masked)
     if W:
         idx[1, 0, 7] = -1
     rows = (slice(None), slice(None), slice(None)) if W == 0 else (1, slice(0, 3), 7)
-    for bits in (None, "536870912"):
+    for bits in (None, "536870912", "1073741824", "1610612736"):
         if bits:
             monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", bits)
         out, lse = check(q, k, v, idx)
@@ -175,6 +175,23 @@ def test_strided_and_misaligned_inputs():
                 cuda_forward(*(torch.cat([t.flatten(), t.new_zeros(1)])[1:].view_as(t)
                                .copy_(t) for t in (q, k, v)), idx)):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("G", [4, 12])
+def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
+    """FLEXSPARSE_CUDA_DEBUG bit 1073741824 (32-bit row addressing, ignore-src copies for
+    inactive slots) changes how rows are fetched, not the arithmetic: bitwise the default's
+    result, on strided (B, L, H, D) inputs with -1 and out-of-range entries (both tile
+    kinds: G = 4 half rows, G = 12 all 16)."""
+    torch.manual_seed(6)
+    B, L, Hkv, D = 2, 97, 2, 128
+    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+               for H in (Hkv * G, Hkv, Hkv))
+    idx = torch.randint(-1, L + 3, (B, Hkv, L, 40), device=DEV, dtype=torch.int32)
+    want = cuda_forward(q, k, v, idx)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "1073741824")
+    got = cuda_forward(q, k, v, idx)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 BIAS_SHAPES = {"full": (2, 8, 33, 257), "hkv_batch1": (1, 2, 33, 257), "keys": (2, 1, 1, 257),
