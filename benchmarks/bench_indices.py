@@ -14,6 +14,8 @@ same process: the best rate of its Triton gather-and-sum kernel on uniform rando
 one kv head's K and V (the kernel's grid runs a kv head's query rows together, so that
 is the set its gathers hit at a time), bytes counted the same way (gathered rows x row
 bytes); the percentage is the forward's K/V TB/s over it (issue 17 asks >= 85%).
+"CUDA fwd ms" is the same forward on backend "cuda" (csrc/index_fwd.cu), where the
+extension is built, with its share of the gather ceiling; n/a elsewhere.
 
 Local rows (`--patterns local`, after the random rows and their compiled baselines, each
 started only while `--budget-s` lasts): the issue's overlapping patterns, keys
@@ -90,14 +92,20 @@ def make_local_inputs(L, W, stride=1, device="cuda", dtype=torch.bfloat16, seed=
 
 # ------------------------------------------------------------------ the kernels via the op
 
-def flex_fwd_fn(q, k, v, idx, scale):
+def flex_fwd_fn(q, k, v, idx, scale, backend="triton"):
     MaskTensors, _ = _ops()
     mt = MaskTensors(attn_indices=idx)
 
     def fn():
         return torch.ops.flexsparse.attention(q, k, v, None, *mt, 128, 128, scale, 0.0,
-                                              "triton", False)[0]
+                                              backend, False)[0]
     return fn
+
+
+def cuda_available() -> bool:
+    """Whether backend "cuda" (the csrc/ extension) is built here."""
+    from flexsparse.ops import backends
+    return "cuda" in backends.available()
 
 
 def flex_fwd_bwd_fn(q, k, v, idx, scale, deterministic=False):
@@ -271,11 +279,13 @@ def rows(lengths=LENGTHS, widths=WIDTHS, compile_baseline=True, baseline=True,
             fb = _bench(fb_fn, grad_to_none=list(grads))
             del grads, fb_fn
             ceil = gather_ceiling_tbs(L) if gather_ceiling else math.nan
+            cuda_fwd = _bench(flex_fwd_fn(q, k, v, idx, scale, "cuda")) if cuda_available() else math.nan
             row = dict(L=L, W=W, fwd_ms=fwd, fwd_tflops=flops_fwd / fwd * 1e-9,
                        kv_tbs=kv_bytes / fwd * 1e-9,
                        kv_frac=kv_bytes / fwd * 1e-9 / HBM_CEILING_TBS,
                        fwd_bwd_ms=fb, fwd_bwd_tflops=3.5 * flops_fwd / fb * 1e-9,
-                       ceil_tbs=ceil, ceil_frac=kv_bytes / fwd * 1e-9 / ceil)
+                       ceil_tbs=ceil, ceil_frac=kv_bytes / fwd * 1e-9 / ceil,
+                       cuda_fwd_ms=cuda_fwd, cuda_ceil_frac=kv_bytes / cuda_fwd * 1e-9 / ceil)
             if baseline:
                 row["gather_eager_fwd_ms"], row["gather_eager_fwd_bwd_ms"] = \
                     _time_gather(q, k, v, idx, scale, compiled=False)
@@ -308,10 +318,10 @@ def _f(x, fmt):
 
 
 HEADER = ("| L | W | fwd ms | fwd TFLOP/s | K/V TB/s (% of 3.0) | gather ceiling TB/s (% reached) "
-          "| gather fwd ms eager / compiled "
+          "| CUDA fwd ms (% of gather ceiling) | gather fwd ms eager / compiled "
           "| fwd speedup | fwd+bwd ms | fwd+bwd TFLOP/s | gather fwd+bwd ms eager / compiled "
           "| fwd+bwd speedup |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _format_row(r):
@@ -319,6 +329,7 @@ def _format_row(r):
     return (f"| {r['L'] // 1024}K | {r['W']} | {_f(r['fwd_ms'], '.3f')} | {_f(r['fwd_tflops'], '.1f')} "
             f"| {_f(r['kv_tbs'], '.2f')} ({_f(100 * r['kv_frac'], '.0f')}%) "
             f"| {_f(r.get('ceil_tbs'), '.2f')} ({_f(100 * r.get('ceil_frac', math.nan), '.0f')}%) "
+            f"| {_f(r.get('cuda_fwd_ms'), '.3f')} ({_f(100 * r.get('cuda_ceil_frac', math.nan), '.0f')}%) "
             f"| {g('gather_eager_fwd_ms')} / {g('gather_compiled_fwd_ms')} "
             f"| {_f(r.get('fwd_speedup'), '.1f')}x "
             f"| {_f(r['fwd_bwd_ms'], '.3f')} | {_f(r['fwd_bwd_tflops'], '.1f')} "

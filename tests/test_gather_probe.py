@@ -99,6 +99,9 @@ def test_index_bench_tables_have_the_ceiling_column():
     assert "gather ceiling" in head[0] and head[0].count("|") == head[1].count("|")
     line = bi._format_row(row)
     assert line.count("|") == head[0].count("|") and "| 4.00 (50%) |" in line
+    assert "CUDA fwd ms" in head[0] and "| n/a (n/a%) | " in line     # no CUDA timing given
+    row.update(cuda_fwd_ms=0.5, cuda_ceil_frac=1.0)
+    assert "| 0.500 (100%) |" in bi._format_row(row)
     row.update(ceil_tbs=math.nan, ceil_frac=math.nan)      # --no-ceiling
     assert "| n/a (n/a%) |" in bi._format_row(row)
 
