@@ -75,3 +75,18 @@ def test_bwd_trace_summary_reads_the_stamps():
     assert "CTA 0 wg0: 6 steps, period 1000" in text and "exponentials 10" in text
     assert "to the next stage 890" in text
     assert bt.step_rows("full@8192@128", "268435456") == 80 and bt.step_rows("causal@8192@128", "268435456") == 64
+
+
+def test_cuda_index_bench_variants_set_and_restore_the_debug_bits(monkeypatch):
+    """--variants times the CUDA forward under each FLEXSPARSE_CUDA_DEBUG value: with_debug
+    sets the value for the call only, and restores what was there (or its absence)."""
+    import os
+
+    from benchmarks.cuda_index_bench import with_debug
+    seen = []
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    assert with_debug(1073741824, lambda: seen.append(os.environ["FLEXSPARSE_CUDA_DEBUG"]) or 7) == 7
+    assert seen == ["1073741824"] and "FLEXSPARSE_CUDA_DEBUG" not in os.environ
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "8")
+    with_debug(536870912, lambda: seen.append(os.environ["FLEXSPARSE_CUDA_DEBUG"]))
+    assert seen[-1] == "536870912" and os.environ["FLEXSPARSE_CUDA_DEBUG"] == "8"
