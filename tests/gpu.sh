@@ -124,7 +124,7 @@ fi
 # compute-sanitizer memcheck, then its table against Triton and the gather ceiling
 # (IFWD_ARGS="--variants 1,2": columns under those FLEXSPARSE_CUDA_DEBUG values).
 if [[ " $parts " == *" ifwd "* ]]; then
-  timeout "${T_IFWD:-300}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_cuda_index_gpu.py \
+  timeout "${T_IFWD:-300}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_gpu.py \
     > "$OUT/ifwd_tests.log" 2>&1
   rc=$?; echo "ifwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
@@ -150,7 +150,7 @@ if [[ " $parts " == *" ifwd_ab "* ]]; then
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, then its table.
 if [[ " $parts " == *" ibwd "* ]]; then
-  timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider -q tests/gpu/test_cuda_index_bwd_gpu.py \
+  timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_bwd_gpu.py \
     > "$OUT/ibwd_tests.log" 2>&1
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
