@@ -7,7 +7,9 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
 --variants 1,2 adds columns: the CUDA forward timed again under each of those
 FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits; the
 index forward's: 536870912, the kernel before C70's arithmetic; 1073741824, 32-bit row
-addressing, docs/perf-notes.md C70).
+addressing, docs/perf-notes.md C70; 2147483648, the short-row kernel for W <= 16,
+4294967296 the same kernel at any W, C71). Values add: 3221225472 = short rows with
+32-bit addressing.
 
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes

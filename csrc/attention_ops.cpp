@@ -43,6 +43,15 @@ int head_div(int64_t size, int64_t Hq, int64_t Hkv, const char* what) {
 
 int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stride(dim); }
 
+// FLEXSPARSE_CUDA_DEBUG (A/B and probe switches, docs/perf-notes.md), read per call as a
+// 64-bit value: bits 0-30 go to the params' `debug` (what atoi gave before), bits 31 and
+// up, shifted down by 31, to the index forward's `debug_high`.
+int64_t debug_bits() {
+  const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
+  return dbg ? std::strtoll(dbg, nullptr, 10) : 0;
+}
+int debug_low(int64_t bits) { return static_cast<int>(bits & 0x7fffffff); }
+
 // TMA (block kernels) and 16-byte cp.async (index kernel) need the last dim contiguous,
 // 16-byte aligned strides and base.
 Tensor tma_ready(const Tensor& t) {
@@ -283,7 +292,9 @@ IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double sof
 std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double scale,
                                            double softcap) {
   IndexParams p = index_params(in, idx, scale, softcap);
-  if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
+  const int64_t bits = debug_bits();
+  p.debug = debug_low(bits);
+  p.debug_high = static_cast<int>(bits >> 31);
   const Tensor& q = in.q;
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, q.options().dtype(at::kFloat));
@@ -323,7 +334,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // Heaviest query tiles first: for masks whose work grows with the query index (causal,
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
-  if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
+  p.debug = debug_low(debug_bits());
   if (p.B * p.Hq * p.Lq == 0) return {out, lse};
   auto stream = at::cuda::getCurrentCUDAStream();
   // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);
@@ -430,7 +441,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
                        q_full_count, q_full_index, dense_mask, col_ranges, partial_bits_index,
                        partial_bits, block_q, block_k, scale, softcap, /*need_q_lists=*/true);
   AttentionParams& p = bp.fwd;
-  if (const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG")) p.debug = std::atoi(dbg);
+  p.debug = debug_low(debug_bits());
   Tensor o = out.contiguous();
   Tensor l = lse.to(at::kFloat).contiguous();
   Tensor dout = tma_ready(grad_out);

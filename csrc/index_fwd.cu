@@ -52,56 +52,74 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // Stages per warp and warps per CTA, per head dim. Shared memory per warp: the query
 // tile (16 x D) and kStages x 16 rows of K and of V. D=64: 18 KB/warp, three CTAs per
 // SM; D=128: 28 KB/warp, two CTAs per SM; D=256: 40 KB/warp, one CTA per SM.
-template <int kD>
+// kShort (rows of at most 16 keys: one chunk, so nothing to pipeline within a row;
+// FLEXSPARSE_CUDA_DEBUG bit 2147483648, not yet measured): one stage and the query tile
+// read from shared memory, so that twice the warps fit an SM (registers capped by
+// kMinBlocks) and twice the rows' gathers are in flight. D=64: 6 KB/warp, 3 x 8 warps;
+// D=128: 12 KB/warp, 2 x 8 warps; D=256: 24 KB/warp, 2 x 4 warps.
+template <int kD, bool kShort = false>
 struct Config;
 template <>
-struct Config<64> {
-  static constexpr int kStages = 4, kWarps = 4;
+struct Config<64, false> {
+  static constexpr int kStages = 4, kWarps = 4, kMinBlocks = 0;
 };
 template <>
-struct Config<128> {
-  static constexpr int kStages = 3, kWarps = 4;
+struct Config<128, false> {
+  static constexpr int kStages = 3, kWarps = 4, kMinBlocks = 0;
 };
 template <>
-struct Config<256> {
-  static constexpr int kStages = 2, kWarps = 4;
+struct Config<256, false> {
+  static constexpr int kStages = 2, kWarps = 4, kMinBlocks = 0;
+};
+template <>
+struct Config<64, true> {
+  static constexpr int kStages = 1, kWarps = 8, kMinBlocks = 3;
+};
+template <>
+struct Config<128, true> {
+  static constexpr int kStages = 1, kWarps = 8, kMinBlocks = 2;
+};
+template <>
+struct Config<256, true> {
+  static constexpr int kStages = 1, kWarps = 4, kMinBlocks = 2;
 };
 
-template <int kD>
+template <int kD, bool kShort>
 constexpr int warp_smem_bytes() {
   // query tile + K and V stages (2-byte elements) + the keys of each stage (int32)
-  return (kHeads * kD + 2 * Config<kD>::kStages * kKeys * kD) * 2 +
-         Config<kD>::kStages * kKeys * 4;
+  return (kHeads * kD + 2 * Config<kD, kShort>::kStages * kKeys * kD) * 2 +
+         Config<kD, kShort>::kStages * kKeys * 4;
 }
 
-template <int kD>
+template <int kD, bool kShort>
 constexpr int cta_smem_bytes() {
-  return Config<kD>::kWarps * warp_smem_bytes<kD>();
+  return Config<kD, kShort>::kWarps * warp_smem_bytes<kD, kShort>();
 }
 
 // ------------------------------------------------------------------ the kernel
 
-template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
-__global__ void __launch_bounds__(Config<kD>::kWarps * 32)
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kShort>
+__global__ void __launch_bounds__(Config<kD, kShort>::kWarps * 32, Config<kD, kShort>::kMinBlocks)
     index_fwd_kernel(const IndexParams p) {
   constexpr int kHalves = kHalfRows ? 1 : 2;   // accumulator row halves that hold heads
   constexpr float kRescaleMargin = 8.f;
   const bool eager_rescale = p.debug & 536870912;
   const float rescale_margin = eager_rescale ? 0.f : kRescaleMargin;
-  constexpr int kStages = Config<kD>::kStages;
-  constexpr int kWarps = Config<kD>::kWarps;
+  constexpr int kStages = Config<kD, kShort>::kStages;
+  constexpr int kWarps = Config<kD, kShort>::kWarps;
   constexpr int kChunks = kD / 8;           // 16-byte chunks per row
   constexpr int kTile = kKeys * kD;         // elements of one K (or V) stage
   constexpr int kSteps = kD / 16;           // k-steps of Q K^T, n-tile pairs of P V
   // The query tile's A fragments stay in registers up to D = 128; at D = 256 they are
-  // read from shared memory per k-step (64 more registers beside the 128 of O).
-  constexpr bool kQInRegisters = kD <= 128;
+  // read from shared memory per k-step (64 more registers beside the 128 of O), and so
+  // are they in the short-row kernel (one chunk per row: each fragment is read once).
+  constexpr bool kQInRegisters = kD <= 128 && !kShort;
   static_assert(kChunks >= 8, "the swizzle permutes 8 chunks within a row");
 
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD>());
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kShort>());
   T* s_k = s_q + kHeads * kD;               // [kStages][kKeys][kD], swizzled rows
   T* s_v = s_k + kStages * kTile;
   int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);   // [kStages][kKeys]
@@ -380,20 +398,30 @@ __global__ void __launch_bounds__(Config<kD>::kWarps * 32)
   }
 }
 
-template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kShort>
 void launch(IndexParams const& p, cudaStream_t stream) {
-  constexpr int kWarps = Config<kD>::kWarps;
-  constexpr int smem = cta_smem_bytes<kD>();
+  constexpr int kWarps = Config<kD, kShort>::kWarps;
+  constexpr int smem = cta_smem_bytes<kD, kShort>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
   if (items == 0) return;
   const int64_t blocks = (items + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
-  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr>;
+  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kShort>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
+}
+
+// Rows of at most 16 keys take the short-row kernel under bit 2147483648 (debug_high bit
+// 0); bit 4294967296 (debug_high bit 1) at any W: a probe of more warps against the
+// pipeline.
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
+void launch_short(IndexParams const& p, cudaStream_t stream) {
+  const bool short_rows = ((p.debug_high & 1) && p.W <= kKeys) || (p.debug_high & 2);
+  if (short_rows) launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);
+  else launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
 }
 
 // G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows. Bit 1073741824:
@@ -403,8 +431,8 @@ void launch_addr(IndexParams const& p, cudaStream_t stream) {
   constexpr int64_t kMaxStride = int64_t{1} << 31;   // elements: 2 * stride < 2^32 bytes
   const bool narrow = (p.debug & 1073741824) && p.k_sn >= 0 && p.k_sn < kMaxStride &&
                       p.v_sn >= 0 && p.v_sn < kMaxStride;
-  if (narrow) launch<T, kD, kHalfRows, true>(p, stream);
-  else launch<T, kD, kHalfRows, false>(p, stream);
+  if (narrow) launch_short<T, kD, kHalfRows, true>(p, stream);
+  else launch_short<T, kD, kHalfRows, false>(p, stream);
 }
 
 template <typename T, int kD>

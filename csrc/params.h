@@ -133,7 +133,8 @@ struct IndexParams : AttentionTensors {
   int64_t B = 0, Hq = 0, Hkv = 0, Lq = 0, Lk = 0, W = 0;
   int D = 0;
   int G = 1;                // Hq / Hkv
-  int debug = 0;            // FLEXSPARSE_CUDA_DEBUG bits (index_fwd.cu)
+  int debug = 0;            // FLEXSPARSE_CUDA_DEBUG bits 0-30 (index_fwd.cu)
+  int debug_high = 0;       // its bits 31 and up, shifted down by 31 (index_fwd.cu's launch)
 };
 
 // The index backward (index_bwd.cu): gradients of out (and optionally lse) to dq, dk, dv

@@ -194,6 +194,38 @@ def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("G", [3, 12])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_short_row_kernel(D, G, monkeypatch):
+    """FLEXSPARSE_CUDA_DEBUG bit 2147483648: rows of at most 16 keys take the short-row
+    kernel (one stage, the query tile read from shared memory, twice the warps per SM);
+    bit 4294967296 takes it at any W. The arithmetic and its order are the default
+    kernel's, so the results are bitwise the default's, alone and with the other index
+    bits (32-bit addressing, the kernel before C70), on strided inputs with -1, out-of-range
+    entries and a fully padded row; and the float64 rule holds."""
+    torch.manual_seed(8 + D + G)
+    B, L, Hkv = 2, 75, 2
+    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+               for H in (Hkv * G, Hkv, Hkv))
+    for W in (1, 7, 16, 17, 100):
+        idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
+        idx[1, 0, 7] = -1
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        want = cuda_forward(q, k, v, idx)
+        for bits in (2147483648, 4294967296, 2147483648 | 1073741824, 2147483648 | 536870912):
+            monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+            base = want
+            if bits & 536870912:      # against the kernel before C70 alone
+                monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "536870912")
+                base = cuda_forward(q, k, v, idx)
+                monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+            got = cuda_forward(q, k, v, idx)
+            assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), (W, bits)
+        assert torch.all(want[0][1, :G, 7] == 0) and torch.all(want[1][1, :G, 7] == -math.inf)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "2147483648")
+    check_forward(q, k, v, idx[..., :16].contiguous())
+
+
 BIAS_SHAPES = {"full": (2, 8, 33, 257), "hkv_batch1": (1, 2, 33, 257), "keys": (2, 1, 1, 257),
                "rows_per_head": (1, 8, 33, 1)}
 
