@@ -3,12 +3,16 @@
 one process.
 
     python -m benchmarks.build_bench [--lengths 8192,131072,1048576] [--no-flex] [--op-only]
+                                     [--variants 8589934592]
 
 Columns: the build op (`flexsparse::build_document` / `build_prefix_lm`, one C++ call,
 flexsparse/build_op.py; what `mask.compile` uses for these kinds when flexsparse._C is
 built, "n/a" for the kinds it does not build), the torch builds with the op turned off
 (`build_op.use(False)`: the eager static build, and `compiled_build=True`), and Flex.
-`--op-only` skips the torch builds and Flex.
+`--op-only` skips the torch builds and Flex. `--variants` adds a build-op column per
+FLEXSPARSE_CUDA_DEBUG value (8589934592: the two-kernel build of documents and prefix-LM
+instead of the fused one), timed in turns with the default (three rounds, the median of
+the rounds' medians for both).
 
 Each timed call makes a fresh mask object from the step's tensors (no cache can answer)
 and compiles it for B=1, H=16, block 128. Times are medians of wall-clock per build with
@@ -23,6 +27,8 @@ import warnings
 import torch
 
 from flexsparse import masks as M
+
+from .debug_bits import with_debug
 from flexsparse.descriptor import STATIC_MAX_BLOCKS
 
 H, BLOCK = 16, 128
@@ -75,6 +81,18 @@ def time_us(fn, reps):
     return statistics.median(times)
 
 
+def turns(fn, variants, reps, rounds=3):
+    """Median µs of fn() by default and under each FLEXSPARSE_CUDA_DEBUG value in
+    `variants`, the settings taking turns `rounds` times (with no variants: one timing)."""
+    if not variants:
+        return time_us(fn, reps), []
+    times = {v: [] for v in [None] + list(variants)}
+    for _ in range(rounds):
+        for v in times:
+            times[v].append(time_us(fn, reps) if v is None else with_debug(v, lambda: time_us(fn, reps)))
+    return statistics.median(times[None]), [statistics.median(times[v]) for v in variants]
+
+
 def host_syncs(fn):
     """Host syncs during fn(), as torch.cuda.set_sync_debug_mode("warn") reports them."""
     torch.cuda.synchronize()
@@ -111,7 +129,9 @@ def main():
     ap.add_argument("--lengths", default="8192,131072,1048576")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--op-only", action="store_true")
+    ap.add_argument("--variants", default="", help="FLEXSPARSE_CUDA_DEBUG values, comma-separated")
     a = ap.parse_args()
+    variants = [int(x) for x in a.variants.split(",") if x]
     from flexsparse import build_op
     from torch.nn.attention.flex_attention import create_block_mask
     cbm = torch.compile(create_block_mask)
@@ -120,8 +140,8 @@ def main():
           f"build op {'built' if have_op else 'NOT built (flexsparse._C missing)'}")
     print("| mask | L | build op µs | host syncs | GPU kernels | static build (eager) µs "
           "| host syncs | compiled_build µs | host syncs | Flex compiled create_block_mask µs "
-          "| Flex / build op |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| Flex / build op |" + "".join(f" build op µs, debug {v} | GPU kernels |" for v in variants))
+    print("|---" * (11 + 2 * len(variants)) + "|")
     for L in map(int, a.lengths.split(",")):
         for name, (make, mod) in cases(L).items():
             if a.op_only and name not in OP_KINDS:
@@ -130,6 +150,7 @@ def main():
             kw = dict(device="cuda", block_size=BLOCK)
             build = lambda: make().compile(1, H, H, L, L, **kw)  # noqa: E731
             op, op_syncs, op_kernels = float("nan"), "n/a", "n/a"
+            var_cols = [(float("nan"), "n/a")] * len(variants)
             nb = -(-L // BLOCK)
             # column ranges and layouts past STATIC_MAX_BLOCKS keep the compact build
             # (padded lists)
@@ -137,9 +158,11 @@ def main():
             if have_op and name in OP_KINDS and not (padded and nb * nb > STATIC_MAX_BLOCKS):
                 try:
                     with build_op.use(None):
-                        op = time_us(build, reps)
+                        op, var_times = turns(build, variants, reps)
                         op_syncs = host_syncs(build)
                         op_kernels = kernels_per_call(build)
+                        var_cols = [(t, with_debug(v, lambda: kernels_per_call(build)))
+                                    for v, t in zip(variants, var_times)]
                 except Exception as err:
                     print(f"# build op {name} {L}: {type(err).__name__}: {str(err)[:200]}")
             ours, syncs, comp, csyncs, flex = float("nan"), "n/a", float("nan"), "n/a", float("nan")
@@ -169,7 +192,8 @@ def main():
                         print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
             ratio = f"{flex / op:.1f}x" if flex == flex and op == op else "n/a"
             print(f"| {name} | {L} | {op:.0f} | {op_syncs} | {op_kernels} | {ours:.0f} | {syncs} "
-                  f"| {comp:.0f} | {csyncs} | {flex:.0f} | {ratio} |", flush=True)
+                  f"| {comp:.0f} | {csyncs} | {flex:.0f} | {ratio} |"
+                  + "".join(f" {t:.0f} | {k} |" for t, k in var_cols), flush=True)
         torch.cuda.empty_cache()
 
 

@@ -43,6 +43,7 @@ import triton.testing
 import flexsparse  # noqa: F401  (registers torch.ops.flexsparse)
 from flexsparse.ops import MaskTensors
 
+from .debug_bits import with_debug
 from .gather_probe import ceiling
 
 B, HQ, HKV, D = 1, 16, 4, 128
@@ -66,19 +67,6 @@ def forward(backend, q, k, v, idx):
     scale = 1 / math.sqrt(D)
     return lambda: torch.ops.flexsparse.attention(q, k, v, None, *mt, 128, 128, scale, 0.0,
                                                   backend, False)[0]
-
-
-def with_debug(bits, fn):
-    """fn() with FLEXSPARSE_CUDA_DEBUG set to `bits` (the CUDA ops read it per call)."""
-    old = os.environ.get("FLEXSPARSE_CUDA_DEBUG")
-    os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(bits)
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ["FLEXSPARSE_CUDA_DEBUG"]
-        else:
-            os.environ["FLEXSPARSE_CUDA_DEBUG"] = old
 
 
 def probe(k, v, idx):

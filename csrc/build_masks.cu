@@ -1,5 +1,14 @@
-// The CUDA kernels of the mask-build ops (build_masks.h says what they compute): two to four
-// launches per build (two for the usual sizes), no host synchronization, workspace O(N / block).
+// The CUDA kernels of the mask-build ops (build_masks.h says what they compute), no host
+// synchronization, workspace O(N / block). Documents (up to kSharedDocs documents per
+// row) and prefix-LM up to kFusedMaxKeyBlocks key blocks take one launch:
+//
+//   fused_kernel        per row, CTA 0 makes the query blocks' forward and dQ lists from
+//                       bounds it computes from each key block's first and last column
+//                       (monotone_key_block_bounds), and CTA 1 + kb is column_kernel's
+//                       key block kb (below, without writing the bounds).
+//
+// Column ranges, and the other sizes (or FLEXSPARSE_CUDA_DEBUG bit 8589934592), two to
+// four launches:
 //
 //   scan_kernel         (documents with more than kSharedDocs documents per row only)
 //                       one CTA per row: prefix sums of the lengths, and their check;
@@ -7,14 +16,15 @@
 //                       as col_ranges), their per-block statistics, the key block's
 //                       dK/dV lists and its hull/cover bounds (workspace); with few
 //                       documents it scans the lengths itself in shared memory;
+//   list_kernel         (column ranges) one warp per list row: the padded lists;
 //   query_block_kernel_smem
 //                       one CTA per row: the bounds made non-decreasing over key blocks
 //                       (two block scans per sequence) in shared memory, then per query
 //                       block the forward and dQ lists by binary search; when a row's
 //                       bounds do not fit in shared memory (more than 160K tokens at
-//                       block 128 for documents) two kernels do it instead: fill_kernel (one CTA per
-//                       sequence and row, into the workspace) and query_block_kernel
-//                       (one thread per query block).
+//                       block 128 for documents) two kernels do it instead: fill_kernel
+//                       (one CTA per sequence and row, into the workspace) and
+//                       query_block_kernel (one thread per query block).
 // Bad values (negative lengths, rows not summing to L, negative prefixes) stop the kernel
 // with a device-side assert, as torch._assert_async does in the torch build.
 #undef NDEBUG
@@ -33,6 +43,7 @@ namespace {
 constexpr int kColumnThreads = 128;
 constexpr int kRowThreads = 1024;
 constexpr int kQueryThreads = 256;
+constexpr int kFusedThreads = 256;
 
 struct Add { __device__ int64_t operator()(int64_t a, int64_t b) const { return a + b; } };
 struct Max { __device__ int32_t operator()(int32_t a, int32_t b) const { return a > b ? a : b; } };
@@ -109,40 +120,26 @@ __device__ __forceinline__ void warp_reduce(Stats& s) {
   }
 }
 
-__global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, bool shared_ends) {
-  extern __shared__ int64_t smem_ends[];
-  __shared__ int64_t buf[32];
-  __shared__ int64_t part[kColumnThreads / 32][kMaxSlots][4];   // warps' Stats
-  const int64_t kb = blockIdx.x, b = blockIdx.y;
+// The columns of key block kb of row b (blockDim.x threads, a multiple of 32, at most
+// kThreads): their intervals written out as col_ranges, their statistics reduced over the
+// CTA, then the key block's bounds (column ranges: into the workspace, for list_kernel)
+// or its dK/dV lists (key_block_rows; the bounds into the workspace too unless
+// `store_bounds` is false: the fused kernel's row CTA makes its own).
+template <int kThreads>
+__device__ void key_block_columns(const BuildParams& p, int64_t kb, int64_t b, const int64_t* ends,
+                                  int64_t prefix, bool store_bounds) {
+  __shared__ int64_t part[kThreads / 32][kMaxSlots][4];    // warps' Stats
   const int m = p.m;
-  const int64_t* ends = nullptr;
-  int64_t prefix = 0;
-  if (p.kind == kPrefixLM) {
-    prefix = p.prefix[b];
-    if (kb == 0 && threadIdx.x == 0)
-      assert(prefix >= 0 && "prefix_len: must be >= 0");
-  } else if (shared_ends) {
-    bool ok = scan_lengths(p.lengths + b * p.n_docs, p.n_docs, p.Lk, smem_ends, buf);
-    if (kb == 0 && threadIdx.x == 0) assert(ok && FS_BAD_LENGTHS);
-    ends = smem_ends;
-  } else {
-    ends = p.ends + b * p.n_docs;
-  }
   Stats st[kMaxSlots];
   const int64_t j0 = kb * p.bk, j1 = min64(p.Lk, j0 + p.bk);
   for (int64_t j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-    int64_t ds = 0, de = 0, s[kMaxSlots], e[kMaxSlots];
+    int64_t s[kMaxSlots], e[kMaxSlots];
     if (p.kind == kColumnRanges) {
       int64_t x[4] = {0, 0, 0, 0};
       for (int c = 0; c < p.C; ++c) x[c] = p.startend[(b * p.Lk + j) * p.C + c];
       flashmask_intervals(p.C, p.causal, p.Lq, p.Lk, j, x, s, e);
     } else {
-      if (p.kind != kPrefixLM) {
-        int64_t d = document_of(ends, p.n_docs, j);
-        de = ends[d];
-        ds = d > 0 ? ends[d - 1] : 0;          // = ends[d] - lengths[d]
-      }
-      column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
+      document_column(p, ends, prefix, j, s, e);
     }
     int32_t* cr = p.col_ranges + (b * p.Lk + j) * 2 * m;
     if (m == 2) {
@@ -165,7 +162,7 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
     int32_t bd[kMaxSlots][4];
     for (int r = 0; r < m; ++r) {
       Stats t;
-      for (int w = 0; w < kColumnThreads / 32; ++w) {
+      for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
         Stats o;
         o.s_cov = part[w][r][0]; o.e_cov = part[w][r][1];
         o.s_miss = part[w][r][2]; o.e_miss = part[w][r][3];
@@ -177,10 +174,42 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
       for (int r = 0; r < m; ++r)
         for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
     } else {
-      bool ok = key_block_rows(p, b, kb, bd);
+      bool ok = key_block_rows(p, b, kb, bd, store_bounds);
       assert(ok && "flexsparse build: a key block needs more than 4 block ranges");
     }
   }
+}
+
+// What every CTA of a row reads first: the prefix length (prefix-LM), or the document
+// ends, scanned into shared memory by the CTA itself (`smem_ends`, with few documents) or
+// read from the scan kernel's workspace. The CTA of key block 0 (`checks`) asserts the
+// values.
+__device__ const int64_t* row_setup(const BuildParams& p, int64_t b, bool shared_ends, bool checks,
+                                    int64_t* smem_ends, int64_t* buf, int64_t& prefix) {
+  prefix = 0;
+  if (p.kind == kPrefixLM) {
+    prefix = p.prefix[b];
+    if (checks && threadIdx.x == 0) assert(prefix >= 0 && "prefix_len: must be >= 0");
+    return nullptr;
+  }
+  if (shared_ends) {
+    bool ok = scan_lengths(p.lengths + b * p.n_docs, p.n_docs, p.Lk, smem_ends, buf);
+    if (checks && threadIdx.x == 0) assert(ok && FS_BAD_LENGTHS);
+    return smem_ends;
+  }
+  return p.ends + b * p.n_docs;
+}
+
+__global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, bool shared_ends) {
+  extern __shared__ int64_t smem_ends[];
+  __shared__ int64_t buf[32];
+  const int64_t kb = blockIdx.x, b = blockIdx.y;
+  int64_t prefix;
+  const int64_t* ends = p.kind == kColumnRanges
+                            ? nullptr
+                            : row_setup(p, b, shared_ends, kb == 0, smem_ends, buf, prefix);
+  if (p.kind == kColumnRanges) prefix = 0;
+  key_block_columns<kColumnThreads>(p, kb, b, ends, prefix, true);
 }
 
 // Column ranges: the padded lists (descriptor._block_lists of the block states), one warp
@@ -299,6 +328,46 @@ __global__ void __launch_bounds__(kQueryThreads) query_block_kernel(BuildParams 
   assert(ok && "flexsparse build: a query block needs more than 4 block ranges");
 }
 
+// The fused build (documents and prefix-LM, one launch): CTA 0 of each row makes the
+// query blocks' lists, the others (1 + kb) are column_kernel's key blocks. The row CTA
+// needs every key block's bounds; those follow from each block's first and last column
+// (monotone_key_block_bounds), so it computes them itself instead of waiting for the key
+// blocks' CTAs: into the workspace, made non-decreasing there (fill_pair), then one
+// thread per query block as query_block_kernel. The column CTAs then skip writing the
+// bounds (same values; the row CTA's are the ones read).
+__device__ void row_lists(const BuildParams& p, int64_t b, const int64_t* ends, int64_t prefix) {
+  __shared__ int32_t buf[32];
+  for (int64_t kb = threadIdx.x; kb < p.nKB; kb += blockDim.x) {
+    int32_t bd[kMaxSlots][4];
+    monotone_key_block_bounds(p, ends, prefix, kb, bd);
+    for (int r = 0; r < p.m; ++r)
+      for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
+  }
+  __syncthreads();                                 // the CTA's global writes visible to it
+  for (int t0 = 0; t0 < 4; t0 += 2) {              // hull (h0, h1), cover (a, b)
+    for (int r = 0; r < p.m; ++r) {
+      fill_pair(p.bounds + ws_at(p, b, t0, r), p.bounds + ws_at(p, b, t0 + 1, r),
+                p.filled + ws_at(p, b, t0, r), p.filled + ws_at(p, b, t0 + 1, r),
+                (int32_t)p.nKB, (int32_t)p.nQB, buf);
+    }
+  }
+  __syncthreads();
+  for (int64_t qb = threadIdx.x; qb < p.nQB; qb += blockDim.x) {
+    bool ok = query_block_rows(p, b, qb, p.filled + ws_at(p, b, 0, 0));
+    assert(ok && "flexsparse build: a query block needs more than 4 block ranges");
+  }
+}
+
+__global__ void __launch_bounds__(kFusedThreads) fused_kernel(BuildParams p) {
+  extern __shared__ int64_t smem_ends[];
+  __shared__ int64_t buf[32];
+  const int64_t b = blockIdx.y;
+  int64_t prefix;
+  const int64_t* ends = row_setup(p, b, is_document(p.kind), blockIdx.x == 1, smem_ends, buf, prefix);
+  if (blockIdx.x == 0) row_lists(p, b, ends, prefix);
+  else key_block_columns<kFusedThreads>(p, blockIdx.x - 1, b, ends, prefix, false);
+}
+
 void check_launch(const char* what) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
@@ -312,6 +381,12 @@ void build_column_ranges_cuda(const BuildParams& p, void* stream_) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_);
   if (p.Bl == 0 || p.nKB == 0) return;
   if (p.Bl > 65535) throw std::runtime_error("flexsparse build: more than 65535 rows");
+  if (fused_build(p)) {
+    size_t smem = is_document(p.kind) ? p.n_docs * sizeof(int64_t) : 0;
+    fused_kernel<<<dim3((unsigned)(p.nKB + 1), (unsigned)p.Bl), kFusedThreads, smem, stream>>>(p);
+    check_launch("fused_kernel");
+    return;
+  }
   // with few documents every column CTA scans the lengths itself
   bool shared_ends = is_document(p.kind) && !needs_ends(p);
   if (needs_ends(p)) {

@@ -83,6 +83,9 @@ struct BuildParams {
   // block size) or int32 block states (kSkip / kPartial / kFull: descriptor.from_block_state)
   const bool* layout = nullptr;
   const int32_t* states = nullptr;
+  // FLEXSPARSE_CUDA_DEBUG bit 8589934592: documents and prefix-LM by the two-kernel build
+  // instead of the fused one (build_masks.cu; A/Bs).
+  bool two_kernels = false;
 };
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -191,6 +194,39 @@ struct Stats {
     out[3] = (int32_t)clamp64(e_cov >= Lq ? nQB : e_cov / bq, 0, nQB);
   }
 };
+
+// Step 1 for documents and prefix-LM: column j's intervals from the row's document ends
+// (inclusive prefix sums of the lengths; unused for prefix-LM) or its prefix length.
+FS_HD void document_column(const BuildParams& p, const int64_t* ends, int64_t prefix, int64_t j,
+                           int64_t* s, int64_t* e) {
+  int64_t ds = 0, de = 0;
+  if (p.kind != kPrefixLM) {
+    int64_t d = document_of(ends, p.n_docs, j);
+    de = ends[d];
+    ds = d > 0 ? ends[d - 1] : 0;          // = ends[d] - lengths[d]
+  }
+  column_intervals(p.kind, p.Lq, p.Lk, j, ds, de, prefix, s, e);
+}
+
+// Step 2 for documents and prefix-LM from two columns. Their normalized intervals never
+// decrease with j (document starts and ends, the diagonal, the prefix all move right), an
+// upper slot starts at 0 in every column and a lower one ends at Lq, so a slot's empty
+// columns are a prefix of the key block (upper) or a suffix (lower). Then every statistic
+// of the block is reached at its first or its last column: the block's bounds need those
+// two columns, not all of them (tests/host/build_stats.cpp checks this against every
+// column). It lets one CTA per row make the query blocks' lists without waiting for the
+// key blocks' CTAs (build_masks.cu, fused_kernel). Not for column ranges (user data).
+FS_HD void monotone_key_block_bounds(const BuildParams& p, const int64_t* ends, int64_t prefix,
+                                     int64_t kb, int32_t (*bd)[4]) {
+  const int64_t first = kb * p.bk, last = min64(p.Lk, first + p.bk) - 1;
+  Stats st[kMaxSlots];
+  for (int c = 0; c < 2; ++c) {
+    int64_t s[kMaxSlots], e[kMaxSlots];
+    document_column(p, ends, prefix, c == 0 ? first : last, s, e);
+    for (int r = 0; r < p.m; ++r) st[r].add(s[r], e[r]);
+  }
+  for (int r = 0; r < p.m; ++r) st[r].bounds(p.Lq, p.bq, p.nQB, bd[r]);
+}
 
 // ---- block sets of one list row, as maximal ranges
 
@@ -301,12 +337,15 @@ FS_HD bool query_block_rows(const BuildParams& p, int64_t b, int64_t qb, const i
 }
 
 // Step 2's lists for key block kb of row b from its hull/cover bounds (h0, h1, a, b) per
-// interval; also stores the bounds in the workspace.
-FS_HD bool key_block_rows(const BuildParams& p, int64_t b, int64_t kb, const int32_t (*bd)[4]) {
+// interval; also stores the bounds in the workspace (unless the fused kernel's row CTA
+// makes them itself).
+FS_HD bool key_block_rows(const BuildParams& p, int64_t b, int64_t kb, const int32_t (*bd)[4],
+                          bool store_bounds = true) {
   int32_t hlo[kMaxSlots], hhi[kMaxSlots], clo[kMaxSlots], chi[kMaxSlots];
   for (int r = 0; r < p.m; ++r) {
     hlo[r] = bd[r][0]; hhi[r] = bd[r][1]; clo[r] = bd[r][2]; chi[r] = bd[r][3];
-    for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
+    if (store_bounds)
+      for (int t = 0; t < 4; ++t) p.bounds[ws_at(p, b, t, r) + kb] = bd[r][t];
   }
   int64_t row = b * p.nKB + kb;
   return write_rows(hlo, hhi, clo, chi, p.m, (int32_t)p.nQB, p.q_full_count + row,
@@ -331,6 +370,15 @@ inline bool needs_ends(const BuildParams& p) {
   return is_document(p.kind) && (p.n_docs > kSharedDocs || p.n_docs * p.nKB > kSharedScanWork);
 }
 constexpr int64_t kSharedBoundsBytes = 40 * 1024;   // + static: under the 48 KB default
+// Documents (with their lengths scanned in shared memory) and prefix-LM build in one
+// launch (fused_kernel) up to this many key blocks per row, unless `two_kernels` is set
+// (FLEXSPARSE_CUDA_DEBUG bit 8589934592, A/Bs); longer rows keep the kernels above, whose
+// query-block work is spread over more threads.
+constexpr int64_t kFusedMaxKeyBlocks = 2048;
+inline bool fused_build(const BuildParams& p) {
+  return p.kind != kColumnRanges && !needs_ends(p) && p.nQB > 0 && p.nKB <= kFusedMaxKeyBlocks &&
+         !p.two_kernels;
+}
 // The padded lists of a block grid (p.layout or p.states; outputs as for column ranges):
 // one launch.
 void build_block_lists_cuda(const BuildParams& p, void* stream);

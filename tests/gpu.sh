@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ibwd|topk|hf|probe|step ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ibwd|topk|hf|probe|step|build ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -217,6 +217,18 @@ fi
 # Issue 16's whole step: fwd+bwd with a tensor-holding mask built every step against its
 # descriptor compiled once (eager and compiled), 8K; then where an eager step's host time
 # goes (both autograd paths of the CUDA op) and a profiler timeline of pipelined steps.
+# Issue 16's mask builds: the build-op tests (the fused one-launch build against the CPU
+# kernel and the two-kernel build), then build times with the two builds taking turns
+# (BUILD_ARGS replaces the default arguments).
+if [[ " $parts " == *" build "* ]]; then
+  timeout "${T_BUILD:-300}" python3 -m pytest -p no:cacheprovider tests/gpu/test_build_op_gpu.py \
+    > "$OUT/build_tests.log" 2>&1
+  rc=$?; echo "build tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/build_tests.log" | cut -c1-300 | tail -15
+  timeout "${T_BUILDBENCH:-240}" python3 -m benchmarks.build_bench \
+    ${BUILD_ARGS:---op-only --no-flex --lengths 8192,131072 --variants 8589934592} 2>&1 \
+    | grep -v Warning | tee "$OUT/build_bench.md"
+fi
 if [[ " $parts " == *" step "* ]]; then
   timeout "${T_STEP:-240}" python3 -m benchmarks.step_bench ${STEP_ARGS:-} 2>&1 | grep -v Warning \
     | tee "$OUT/step_bench.md"

@@ -82,7 +82,7 @@ def test_cuda_index_bench_variants_set_and_restore_the_debug_bits(monkeypatch):
     sets the value for the call only, and restores what was there (or its absence)."""
     import os
 
-    from benchmarks.cuda_index_bench import with_debug
+    from benchmarks.debug_bits import with_debug
     seen = []
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
     assert with_debug(1073741824, lambda: seen.append(os.environ["FLEXSPARSE_CUDA_DEBUG"]) or 7) == 7
@@ -90,3 +90,27 @@ def test_cuda_index_bench_variants_set_and_restore_the_debug_bits(monkeypatch):
     monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "8")
     with_debug(536870912, lambda: seen.append(os.environ["FLEXSPARSE_CUDA_DEBUG"]))
     assert seen[-1] == "536870912" and os.environ["FLEXSPARSE_CUDA_DEBUG"] == "8"
+
+
+def test_build_bench_variants_take_turns_with_the_default(monkeypatch):
+    """build_bench --variants: the default and each FLEXSPARSE_CUDA_DEBUG value are timed in
+    turns, three rounds, each under its own setting, and the medians come back in order."""
+    import os
+
+    import benchmarks.build_bench as bb
+    seen = []
+    fake_us = {None: [5.0, 1.0, 3.0], "8589934592": [30.0, 10.0, 20.0]}
+
+    def fake_time_us(fn, reps):
+        key = os.environ.get("FLEXSPARSE_CUDA_DEBUG")
+        seen.append(key)
+        return fake_us[key][sum(1 for s in seen if s == key) - 1]
+
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    monkeypatch.setattr(bb, "time_us", fake_time_us)
+    default, variants = bb.turns(lambda: None, [8589934592], reps=1)
+    assert seen == [None, "8589934592"] * 3
+    assert default == 3.0 and variants == [20.0]
+    assert "FLEXSPARSE_CUDA_DEBUG" not in os.environ
+    seen.clear()
+    assert bb.turns(lambda: None, [], reps=1) == (5.0, []) and seen == [None]   # one timing
