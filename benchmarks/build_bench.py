@@ -10,8 +10,8 @@ flexsparse/build_op.py; what `mask.compile` uses for these kinds when flexsparse
 built, "n/a" for the kinds it does not build), the torch builds with the op turned off
 (`build_op.use(False)`: the eager static build, and `compiled_build=True`), and Flex.
 `--op-only` skips the torch builds and Flex. `--variants` adds a build-op column per
-FLEXSPARSE_CUDA_DEBUG value (8589934592: the two-kernel build of documents and prefix-LM
-instead of the fused one), timed in turns with the default (three rounds, the median of
+FLEXSPARSE_CUDA_DEBUG value (8589934592: the fused one-launch build of documents and
+prefix-LM instead of the two-kernel one), timed in turns with the default (three rounds, the median of
 the rounds' medians for both).
 
 Each timed call makes a fresh mask object from the step's tensors (no cache can answer)

@@ -1,14 +1,15 @@
 // The CUDA kernels of the mask-build ops (build_masks.h says what they compute), no host
-// synchronization, workspace O(N / block). Documents (up to kSharedDocs documents per
-// row) and prefix-LM up to kFusedMaxKeyBlocks key blocks take one launch:
+// synchronization, workspace O(N / block). Under FLEXSPARSE_CUDA_DEBUG bit 8589934592 (not
+// yet run on a GPU), documents (up to kSharedDocs documents per row) and prefix-LM up to
+// kFusedMaxKeyBlocks key blocks take one launch:
 //
 //   fused_kernel        per row, CTA 0 makes the query blocks' forward and dQ lists from
 //                       bounds it computes from each key block's first and last column
 //                       (monotone_key_block_bounds), and CTA 1 + kb is column_kernel's
 //                       key block kb (below, without writing the bounds).
 //
-// Column ranges, and the other sizes (or FLEXSPARSE_CUDA_DEBUG bit 8589934592), two to
-// four launches:
+// Otherwise (the default; column ranges and the other sizes always), two to four
+// launches:
 //
 //   scan_kernel         (documents with more than kSharedDocs documents per row only)
 //                       one CTA per row: prefix sums of the lengths, and their check;

@@ -83,9 +83,9 @@ struct BuildParams {
   // block size) or int32 block states (kSkip / kPartial / kFull: descriptor.from_block_state)
   const bool* layout = nullptr;
   const int32_t* states = nullptr;
-  // FLEXSPARSE_CUDA_DEBUG bit 8589934592: documents and prefix-LM by the two-kernel build
-  // instead of the fused one (build_masks.cu; A/Bs).
-  bool two_kernels = false;
+  // FLEXSPARSE_CUDA_DEBUG bit 8589934592: documents and prefix-LM by the fused one-launch
+  // build (build_masks.cu; opt-in until it has run on a GPU).
+  bool fused = false;
 };
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -370,14 +370,14 @@ inline bool needs_ends(const BuildParams& p) {
   return is_document(p.kind) && (p.n_docs > kSharedDocs || p.n_docs * p.nKB > kSharedScanWork);
 }
 constexpr int64_t kSharedBoundsBytes = 40 * 1024;   // + static: under the 48 KB default
-// Documents (with their lengths scanned in shared memory) and prefix-LM build in one
-// launch (fused_kernel) up to this many key blocks per row, unless `two_kernels` is set
-// (FLEXSPARSE_CUDA_DEBUG bit 8589934592, A/Bs); longer rows keep the kernels above, whose
-// query-block work is spread over more threads.
+// With `fused` (FLEXSPARSE_CUDA_DEBUG bit 8589934592, until it has run on a GPU), documents
+// (with their lengths scanned in shared memory) and prefix-LM build in one launch
+// (fused_kernel) up to this many key blocks per row; longer rows keep the kernels above,
+// whose query-block work is spread over more threads.
 constexpr int64_t kFusedMaxKeyBlocks = 2048;
 inline bool fused_build(const BuildParams& p) {
-  return p.kind != kColumnRanges && !needs_ends(p) && p.nQB > 0 && p.nKB <= kFusedMaxKeyBlocks &&
-         !p.two_kernels;
+  return p.fused && p.kind != kColumnRanges && !needs_ends(p) && p.nQB > 0 &&
+         p.nKB <= kFusedMaxKeyBlocks;
 }
 // The padded lists of a block grid (p.layout or p.states; outputs as for column ranges):
 // one launch.

@@ -226,7 +226,7 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
   }
   if (data.is_cuda()) {
     c10::cuda::CUDAGuard guard(data.device());
-    p.two_kernels = (debug_bits() >> 33) & 1;
+    p.fused = (debug_bits() >> 33) & 1;
     Tensor ends;
     if (needs_ends(p)) {
       ends = at::empty({p.Bl, p.n_docs}, data.options());

@@ -3,10 +3,10 @@
 `flexsparse::build_block_lists` (schemas and fakes in ops/schema.py; kernels in
 csrc/build_ops.h and csrc/build_masks.cu, part of flexsparse._C).
 
-Each call allocates every output in C++ and, on CUDA, runs one kernel for documents and
-prefix-LM up to 256K tokens at block 128 (two to four otherwise: a row of more than 2048
-documents, longer rows, column ranges): no host synchronization, sizes from the shapes
-only. Documents and prefix-LM
+Each call allocates every output in C++ and, on CUDA, runs two kernels for the usual
+sizes (one more for a row of more than 2048 documents, one more past ~160K tokens at
+block 128; with FLEXSPARSE_CUDA_DEBUG=8589934592, not yet run on a GPU, one for documents
+and prefix-LM up to 256K tokens): no host synchronization, sizes from the shapes only. Documents and prefix-LM
 get the range form of `blocklists.column_range_range_descriptor` (what the compact build
 gives them; O(N / block) at any length, and the form the kernels run fastest): the same
 column ranges and block grid as the static build, which would hold padded (nQB x nKB)
