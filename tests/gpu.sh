@@ -217,14 +217,21 @@ fi
 # Issue 16's whole step: fwd+bwd with a tensor-holding mask built every step against its
 # descriptor compiled once (eager and compiled), 8K; then where an eager step's host time
 # goes (both autograd paths of the CUDA op) and a profiler timeline of pipelined steps.
-# Issue 16's mask builds: the build-op tests (the fused one-launch build against the CPU
-# kernel and the two-kernel build), then build times with the two builds taking turns
-# (BUILD_ARGS replaces the default arguments).
+# Issue 16's mask builds: the build-op tests (among them the opt-in fused one-launch build
+# against the two-kernel build), the fused kernel under memcheck and racecheck, then build
+# times with the two builds taking turns (BUILD_ARGS replaces the default arguments).
 if [[ " $parts " == *" build "* ]]; then
   timeout "${T_BUILD:-300}" python3 -m pytest -p no:cacheprovider tests/gpu/test_build_op_gpu.py \
     > "$OUT/build_tests.log" 2>&1
   rc=$?; echo "build tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/build_tests.log" | cut -c1-300 | tail -15
+  for tool in memcheck racecheck; do     # the fused build's kernel (opt-in bit) on small cases
+    timeout "${T_BUILD_CSAN:-200}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_build_op_gpu.py \
+      -k "fused_build and not 262144" > "$OUT/build_$tool.log" 2>&1
+    rc=$?; echo "build $tool rc=$rc"; [ $rc -eq 0 ] || status=1
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/build_$tool.log" | tail -3
+  done
   timeout "${T_BUILDBENCH:-240}" python3 -m benchmarks.build_bench \
     ${BUILD_ARGS:---op-only --no-flex --lengths 8192,131072 --variants 8589934592} 2>&1 \
     | grep -v Warning | tee "$OUT/build_bench.md"
