@@ -150,12 +150,19 @@ class Mask:
             with building_static(True):
                 return _compiled_builder()(self, sz)
         key = self._cache_key()
-        if key is None:       # holds user tensors: built per call, without host syncs
-            desc = self._op_descriptor(sz)
-            if desc is not None:
-                return desc
-            with building_static(sz.device.type == "cuda" and static_ok):
-                return self._descriptor(sz)
+        if key is None:       # holds tensors: built per call, without host syncs
+            kept = self._kept_descriptors(sz)
+            desc = kept.get(sz) if kept is not None else None
+            if desc is None:
+                desc = self._op_descriptor(sz)
+                if desc is None:
+                    with building_static(sz.device.type == "cuda" and static_ok):
+                        desc = self._descriptor(sz)
+                if kept is not None:
+                    kept[sz] = desc
+                    while len(kept) > CACHE_SIZE:
+                        kept.pop(next(iter(kept)))
+            return desc
         key = (key, sz)
         desc = _CACHE.pop(key, None)
         if desc is None:
@@ -168,6 +175,27 @@ class Mask:
     # (B, H, Lq, Lk) for masks converted from FlexAttention (flex.from_block_mask,
     # flex.from_mask_mod), which know the sizes they were made for; None for the others.
     known_sizes: Optional[Tuple[Optional[int], Optional[int], int, int]] = None
+
+    # True where the mask's tensors are its own copies (documents and prefix-LM from
+    # tensors; masks the transformers integration makes from tensors it made): nothing
+    # else can write to them, so the mask keeps the descriptors it builds from them, per
+    # sizes, and a model that passes one mask object to all its layers builds it once per
+    # step. Masks holding the caller's tensors build on every call (the caller may write
+    # to them in place).
+    owns_tensors = False
+
+    def _kept_descriptors(self, sz: Sizes) -> Optional[dict]:
+        """This mask's descriptors by sizes, where it owns its tensors; None otherwise and
+        while a CUDA graph is being captured (the build must then be part of the graph,
+        so that replays rebuild from the tensors' new values)."""
+        if not self.owns_tensors:
+            return None
+        if sz.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        kept = self.__dict__.get("_kept")
+        if kept is None:
+            kept = self.__dict__["_kept"] = {}
+        return kept
 
     def to_dense(self, B: int, H: int, Lq: int, Lk: int, *, num_kv_heads: Optional[int] = None,
                  device=None) -> torch.Tensor:
@@ -637,9 +665,11 @@ def document(lengths, causal: bool = True) -> Mask:
         _check_lengths_shape(lens, sz, "lengths")
         return build_op.document(_to_device(lens, sz.device), sz, use_causal)
     # a lengths tensor on the GPU builds there unless compile() names another device
-    return _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
+    mask = _ColumnRanges(build, lambda: f"document(lengths={_values_text(lens)}, causal={causal})",
                          device=lens.device, spec=spec, cacheable=lens.device.type == "cpu",
                          fast=fast)
+    mask.owns_tensors = True          # `lens` is the mask's own copy (_as_lengths)
+    return mask
 
 
 def prefix_lm(prefix_len) -> Mask:
@@ -692,8 +722,10 @@ def prefix_lm(prefix_len) -> Mask:
             with building_static(False):
                 checked(sz)
         return build_op.prefix_lm(_to_device(rows(sz), sz.device), sz)
-    return _ColumnRanges(build, text, device=p.device, spec=spec,
+    mask = _ColumnRanges(build, text, device=p.device, spec=spec,
                          cacheable=p.device.type == "cpu", fast=fast)
+    mask.owns_tensors = True          # `p` is the mask's own copy
+    return mask
 
 
 def shared_question(question_len: int, answer_lengths: Sequence[int]) -> Mask:

@@ -221,6 +221,33 @@ def test_masks_with_user_tensors_are_not_cached_and_value_masks_copy():
     assert M.and_(M.causal(), d).compile(1, 1, 1, 8, 8) is not M.and_(M.causal(), d).compile(1, 1, 1, 8, 8)
 
 
+def test_masks_owning_their_tensors_keep_their_descriptors():
+    """Documents and prefix-LM made from tensors hold their own copies, so each mask object
+    keeps what it built, per sizes: a model that passes one mask to all its layers builds
+    it once. (CPU masks of values also share the value cache; `cacheable = False` here
+    takes the path of GPU tensors, which are not in it.) Masks holding the caller's tensors
+    build on every call."""
+    M.clear_cache()
+    kept = []
+    for mask in (M.document(torch.tensor([[10, 30], [25, 15]])), M.prefix_lm(torch.tensor([3, 7]))):
+        assert mask.owns_tensors
+        mask.cacheable = False
+        first = mask.compile(2, 4, 2, 40, 40)
+        assert mask.compile(2, 4, 2, 40, 40) is first                    # the same sizes
+        other = mask.compile(2, 4, 1, 40, 40)                            # other sizes
+        assert other is not first and mask.compile(2, 4, 1, 40, 40) is other
+        assert torch.equal(first.to_dense(), other.to_dense())
+        kept.append(first)
+    twin = M.document(torch.tensor([[10, 30], [25, 15]]))              # another object: its own
+    twin.cacheable = False
+    again = twin.compile(2, 4, 2, 40, 40)
+    assert again is not kept[0] and torch.equal(again.to_dense(), kept[0].to_dense())
+    layout = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    users = M.block_sparse(layout, 16)
+    assert not users.owns_tensors
+    assert users.compile(1, 1, 1, 48, 48) is not users.compile(1, 1, 1, 48, 48)
+
+
 def test_full_mask_lists_are_one_row_for_all():
     """The full mask's block state is one value: its kv lists (one per query block) and q
     lists (one per key block) are one row expanded (stride 0), which the CUDA kernels read

@@ -26,7 +26,6 @@ mask. `CHECK = True` (or FLEXSPARSE_HF_CHECK=1) compares every recognized mask w
 generic one (dense, slow; for tests). Softcap (Gemma 2), scaling and GQA are passed through.
 """
 import os
-import weakref
 
 import torch
 
@@ -244,12 +243,8 @@ def _recognize(batch_size, q_length, kv_length, q_offset, kv_offset, mask_functi
     # FlashMask non-causal C=2: rows >= hi and rows < lo are masked.
     t = torch.stack([hi, lo], -1)[:, None].contiguous()      # (B, 1, Lk, 2)
     m = masks.column_ranges(t, causal=False)
-    _OWN.add(m)
-    return m, "column_ranges"
-
-
-# The column-range masks made here (their descriptors are shared by a forward's layers).
-_OWN = weakref.WeakSet()
+    m.owns_tensors = True     # `t` is made here: the mask keeps its descriptors (Mask.compile),
+    return m, "column_ranges"  # so a forward's layers share one build
 
 
 def _all_true(attention_mask, kv_length, kv_offset):
@@ -312,21 +307,6 @@ def check(m, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_func
 
 # ------------------------------------------------------------------ attention
 
-# Descriptors of the column-range masks made above, per mask object and sizes: one
-# transformers forward shares a mask object across its layers, so it is built once.
-_DESCRIPTORS = weakref.WeakKeyDictionary()
-
-
-def _descriptor(m, B, Hq, Hkv, Lq, Lk, device):
-    if torch.compiler.is_compiling() or m not in _OWN:
-        return m            # named masks have their own cache; compiled graphs trace once
-    per = _DESCRIPTORS.setdefault(m, {})
-    key = (B, Hq, Hkv, Lq, Lk, str(device))
-    if key not in per:
-        per[key] = m.compile(B, Hq, Hkv, Lq, Lk, device=device)
-    return per[key]
-
-
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, softcap=None, **kwargs):
     """transformers' attention-function contract: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D);
@@ -342,7 +322,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         mask = masks.causal() if (causal and Lq > 1) else None
     elif isinstance(attention_mask, masks.Mask):
-        mask = _descriptor(attention_mask, B, Hq, Hkv, Lq, Lk, query.device)
+        mask = attention_mask
     elif attention_mask.dtype == torch.bool:
         mask = attention_mask
     else:   # an additive float mask (0 / large negative): a bias

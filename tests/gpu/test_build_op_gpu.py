@@ -266,6 +266,26 @@ def test_cuda_graph_replay_after_lengths_change_in_place():
         assert a is None or torch.equal(a, b)
 
 
+def test_a_mask_owning_its_lengths_builds_once_per_sizes():
+    """A document mask from a CUDA tensor holds its own copy: compiled again for the same
+    sizes (a model's next layer) it returns the descriptor it built, for other sizes a new
+    one; while a CUDA graph is being captured it builds anew (inside the graph) and keeps
+    nothing."""
+    lens = _lengths(1000, 5, 2, 7).to(DEV)
+    m = M.document(lens)
+    a = m.compile(2, 4, 2, 1000, 1000)
+    assert m.compile(2, 4, 2, 1000, 1000) is a and m.compile(2, 4, 1, 1000, 1000) is not a
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b = m.compile(2, 4, 2, 1000, 1000)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert b is not a and m.compile(2, 4, 2, 1000, 1000) is a
+    for x, y in zip(a.mask_tensors(), b.mask_tensors()):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+
+
 def test_inside_torch_compile():
     torch._dynamo.reset()
     from torch._dynamo.testing import CompileCounter
