@@ -1080,9 +1080,9 @@ def and_(*masks: Mask) -> Mask:
     def text():
         return "and_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: union
-        return _ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text,
-                             cacheable=all(m.cacheable for m in masks),
-                             spec=_combined_spec(intervals.and_spec, masks))
+        return _owning(_ColumnRanges(lambda sz: [x for m in masks for x in m.slots(sz)], text,
+                                     cacheable=all(m.cacheable for m in masks),
+                                     spec=_combined_spec(intervals.and_spec, masks)), masks)
     return _And(_flatten_children(_And, masks))
 
 
@@ -1094,10 +1094,19 @@ def or_(*masks: Mask) -> Mask:
     def text():
         return "or_(" + ", ".join(repr(m) for m in masks) + ")"
     if all(isinstance(m, _ColumnRanges) for m in masks):   # masked intervals: intersection
-        return _ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text,
-                             cacheable=all(m.cacheable for m in masks),
-                             spec=_combined_spec(intervals.or_spec, masks))
+        return _owning(_ColumnRanges(lambda sz: _or_slots([m.slots(sz) for m in masks], sz), text,
+                                     cacheable=all(m.cacheable for m in masks),
+                                     spec=_combined_spec(intervals.or_spec, masks)), masks)
     return _Or(_flatten_children(_Or, masks))
+
+
+def _owning(mask: "_ColumnRanges", parts: Sequence["_ColumnRanges"]) -> "_ColumnRanges":
+    """A combination of column-range masks owns its tensors where each part owns its own
+    or is a value (`cacheable`: its text pins it down), e.g. a document mask from a tensor
+    and a sliding window (Mask.owns_tensors). (Not the parts' cache keys: their text may
+    hold symbolic sizes inside torch.compile.)"""
+    mask.owns_tensors = all(m.owns_tensors or m.cacheable for m in parts)
+    return mask
 
 
 def _combined_spec(combine, masks):

@@ -242,6 +242,11 @@ def test_masks_owning_their_tensors_keep_their_descriptors():
     twin.cacheable = False
     again = twin.compile(2, 4, 2, 40, 40)
     assert again is not kept[0] and torch.equal(again.to_dense(), kept[0].to_dense())
+    both = M.and_(M.document(torch.tensor([10, 30])), M.sliding_window(5))   # owned + a value
+    both.cacheable = False
+    assert both.owns_tensors and both.compile(1, 2, 2, 40, 40) is both.compile(1, 2, 2, 40, 40)
+    user = M.column_ranges(torch.zeros(1, 1, 40, 2, dtype=torch.int32), causal=False)
+    assert not M.and_(M.document(torch.tensor([10, 30])), user).owns_tensors
     layout = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     users = M.block_sparse(layout, 16)
     assert not users.owns_tensors
