@@ -120,7 +120,7 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
     elif isinstance(mask, torch.Tensor):
         mask = masks_mod.dense(mask)            # 2-D to 4-D, SDPA's broadcasting
     elif _is_flex_block_mask(mask):
-        mask = flex.from_block_mask(mask)
+        mask = flex.converted(mask)          # once per BlockMask object (its layers share it)
     if not isinstance(mask, masks_mod.Mask):
         raise TypeError(f"mask: expected None, a bool tensor, a flexsparse mask, a BlockDescriptor "
                         f"or a FlexAttention BlockMask, got {type(mask).__name__}")

@@ -23,6 +23,7 @@ mask is a flexsparse column-range mask whose descriptor builds in O(N).
 """
 import itertools
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -391,6 +392,81 @@ def _tile(b, h, q, k, f, B_, H_, Bt, Ht):
         off = torch.arange(rh, device=h.device).repeat_interleave(h.numel()) * H_
         b, h, q, k, f = b.repeat(rh), h.repeat(rh) + off, q.repeat(rh), k.repeat(rh), f.repeat(rh)
     return b, h, q, k, f
+
+
+# BlockMasks passed to flexsparse.attention, converted once per BlockMask object: a model
+# passes one BlockMask to every layer, and a conversion evaluates mask_mod in every
+# partial block (~50 ms on a 2-core CPU for causal 2K; the converted mask then builds
+# its descriptor in ~0.5 ms). An entry holds while the BlockMask's tensors and the
+# tensors its mask_mod closes over keep their version counters (no in-place change).
+_CONVERTED = weakref.WeakKeyDictionary()
+
+
+def _closure_tensors(fn, depth=3):
+    """Tensors in fn's closure cells and default arguments, and in those of the functions
+    found there (mask_mods made by and_masks / or_masks close over other mask_mods)."""
+    if depth == 0 or not callable(fn):
+        return []
+    found = []
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
+             if _cell_set(c)]
+    for x in cells + list(getattr(fn, "__defaults__", None) or ()):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (tuple, list)):
+            found += [y for y in x if isinstance(y, torch.Tensor)]
+            for y in x:
+                if callable(y) and not isinstance(y, torch.Tensor):
+                    found += _closure_tensors(y, depth - 1)
+        elif callable(x):
+            found += _closure_tensors(x, depth - 1)
+    return found
+
+
+def _cell_set(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:                       # an empty cell
+        return False
+    return True
+
+
+def _state(block_mask):
+    """What a conversion of `block_mask` depends on: its sizes, its mask_mod, and each of
+    its tensors and of the tensors its mask_mod closes over with its version counter; None
+    where a tensor has no version counter (an inference tensor)."""
+    ts = [t for t in vars(block_mask).values() if isinstance(t, torch.Tensor)]
+    ts += _closure_tensors(block_mask.mask_mod)
+    try:
+        versions = tuple(t._version for t in ts)
+    except RuntimeError:
+        return None
+    return (tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), block_mask.mask_mod,
+            tuple(ts), versions)
+
+
+def _same_state(a, b) -> bool:
+    return (a[0] == b[0] and a[1] == b[1] and a[2] is b[2] and len(a[3]) == len(b[3])
+            and all(x is y for x, y in zip(a[3], b[3])) and a[4] == b[4])
+
+
+def converted(block_mask) -> Mask:
+    """`from_block_mask(block_mask)`, the same object again for the same BlockMask while
+    its sizes, its mask_mod, its tensors and the tensors its mask_mod closes over are the
+    same and unchanged in place (what flexsparse.attention uses). Not kept inside
+    torch.compile or while a CUDA graph is being captured."""
+    if torch.compiler.is_compiling():
+        return from_block_mask(block_mask)
+    if block_mask.kv_num_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+        return from_block_mask(block_mask)
+    state = _state(block_mask)
+    hit = _CONVERTED.get(block_mask) if state is not None else None
+    if hit is not None and _same_state(hit[0], state):
+        return hit[1]
+    mask = from_block_mask(block_mask)
+    if state is not None:
+        _CONVERTED[block_mask] = (state, mask)
+    return mask
 
 
 # ------------------------------------------------------------------ mask_mod -> flexsparse

@@ -687,3 +687,42 @@ def test_converted_masks_know_their_sizes():
     assert torch.equal(back.to_dense(), bm.to_dense())
     with pytest.raises(ValueError, match="Lq and Lk"):
         flex.to_block_mask(M.causal())
+
+
+def test_a_block_mask_passed_to_many_layers_is_converted_once():
+    """flexsparse.attention(q, k, v, bm) converts bm once per BlockMask object (a model
+    passes one BlockMask to every layer, and a conversion evaluates mask_mod in every
+    partial block), and again after an in-place change of its tensors or of a tensor its
+    mask_mod closes over, or a new mask_mod."""
+    L, bs = 64, 16
+    limit = torch.tensor(40)
+
+    def below_limit(b, h, q, kv):
+        return (q >= kv) & (kv < limit)
+    bm = fa.create_block_mask(below_limit, 1, 1, L, L, device="cpu", BLOCK_SIZE=bs)
+    q, k, v = (torch.randn(1, 2, L, 16) for _ in range(3))
+    first = flex.converted(bm)
+    assert flex.converted(bm) is first
+    out = flexsparse.attention(q, k, v, bm)                 # the first layer evaluates mask_mod
+    flex.STATS["mask_mod_points"] = 0
+    again = flexsparse.attention(q, k, v, bm)               # the next one does not
+    assert flex.STATS["mask_mod_points"] == 0 and torch.equal(out, again)
+    ref = flexsparse.attention(q, k, v, flex.from_block_mask(bm))
+    torch.testing.assert_close(out, ref)
+    limit.fill_(20)                                          # the closure's tensor, in place
+    second = flex.converted(bm)
+    assert second is not first
+    want = torch.ones(L, L, dtype=torch.bool).tril() & (torch.arange(L) < 20)
+    # (blocks the BlockMask lists as full stay full, as in FlexAttention)
+    dense = second.compile(1, 1, 1, L, L, device="cpu").to_dense()[0, 0]
+    partial = torch.zeros(L, L, dtype=torch.bool)
+    for qb in range(L // bs):
+        for w in range(int(bm.kv_num_blocks[0, 0, qb])):
+            kb = int(bm.kv_indices[0, 0, qb, w])
+            partial[qb * bs:(qb + 1) * bs, kb * bs:(kb + 1) * bs] = True
+    assert torch.equal(dense & partial, want & partial)
+    bm.kv_num_blocks[0, 0, 0] = 0                            # its own tensor, in place
+    third = flex.converted(bm)
+    assert third is not second and flex.converted(bm) is third
+    bm.mask_mod = lambda b, h, q, kv: q >= kv                # a new mask_mod
+    assert flex.converted(bm) is not third
