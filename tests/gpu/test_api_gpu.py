@@ -78,3 +78,20 @@ def test_block_mask_made_inside_a_compiled_function():
         err, err_low = (out.double() - ref).abs().max().item(), (low.double() - ref).abs().max().item()
         assert err <= 2 * err_low + 1e-3, (L, err, err_low)
     assert counter.frame_count == 1
+
+
+def test_block_mask_conversion_kept_but_not_while_capturing():
+    """A CUDA BlockMask is converted once (flex.converted returns the same mask again),
+    except while a CUDA graph is being captured, when the conversion is done anew (and
+    nothing is kept)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from flexsparse import flex
+    L = 512
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda")
+    first = flex.converted(bm)
+    assert flex.converted(bm) is first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        inside = flex.converted(bm)
+    assert inside is not first and flex.converted(bm) is first
