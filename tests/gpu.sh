@@ -14,7 +14,11 @@ status=0
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-# Wheels carried in .whl (expecttest etc.), if any.
+# Wheels carried in .whl (expecttest etc.), if any. The checkout does not keep .whl (git
+# ignores it); make it before a visit with
+#   pip download --no-deps -d .whl expecttest nvidia-cutlass==4.2.0
+# (both py3-none-any; the CUTLASS headers of the build come from the second) and pass
+# carry=[".whl"] to the device call.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
