@@ -23,7 +23,6 @@ mask is a flexsparse column-range mask whose descriptor builds in O(N).
 """
 import itertools
 import math
-import weakref
 from typing import Optional
 
 import torch
@@ -394,12 +393,13 @@ def _tile(b, h, q, k, f, B_, H_, Bt, Ht):
     return b, h, q, k, f
 
 
-# BlockMasks passed to flexsparse.attention, converted once per BlockMask object: a model
-# passes one BlockMask to every layer, and a conversion evaluates mask_mod in every
-# partial block (~50 ms on a 2-core CPU for causal 2K; the converted mask then builds
-# its descriptor in ~0.5 ms). An entry holds while the BlockMask's tensors and the
-# tensors its mask_mod closes over keep their version counters (no in-place change).
-_CONVERTED = weakref.WeakKeyDictionary()
+# BlockMasks passed to flexsparse.attention are converted once per BlockMask object: a
+# model passes one BlockMask to every layer, and a conversion evaluates mask_mod in every
+# partial block. The conversion is kept on the BlockMask itself, under this attribute
+# (not in a table keyed by it: the converted mask refers to its BlockMask, which would
+# then never be freed), while the BlockMask's tensors and the tensors its mask_mod
+# closes over keep their version counters (no in-place change).
+_CONVERTED_ATTR = "_flexsparse_converted"
 
 
 def _closure_tensors(fn, depth=3):
@@ -460,12 +460,12 @@ def converted(block_mask) -> Mask:
     if block_mask.kv_num_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
         return from_block_mask(block_mask)
     state = _state(block_mask)
-    hit = _CONVERTED.get(block_mask) if state is not None else None
+    hit = getattr(block_mask, _CONVERTED_ATTR, None) if state is not None else None
     if hit is not None and _same_state(hit[0], state):
         return hit[1]
     mask = from_block_mask(block_mask)
     if state is not None:
-        _CONVERTED[block_mask] = (state, mask)
+        setattr(block_mask, _CONVERTED_ATTR, (state, mask))
     return mask
 
 

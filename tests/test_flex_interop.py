@@ -726,3 +726,19 @@ def test_a_block_mask_passed_to_many_layers_is_converted_once():
     assert third is not second and flex.converted(bm) is third
     bm.mask_mod = lambda b, h, q, kv: q >= kv                # a new mask_mod
     assert flex.converted(bm) is not third
+
+
+def test_a_converted_block_mask_is_freed_with_its_block_mask():
+    """The conversion kept for a BlockMask lives on the BlockMask (the converted mask
+    refers back to it): both go when the BlockMask goes, as a new BlockMask per forward
+    would otherwise pile up."""
+    import gc
+    import weakref
+    bm = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 64, 64, device="cpu",
+                              BLOCK_SIZE=16)
+    seen = weakref.ref(flex.converted(bm))
+    gone = weakref.ref(bm)
+    assert seen() is flex.converted(bm)
+    del bm
+    gc.collect()
+    assert gone() is None and seen() is None
