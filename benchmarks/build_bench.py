@@ -11,8 +11,8 @@ built, "n/a" for the kinds it does not build), the torch builds with the op turn
 (`build_op.use(False)`: the eager static build, and `compiled_build=True`), and Flex.
 `--op-only` skips the torch builds and Flex. `--variants` adds a build-op column per
 FLEXSPARSE_CUDA_DEBUG value (8589934592: the fused one-launch build of documents and
-prefix-LM instead of the two-kernel one), timed in turns with the default (three rounds, the median of
-the rounds' medians for both).
+prefix-LM instead of the two-kernel one), timed in turns with the default (three
+rounds, the median of the rounds' medians for both).
 
 Each timed call makes a fresh mask object from the step's tensors (no cache can answer)
 and compiles it for B=1, H=16, block 128. Times are medians of wall-clock per build with
@@ -27,9 +27,9 @@ import warnings
 import torch
 
 from flexsparse import masks as M
+from flexsparse.descriptor import STATIC_MAX_BLOCKS
 
 from .debug_bits import with_debug
-from flexsparse.descriptor import STATIC_MAX_BLOCKS
 
 H, BLOCK = 16, 128
 

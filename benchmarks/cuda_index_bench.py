@@ -35,7 +35,6 @@ reads and gathers per entry; on the H100 it reached only 0.42 TB/s, so it is no 
 """
 import argparse
 import math
-import os
 
 import torch
 import triton.testing

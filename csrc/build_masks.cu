@@ -205,11 +205,10 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
   extern __shared__ int64_t smem_ends[];
   __shared__ int64_t buf[32];
   const int64_t kb = blockIdx.x, b = blockIdx.y;
-  int64_t prefix;
+  int64_t prefix = 0;
   const int64_t* ends = p.kind == kColumnRanges
                             ? nullptr
                             : row_setup(p, b, shared_ends, kb == 0, smem_ends, buf, prefix);
-  if (p.kind == kColumnRanges) prefix = 0;
   key_block_columns<kColumnThreads>(p, kb, b, ends, prefix, true);
 }
 

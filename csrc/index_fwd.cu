@@ -58,30 +58,12 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // kMinBlocks) and twice the rows' gathers are in flight. D=64: 6 KB/warp, 3 x 8 warps;
 // D=128: 12 KB/warp, 2 x 8 warps; D=256: 24 KB/warp, 2 x 4 warps.
 template <int kD, bool kShort = false>
-struct Config;
-template <>
-struct Config<64, false> {
-  static constexpr int kStages = 4, kWarps = 4, kMinBlocks = 0;
-};
-template <>
-struct Config<128, false> {
-  static constexpr int kStages = 3, kWarps = 4, kMinBlocks = 0;
-};
-template <>
-struct Config<256, false> {
-  static constexpr int kStages = 2, kWarps = 4, kMinBlocks = 0;
-};
-template <>
-struct Config<64, true> {
-  static constexpr int kStages = 1, kWarps = 8, kMinBlocks = 3;
-};
-template <>
-struct Config<128, true> {
-  static constexpr int kStages = 1, kWarps = 8, kMinBlocks = 2;
-};
-template <>
-struct Config<256, true> {
-  static constexpr int kStages = 1, kWarps = 4, kMinBlocks = 2;
+struct Config {
+  static_assert(kD == 64 || kD == 128 || kD == 256, "head dim 64, 128 or 256");
+  static constexpr int kStages = kShort ? 1 : (kD == 64 ? 4 : kD == 128 ? 3 : 2);
+  static constexpr int kWarps = kShort && kD <= 128 ? 8 : 4;
+  // __launch_bounds__' minimum CTAs per SM (0: none, the default kernels' bound)
+  static constexpr int kMinBlocks = !kShort ? 0 : (kD == 64 ? 3 : 2);
 };
 
 template <int kD, bool kShort>

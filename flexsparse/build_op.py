@@ -5,13 +5,14 @@ csrc/build_ops.h and csrc/build_masks.cu, part of flexsparse._C).
 
 Each call allocates every output in C++ and, on CUDA, runs two kernels for the usual
 sizes (one more for a row of more than 2048 documents, one more past ~160K tokens at
-block 128; with FLEXSPARSE_CUDA_DEBUG=8589934592, not yet run on a GPU, one for documents
-and prefix-LM up to 256K tokens): no host synchronization, sizes from the shapes only. Documents and prefix-LM
-get the range form of `blocklists.column_range_range_descriptor` (what the compact build
-gives them; O(N / block) at any length, and the form the kernels run fastest): the same
-column ranges and block grid as the static build, which would hold padded (nQB x nKB)
-lists. FlashMask column ranges (user data, not always range-shaped) get exactly the
-static build's tensors, padded lists included, up to STATIC_MAX_BLOCKS in eager builds.
+block 128; with FLEXSPARSE_CUDA_DEBUG=8589934592, not yet run on a GPU, one for
+documents and prefix-LM up to 256K tokens): no host synchronization, sizes from the
+shapes only. Documents and prefix-LM get the range form of
+`blocklists.column_range_range_descriptor` (what the compact build gives them; O(N /
+block) at any length, and the form the kernels run fastest): the same column ranges and
+block grid as the static build, which would hold padded (nQB x nKB) lists. FlashMask
+column ranges (user data, not always range-shaped) get exactly the static build's
+tensors, padded lists included, up to STATIC_MAX_BLOCKS in eager builds.
 Block layouts (`masks.block_sparse` at the call's block size), and the block states of
 every other mask built at static shapes (`lists`: dense masks, shared-question,
 combinations, converted FlexAttention masks), get the static build's padded lists too,

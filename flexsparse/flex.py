@@ -411,15 +411,11 @@ def _closure_tensors(fn, depth=3):
     cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
              if _cell_set(c)]
     for x in cells + list(getattr(fn, "__defaults__", None) or ()):
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, (tuple, list)):
-            found += [y for y in x if isinstance(y, torch.Tensor)]
-            for y in x:
-                if callable(y) and not isinstance(y, torch.Tensor):
-                    found += _closure_tensors(y, depth - 1)
-        elif callable(x):
-            found += _closure_tensors(x, depth - 1)
+        for y in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(y, torch.Tensor):
+                found.append(y)
+            elif callable(y):
+                found += _closure_tensors(y, depth - 1)
     return found
 
 

@@ -113,6 +113,18 @@ def block_pair(block_size, name: str = "block_size") -> Tuple[int, int]:
     return pair[0], pair[1]
 
 
+def _cached(table: dict, key, make):
+    """table[key], made by make() where missing; the most recently used entry last, at
+    most CACHE_SIZE entries (the value cache, and a mask's own descriptors)."""
+    value = table.pop(key, None)
+    if value is None:
+        value = make()
+    table[key] = value
+    while len(table) > CACHE_SIZE:
+        table.pop(next(iter(table)))
+    return value
+
+
 def _build_descriptor(mask, sz):
     return mask._descriptor(sz)
 
@@ -152,25 +164,18 @@ class Mask:
         key = self._cache_key()
         if key is None:       # holds tensors: built per call, without host syncs
             kept = self._kept_descriptors(sz)
-            desc = kept.get(sz) if kept is not None else None
-            if desc is None:
-                desc = self._op_descriptor(sz)
-                if desc is None:
-                    with building_static(sz.device.type == "cuda" and static_ok):
-                        desc = self._descriptor(sz)
-                if kept is not None:
-                    kept[sz] = desc
-                    while len(kept) > CACHE_SIZE:
-                        kept.pop(next(iter(kept)))
+            build = lambda: self._tensor_descriptor(sz, static_ok)  # noqa: E731
+            return build() if kept is None else _cached(kept, sz, build)
+        return _cached(_CACHE, (key, sz), lambda: self._descriptor(sz))
+
+    def _tensor_descriptor(self, sz: Sizes, static_ok: bool) -> BlockDescriptor:
+        """The build of a mask holding tensors: one op call where the op builds it, else
+        at static shapes on CUDA up to STATIC_MAX_BLOCKS."""
+        desc = self._op_descriptor(sz)
+        if desc is not None:
             return desc
-        key = (key, sz)
-        desc = _CACHE.pop(key, None)
-        if desc is None:
-            desc = self._descriptor(sz)
-        _CACHE[key] = desc                      # most recently used last
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        return desc
+        with building_static(sz.device.type == "cuda" and static_ok):
+            return self._descriptor(sz)
 
     # (B, H, Lq, Lk) for masks converted from FlexAttention (flex.from_block_mask,
     # flex.from_mask_mod), which know the sizes they were made for; None for the others.

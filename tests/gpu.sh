@@ -67,6 +67,13 @@ fi
 if [[ " $parts " == *" build_ab "* || " $parts " == *" ifwd_ab "* ]]; then
   (side_build "$ab_tree" "${AB_FLAGS:-}" "$OUT/ab_build.log" "${AB_CSRC:-}"; echo $? > "$ab_tree/.rc") &
 fi
+# Waits for that second build; true when it succeeded, else says so with its errors.
+second_build_ok() {
+  wait
+  [ "$(cat "$ab_tree/.rc" 2>/dev/null)" = 0 ] && return 0
+  echo "second build failed"; grep -E "error" "$OUT/ab_build.log" | head
+  return 1
+}
 # Builds flexsparse._C from csrc/ (CUTLASS headers from the carried nvidia-cutlass wheel).
 # A machine still warm from the last call keeps flexsparse/_C*.so (ignored by git, so the
 # device keeps it): when csrc/ and the build files hash the same as for that build, the
@@ -143,10 +150,7 @@ fi
 # The index forward's table from the second build (AB_CSRC, e.g. an older csrc/), after
 # this build's (ifwd): IFWD_ARGS="--variants ''" AB_CSRC=.ab_base/csrc bash tests/gpu.sh ifwd ifwd_ab
 if [[ " $parts " == *" ifwd_ab "* ]]; then
-  wait
-  if [ "$(cat "$ab_tree/.rc" 2>/dev/null)" != 0 ]; then
-    echo "second build failed"; grep -E "error" "$OUT/ab_build.log" | head
-  else
+  if second_build_ok; then
     (cd "$ab_tree" && PYTHONPATH="$ab_tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_IFWDBENCH:-240}" \
        python3 -m benchmarks.cuda_index_bench --variants "" ${IFWD_AB_ARGS:-} 2>&1) | grep -v Warning \
       | tee "$OUT/cuda_index_bench_other.md"
@@ -172,10 +176,7 @@ fi
 # AB_PASSES times each.
 #   AB_ROWS=full@8192,causal@16384 AB_CSRC=.ab_base/csrc bash tests/gpu.sh build_ab
 if [[ " $parts " == *" build_ab "* ]]; then
-  wait
-  if [ "$(cat "$ab_tree/.rc" 2>/dev/null)" != 0 ]; then
-    echo "second build failed"; grep -E "error" "$OUT/ab_build.log" | head
-  else
+  if second_build_ok; then
     rows="${AB_ROWS:-full@8192,causal@16384,document@16384,sliding@8192,full@8192@64,full@8192@256}"
     for pass in $(seq "${AB_PASSES:-2}"); do
       for build in this other; do

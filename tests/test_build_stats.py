@@ -3,25 +3,18 @@ documents and prefix-LM a key block's bounds follow from its first and last colu
 Compiled as host C++ and checked against the bounds over every column (the column
 kernel's and the CPU build's) on random lengths, prefixes, odd sizes and block shapes,
 zero-length documents included."""
-import pathlib
-import shutil
 import subprocess
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CXX = shutil.which("g++") or shutil.which("c++")
+from host_programs import host_program
 DOCUMENT_CAUSAL, DOCUMENT, PREFIX_LM = 0, 1, 2
 
 
 @pytest.fixture(scope="module")
 def bounds_two_ways(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no host C++ compiler (g++) to build the bounds harness")
-    exe = tmp_path_factory.mktemp("build_stats") / "build_stats"
-    subprocess.run([CXX, "-std=c++17", "-O1", "-I", str(ROOT / "csrc"),
-                    str(ROOT / "tests" / "host" / "build_stats.cpp"), "-o", str(exe)], check=True)
+    exe = host_program(tmp_path_factory, "build_stats")
 
     def run(kind, Lq, Lk, bq, bk, values):
         text = f"{kind} {Lq} {Lk} {bq} {bk} {len(values)} {' '.join(map(str, values))}\n"

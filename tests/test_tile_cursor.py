@@ -5,26 +5,17 @@ blocks range after range up to the count; entries outside [0, n_blocks) skipped 
 each block split into `sub` kernel tiles. Random lists include what a corrupted or
 hand-made descriptor may hold: negative and too-large entries, counts past the width or
 past the blocks the ranges hold, empty and reversed ranges."""
-import pathlib
-import shutil
 import subprocess
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CXX = shutil.which("g++") or shutil.which("c++")
+from host_programs import host_program
 
 
 @pytest.fixture(scope="module")
 def walker(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no host C++ compiler (g++) to build the cursor harness")
-    exe = tmp_path_factory.mktemp("cursor") / "tile_cursor"
-    subprocess.run([CXX, "-std=c++17", "-O1", "-Wno-unknown-pragmas",
-                    "-I", str(ROOT / "tests" / "host"), "-I", str(ROOT / "csrc"),
-                    str(ROOT / "tests" / "host" / "tile_cursor.cpp"), "-o", str(exe)],
-                   check=True)
+    exe = host_program(tmp_path_factory, "tile_cursor")
 
     def walk(sub, n_blocks, lists):
         text = f"{sub} {n_blocks}\n"
