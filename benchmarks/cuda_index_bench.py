@@ -6,10 +6,10 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
 
 --variants 1,2 adds columns: the CUDA forward timed again under each of those
 FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits; the
-index forward's: 536870912, the kernel before C70's arithmetic; 1073741824, 32-bit row
-addressing, docs/perf-notes.md C70; 2147483648, the short-row kernel for W <= 16,
-4294967296 the same kernel at any W, C71). Values add: 3221225472 = short rows with
-32-bit addressing.
+index forward's: 536870912, the kernel before C70's arithmetic; 1073741824, 64-bit row
+addressing; 2147483648, the pipelined kernel instead of the one-stage one, C71). Values
+add: 3221225472 = the default before C71 (pipelined, 64-bit addressing). --head-dim 64
+or 256 times that head dim instead of 128.
 
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes
@@ -126,14 +126,17 @@ def backward_table(lengths, widths):
 
 
 def main():
+    global D
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--widths", default="16,64,256")
     ap.add_argument("--backward", action="store_true",
                     help="the backward table (CUDA index backward vs Triton) instead")
+    ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128, 256))
     ap.add_argument("--variants", default="",
                     help="FLEXSPARSE_CUDA_DEBUG values to time the CUDA forward under too")
     a = ap.parse_args()
+    D = a.head_dim
     variants = [int(x) for x in a.variants.split(",") if x]
     if a.backward:
         backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))))

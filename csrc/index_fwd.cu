@@ -9,11 +9,13 @@
 //
 // Gather: each warp runs its own ring of kStages shared-memory stages of 16 K rows and
 // 16 V rows, filled with 16-byte cp.async copies (src-size 0 for inactive entries: the
-// stage gets zeros and global memory is not touched), so kStages - 1 chunks of 16 keys
-// are in flight while the warp computes on one. The index of the chunk after the next
-// one to be issued is loaded a full iteration early, so its latency overlaps the math.
-// Warps of a CTA share nothing (no block barriers); the CTA only packs several warps
-// onto an SM. (Whole rows by cp.async.bulk instead, one instruction per row on a stage
+// stage gets zeros and global memory is not touched). The index of the chunk after the
+// next one to be issued is loaded a full iteration early, so its latency overlaps the
+// math. The default has one stage per warp and twice the warps per SM (kShort); the
+// pipelined kernel (kStages - 1 chunks in flight while a warp computes on one, bit
+// 2147483648) was slower at every W measured: more rows in flight beat more chunks of
+// one row (C71). Warps of a CTA share nothing (no block barriers); the CTA only packs
+// several warps onto an SM. (Whole rows by cp.async.bulk instead, one instruction per row on a stage
 // barrier, measured 1.3x slower: docs/perf-notes.md C70.)
 //
 // Math per chunk: S = Q K^T (fp32 accumulators), scaled, optional softcap and bias, in
@@ -22,8 +24,8 @@
 // accumulators) times V with ldmatrix.trans. At the end out = O / l, lse = m + log l
 // (natural log); a row with no active entry gets out 0, lse -inf.
 //
-// The per-chunk arithmetic is what a warp spends between its gathers (its time follows
-// the instructions per chunk, docs/perf-notes.md C69, C70), so two things are skipped: with G <= 8 (kHalfRows) the
+// The per-chunk arithmetic is what a warp spends between its gathers (its time follows the
+// instructions per chunk, docs/perf-notes.md C69, C70), so two things are skipped: with G <= 8 (kHalfRows) the
 // tile's rows 8-15 are zero queries, and their scores, exponentials and O rescale are not
 // computed (the MMAs still run: M is 16); and O is rescaled lazily, as the block forward
 // does (fwd_sm90.cuh): a row keeps the max it subtracts until a chunk's max exceeds it by
@@ -52,10 +54,9 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // Stages per warp and warps per CTA, per head dim. Shared memory per warp: the query
 // tile (16 x D) and kStages x 16 rows of K and of V. D=64: 18 KB/warp, three CTAs per
 // SM; D=128: 28 KB/warp, two CTAs per SM; D=256: 40 KB/warp, one CTA per SM.
-// kShort (rows of at most 16 keys: one chunk, so nothing to pipeline within a row;
-// FLEXSPARSE_CUDA_DEBUG bit 2147483648, not yet measured): one stage and the query tile
-// read from shared memory, so that twice the warps fit an SM (registers capped by
-// kMinBlocks) and twice the rows' gathers are in flight. D=64: 6 KB/warp, 3 x 8 warps;
+// kShort (the default at every W, C71): one stage and the query tile read from shared
+// memory, so that twice the warps fit an SM (registers capped by kMinBlocks) and twice
+// the rows' gathers are in flight; that beats the stages' overlap within a row. D=64: 6 KB/warp, 3 x 8 warps;
 // D=128: 12 KB/warp, 2 x 8 warps; D=256: 24 KB/warp, 2 x 4 warps.
 template <int kD, bool kShort = false>
 struct Config {
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(Config<kD, kShort>::kWarps * 32, Config<kD, kS
 
   // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
   // 16-31 the same keys again); inactive slots get zero rows.
-  // kNarrowAddr (FLEXSPARSE_CUDA_DEBUG bit 1073741824, not yet measured): this lane's
+  // kNarrowAddr (the default where the strides fit; bit 1073741824 opts out): this lane's
   // 16-byte piece of every row it copies (c = lane % kChunks: 32 lanes cover whole rows)
   // and the row strides in bytes as 32-bit values (the launch checks they fit), so that a
   // row's address is one 32 x 32 + 64-bit multiply-add instead of a 64-bit multiply, a
@@ -396,22 +397,22 @@ void launch(IndexParams const& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Rows of at most 16 keys take the short-row kernel under bit 2147483648 (debug_high bit
-// 0); bit 4294967296 (debug_high bit 1) at any W: a probe of more warps against the
-// pipeline.
+// The one-stage kernel (kShort) at every W: twice the warps per SM beat the pipelined
+// kernel's stages at W = 16, 64 and 256 (perf-notes C71). FLEXSPARSE_CUDA_DEBUG bit
+// 2147483648 (debug_high bit 0) takes the pipelined kernel, for A/B runs.
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch_short(IndexParams const& p, cudaStream_t stream) {
-  const bool short_rows = ((p.debug_high & 1) && p.W <= kKeys) || (p.debug_high & 2);
-  if (short_rows) launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);
-  else launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
+  if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
+  else launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);
 }
 
-// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows. Bit 1073741824:
-// 32-bit row addressing (kNarrowAddr), where the K and V row strides fit in it.
+// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows. 32-bit row
+// addressing (kNarrowAddr) wherever the K and V row strides fit in it; bit 1073741824
+// takes 64-bit addressing, for A/B runs.
 template <typename T, int kD, bool kHalfRows>
 void launch_addr(IndexParams const& p, cudaStream_t stream) {
   constexpr int64_t kMaxStride = int64_t{1} << 31;   // elements: 2 * stride < 2^32 bytes
-  const bool narrow = (p.debug & 1073741824) && p.k_sn >= 0 && p.k_sn < kMaxStride &&
+  const bool narrow = !(p.debug & 1073741824) && p.k_sn >= 0 && p.k_sn < kMaxStride &&
                       p.v_sn >= 0 && p.v_sn < kMaxStride;
   if (narrow) launch_short<T, kD, kHalfRows, true>(p, stream);
   else launch_short<T, kD, kHalfRows, false>(p, stream);

@@ -179,9 +179,9 @@ def test_strided_and_misaligned_inputs():
 
 @pytest.mark.parametrize("G", [4, 12])
 def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
-    """FLEXSPARSE_CUDA_DEBUG bit 1073741824 (32-bit row addressing, ignore-src copies for
-    inactive slots) changes how rows are fetched, not the arithmetic: bitwise the default's
-    result, on strided (B, L, H, D) inputs with -1 and out-of-range entries (both tile
+    """32-bit row addressing (the default; ignore-src copies for inactive slots) and the
+    64-bit addressing of FLEXSPARSE_CUDA_DEBUG bit 1073741824 fetch rows differently with
+    the same arithmetic: bitwise the same result, on strided (B, L, H, D) inputs with -1 and out-of-range entries (both tile
     kinds: G = 4 half rows, G = 12 all 16)."""
     torch.manual_seed(6)
     B, L, Hkv, D = 2, 97, 2, 128
@@ -196,13 +196,13 @@ def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
 
 @pytest.mark.parametrize("G", [3, 12])
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_short_row_kernel(D, G, monkeypatch):
-    """FLEXSPARSE_CUDA_DEBUG bit 2147483648: rows of at most 16 keys take the short-row
-    kernel (one stage, the query tile read from shared memory, twice the warps per SM);
-    bit 4294967296 takes it at any W. The arithmetic and its order are the default
-    kernel's, so the results are bitwise the default's, alone and with the other index
-    bits (32-bit addressing, the kernel before C70), on strided inputs with -1, out-of-range
-    entries and a fully padded row; and the float64 rule holds."""
+def test_one_stage_and_pipelined_kernels(D, G, monkeypatch):
+    """The default one-stage kernel (the query tile read from shared memory, twice the
+    warps per SM) and the pipelined kernel of FLEXSPARSE_CUDA_DEBUG bit 2147483648 do the
+    same arithmetic in the same order: bitwise the same results, with either addressing
+    (bit 1073741824: 64-bit), and each against the kernel before C70 (bit 536870912) in
+    the same kernel; on strided inputs with -1, out-of-range entries and a fully padded
+    row, W below, at and above one chunk of 16 keys; and the float64 rule holds."""
     torch.manual_seed(8 + D + G)
     B, L, Hkv = 2, 75, 2
     q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
@@ -210,19 +210,17 @@ def test_short_row_kernel(D, G, monkeypatch):
     for W in (1, 7, 16, 17, 100):
         idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
         idx[1, 0, 7] = -1
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
-        want = cuda_forward(q, k, v, idx)
-        for bits in (2147483648, 4294967296, 2147483648 | 1073741824, 2147483648 | 536870912):
+        results = {}
+        for bits in (0, 2147483648, 1073741824, 3221225472, 536870912, 2684354560):
             monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
-            base = want
-            if bits & 536870912:      # against the kernel before C70 alone
-                monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "536870912")
-                base = cuda_forward(q, k, v, idx)
-                monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
-            got = cuda_forward(q, k, v, idx)
-            assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), (W, bits)
+            results[bits] = cuda_forward(q, k, v, idx)
+        for bits, base in ((2147483648, 0), (1073741824, 0), (3221225472, 0),
+                           (2684354560, 536870912)):
+            got, want = results[bits], results[base]
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (W, bits)
+        want = results[0]
         assert torch.all(want[0][1, :G, 7] == 0) and torch.all(want[1][1, :G, 7] == -math.inf)
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "2147483648")
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
     check_forward(q, k, v, idx[..., :16].contiguous())
 
 
