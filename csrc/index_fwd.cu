@@ -16,7 +16,8 @@
 // 2147483648) was slower at every W measured: more rows in flight beat more chunks of
 // one row (C71). Warps of a CTA share nothing (no block barriers); the CTA only packs
 // several warps onto an SM. (Whole rows by cp.async.bulk instead, one instruction per
-// row on a stage barrier, measured 1.3x slower: docs/perf-notes.md C70.)
+// row on a stage barrier, measured 1.3x slower: docs/perf-notes.md C70. Persistent warps
+// running rows in turn with the next row's list loaded early: no faster, C72.)
 //
 // Math per chunk: S = Q K^T (fp32 accumulators), scaled, optional softcap and bias, in
 // the log2 domain; inactive keys to -inf; online softmax per head row (row max across
@@ -39,7 +40,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
@@ -84,8 +84,7 @@ constexpr int cta_smem_bytes() {
 
 // ------------------------------------------------------------------ the kernel
 
-template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
-          bool kPersistent>
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage>
 __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
                                   Config<kD, kOneStage>::kMinBlocks)
     index_fwd_kernel(const IndexParams p) {
@@ -112,339 +111,310 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   T* s_v = s_k + kStages * kTile;
   int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);   // [kStages][kKeys]
 
-  // The warp's work items: (batch, kv head, head group, query row), query row fastest;
-  // item = blockIdx.x * kWarps + warp, one per warp; a persistent kernel (kPersistent,
-  // bit 4294967296) goes on by the grid's warps, the next item's list loaded early.
+  // This warp's work item: (batch, kv head, head group, query row), query row fastest.
   const int n_groups = (p.G + kHeads - 1) / kHeads;
-  const int64_t n_items = p.B * p.Hkv * n_groups * p.Lq;
-  const int64_t item_stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  // The key in slot w of item `it`'s list, or -1 when the slot is past W or its entry is
-  // inactive (out of [0, Lk) at any width: int64 entries are compared before narrowing).
-  auto list_key = [&](int64_t it, int64_t w) -> int {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.B * p.Hkv * n_groups * p.Lq) return;   // the whole warp leaves
+  const int64_t i = item % p.Lq;
+  int64_t rest = item / p.Lq;
+  const int group = static_cast<int>(rest % n_groups);
+  rest /= n_groups;
+  const int64_t h = rest % p.Hkv;
+  const int64_t b = rest / p.Hkv;
+  const int heads = min(kHeads, p.G - group * kHeads);     // query heads this warp stores
+  const int64_t hq0 = h * p.G + group * kHeads;            // its first query head
+
+  const T* q_row = static_cast<const T*>(p.q) + b * p.q_sb + hq0 * p.q_sh + i * p.q_sm;
+  const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
+  const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
+  const int64_t idx_off = b * p.idx_sb + h * p.idx_sh + i * p.idx_sq;
+  const int32_t* idx32 = static_cast<const int32_t*>(p.idx) + idx_off;
+  const int64_t* idx64 = static_cast<const int64_t*>(p.idx) + idx_off;
+
+  // The key of list slot w, or -1 when the slot is past W or its entry is inactive.
+  auto load_key = [&](int64_t w) -> int {
     if (w >= p.W) return -1;
-    const int64_t row = it % p.Lq, bh = it / p.Lq / n_groups;
-    const int64_t off = (bh / p.Hkv) * p.idx_sb + (bh % p.Hkv) * p.idx_sh + row * p.idx_sq +
-                        w * p.idx_sw;
-    const int64_t x = p.idx_int64 ? static_cast<const int64_t*>(p.idx)[off]
-                                  : static_cast<int64_t>(static_cast<const int32_t*>(p.idx)[off]);
+    const int64_t x =
+        p.idx_int64 ? idx64[w * p.idx_sw] : static_cast<int64_t>(idx32[w * p.idx_sw]);
     return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
   };
-  int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (item >= n_items) return;   // the whole warp leaves
-  // Persistent: the key of the item's first chunk, loaded while the item before runs.
-  int first_key = kPersistent ? list_key(item, lane & (kKeys - 1)) : -1;
-  do {
-    const int64_t i = item % p.Lq;
-    int64_t rest = item / p.Lq;
-    const int group = static_cast<int>(rest % n_groups);
-    rest /= n_groups;
-    const int64_t h = rest % p.Hkv;
-    const int64_t b = rest / p.Hkv;
-    const int heads = min(kHeads, p.G - group * kHeads);     // query heads this warp stores
-    const int64_t hq0 = h * p.G + group * kHeads;            // its first query head
 
-    const T* q_row = static_cast<const T*>(p.q) + b * p.q_sb + hq0 * p.q_sh + i * p.q_sm;
-    const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
-    const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
-    const int64_t idx_off = b * p.idx_sb + h * p.idx_sh + i * p.idx_sq;
-    const int32_t* idx32 = static_cast<const int32_t*>(p.idx) + idx_off;
-    const int64_t* idx64 = static_cast<const int64_t*>(p.idx) + idx_off;
-
-    // The key of list slot w, or -1 when the slot is past W or its entry is inactive.
-    auto load_key = [&](int64_t w) -> int {
-      if (w >= p.W) return -1;
-      const int64_t x =
-          p.idx_int64 ? idx64[w * p.idx_sw] : static_cast<int64_t>(idx32[w * p.idx_sw]);
-      return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
-    };
-
-    // Query tile: rows of the `heads` query heads, zeros below (src-size 0).
+  // Query tile: rows of the `heads` query heads, zeros below (src-size 0).
 #pragma unroll
-    for (int t = 0; t < kHeads * kChunks / 32; ++t) {
+  for (int t = 0; t < kHeads * kChunks / 32; ++t) {
+    const int e = t * 32 + lane;
+    const int r = e / kChunks, c = e % kChunks;
+    const bool ok = r < heads;
+    cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
+                ok ? 16 : 0);
+  }
+
+  // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
+  // 16-31 the same keys again); inactive slots get zero rows.
+  // kNarrowAddr (the default where the strides fit; bit 1073741824 opts out): this lane's
+  // 16-byte piece of every row it copies (c = lane % kChunks: 32 lanes cover whole rows)
+  // and the row strides in bytes as 32-bit values (the launch checks they fit), so that a
+  // row's address is one 32 x 32 + 64-bit multiply-add instead of a 64-bit multiply, a
+  // scale and selects per copy (SASS per chunk at hd128: 710 -> 494 instructions). An
+  // inactive slot reads row 0 with the copy's ignore-src set (zeros written, nothing
+  // read; with Lk = 0 the address is the query row's, which exists).
+  static_assert(32 % kChunks == 0 || kChunks % 32 == 0,
+                "a lane's piece is the same in every row");
+  const char* k_piece = p.Lk > 0 ? reinterpret_cast<const char*>(k_head + (lane % kChunks) * 8)
+                                 : reinterpret_cast<const char*>(q_row);
+  const char* v_piece = p.Lk > 0 ? reinterpret_cast<const char*>(v_head + (lane % kChunks) * 8)
+                                 : reinterpret_cast<const char*>(q_row);
+  const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_sn * 2);
+  const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_sn * 2);
+  auto issue = [&](int key_of_lane, int stage) {
+    if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
+    T* dk = s_k + stage * kTile;
+    T* dv = s_v + stage * kTile;
+#pragma unroll
+    for (int t = 0; t < kKeys * kChunks / 32; ++t) {
       const int e = t * 32 + lane;
       const int r = e / kChunks, c = e % kChunks;
-      const bool ok = r < heads;
-      cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
-                  ok ? 16 : 0);
-    }
-
-    // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
-    // 16-31 the same keys again); inactive slots get zero rows.
-    // kNarrowAddr (the default where the strides fit; bit 1073741824 opts out): this lane's
-    // 16-byte piece of every row it copies (c = lane % kChunks: 32 lanes cover whole rows)
-    // and the row strides in bytes as 32-bit values (the launch checks they fit), so that a
-    // row's address is one 32 x 32 + 64-bit multiply-add instead of a 64-bit multiply, a
-    // scale and selects per copy (SASS per chunk at hd128: 710 -> 494 instructions). An
-    // inactive slot reads row 0 with the copy's ignore-src set (zeros written, nothing
-    // read; with Lk = 0 the address is the query row's, which exists).
-    static_assert(32 % kChunks == 0 || kChunks % 32 == 0,
-                  "a lane's piece is the same in every row");
-    const char* k_piece = p.Lk > 0 ? reinterpret_cast<const char*>(k_head + (lane % kChunks) * 8)
-                                   : reinterpret_cast<const char*>(q_row);
-    const char* v_piece = p.Lk > 0 ? reinterpret_cast<const char*>(v_head + (lane % kChunks) * 8)
-                                   : reinterpret_cast<const char*>(q_row);
-    const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_sn * 2);
-    const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_sn * 2);
-    auto issue = [&](int key_of_lane, int stage) {
-      if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
-      T* dk = s_k + stage * kTile;
-      T* dv = s_v + stage * kTile;
-#pragma unroll
-      for (int t = 0; t < kKeys * kChunks / 32; ++t) {
-        const int e = t * 32 + lane;
-        const int r = e / kChunks, c = e % kChunks;
-        const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
-        const int off = swizzle<kD>(r, c);
-        if constexpr (kNarrowAddr) {
-          const uint64_t row = static_cast<uint32_t>(max(key, 0));
-          cp_async_16_or_zeros(smem_addr(dk + off), k_piece + row * k_row_bytes, key < 0);
-          cp_async_16_or_zeros(smem_addr(dv + off), v_piece + row * v_row_bytes, key < 0);
-        } else {
-          const bool ok = key >= 0;
-          // An inactive slot copies nothing; its source operand is any valid address.
-          cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
-          cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
-        }
+      const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+      const int off = swizzle<kD>(r, c);
+      if constexpr (kNarrowAddr) {
+        const uint64_t row = static_cast<uint32_t>(max(key, 0));
+        cp_async_16_or_zeros(smem_addr(dk + off), k_piece + row * k_row_bytes, key < 0);
+        cp_async_16_or_zeros(smem_addr(dv + off), v_piece + row * v_row_bytes, key < 0);
+      } else {
+        const bool ok = key >= 0;
+        // An inactive slot copies nothing; its source operand is any valid address.
+        cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
+        cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
       }
-    };
-
-    const int n_chunks = static_cast<int>((p.W + kKeys - 1) / kKeys);
-    const int slot = lane & (kKeys - 1);
-    // Prologue: chunks 0 .. kStages-2, one commit group each (the query tile rides with
-    // chunk 0), then the key of the next chunk to issue.
-    int next_key = kPersistent ? first_key : load_key(slot);
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < n_chunks) issue(next_key, s);
-      cp_async_commit();
-      next_key = load_key(static_cast<int64_t>(s + 1) * kKeys + slot);
     }
-    // The next item's first key, in flight while this item's chunks are gathered.
-    if (kPersistent && item + item_stride < n_items) first_key = list_key(item + item_stride, slot);
+  };
 
-    const float LOG2E = 1.4426950408889634f;
-    const bool has_softcap = p.softcap > 0.f;
-    const bool has_bias = p.bias != nullptr;
-    // score in the log2 domain = score_mul * f(acc): f = tanh(acc * tanh_mul) with softcap
-    const float score_mul = has_softcap ? p.softcap * LOG2E : p.scale * LOG2E;
-    const float tanh_mul = has_softcap ? p.scale / p.softcap : 0.f;
-    // The accumulator layout: this lane holds head rows r and r + 8, key columns
-    // 2 * quad + {0, 1} of each 8-key half (m16n8 C fragment).
-    const int r = lane >> 2, quad = lane & 3;
-    const T* bias_rows[2] = {nullptr, nullptr};
+  const int n_chunks = static_cast<int>((p.W + kKeys - 1) / kKeys);
+  const int slot = lane & (kKeys - 1);
+  // Prologue: chunks 0 .. kStages-2, one commit group each (the query tile rides with
+  // chunk 0), then the key of the next chunk to issue.
+  int next_key = load_key(slot);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_chunks) issue(next_key, s);
+    cp_async_commit();
+    next_key = load_key(static_cast<int64_t>(s + 1) * kKeys + slot);
+  }
+
+  const float LOG2E = 1.4426950408889634f;
+  const bool has_softcap = p.softcap > 0.f;
+  const bool has_bias = p.bias != nullptr;
+  // score in the log2 domain = score_mul * f(acc): f = tanh(acc * tanh_mul) with softcap
+  const float score_mul = has_softcap ? p.softcap * LOG2E : p.scale * LOG2E;
+  const float tanh_mul = has_softcap ? p.scale / p.softcap : 0.f;
+  // The accumulator layout: this lane holds head rows r and r + 8, key columns
+  // 2 * quad + {0, 1} of each 8-key half (m16n8 C fragment).
+  const int r = lane >> 2, quad = lane & 3;
+  const T* bias_rows[2] = {nullptr, nullptr};
+  if (has_bias) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = r + 8 * rr;
+      if (row < heads)
+        bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
+                        ((hq0 + row) / p.bias_head_div) * p.bias_sh + i * p.bias_sq;
+    }
+  }
+
+  uint32_t q_frag[kQInRegisters ? kSteps : 1][4];
+  float o_acc[kD / 8][4];
+#pragma unroll
+  for (int t = 0; t < kD / 8; ++t) o_acc[t][0] = o_acc[t][1] = o_acc[t][2] = o_acc[t][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};   // running row max (log2 domain)
+  float l_run[2] = {0.f, 0.f};               // this lane's part of the row sum
+
+  // ldmatrix addresses: lane -> (row, chunk) of the 8x8 matrix it points at.
+  //   Q (A operand):  heads (lane/8 % 2)*8 + lane%8, chunk 2*step + lane/16
+  //   K (B, scores):  keys (lane/16)*8 + lane%8,     chunk 2*step + lane/8 % 2
+  //   V (B, trans):   keys (lane/8 % 2)*8 + lane%8,  chunk 2*step + lane/16
+  const int q_ld_row = ((lane >> 3) & 1) * 8 + (lane & 7), q_ld_chunk = lane >> 4;
+  const int k_ld_row = (lane >> 4) * 8 + (lane & 7), k_ld_chunk = (lane >> 3) & 1;
+  const int v_ld_row = q_ld_row, v_ld_chunk = q_ld_chunk;
+
+  for (int chunk = 0; chunk < n_chunks; ++chunk) {
+    // Refill the stage that the previous iteration finished with.
+    const int ahead = chunk + kStages - 1;
+    if (ahead < n_chunks) issue(next_key, ahead % kStages);
+    cp_async_commit();
+    next_key = load_key(static_cast<int64_t>(ahead + 1) * kKeys + slot);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    const int stage = chunk % kStages;
+    const T* k_s = s_k + stage * kTile;
+    const T* v_s = s_v + stage * kTile;
+    if constexpr (kQInRegisters) {
+      if (chunk == 0) {
+#pragma unroll
+        for (int st = 0; st < kSteps; ++st)
+          ldmatrix_x4(q_frag[st], smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
+      }
+    }
+    // The keys of this lane's four score columns (-1: inactive).
+    const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 2 * quad);
+    const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 8 + 2 * quad);
+    const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
+    // Bias loads first, so that their latency overlaps the score MMAs.
+    float bias_val[2][4];
     if (has_bias) {
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int row = r + 8 * rr;
-        if (row < heads)
-          bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
-                          ((hq0 + row) / p.bias_head_div) * p.bias_sh + i * p.bias_sq;
-      }
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = col_key[j][e & 1];
+          const T* row = bias_rows[e >> 1];
+          bias_val[j][e] = (row != nullptr && key >= 0) ? to_float(row[key * p.bias_sk]) : 0.f;
+        }
     }
 
-    uint32_t q_frag[kQInRegisters ? kSteps : 1][4];
-    float o_acc[kD / 8][4];
+    // S = Q K^T over 16 keys: two m16n8 tiles (keys 0-7, 8-15).
+    float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int t = 0; t < kD / 8; ++t) o_acc[t][0] = o_acc[t][1] = o_acc[t][2] = o_acc[t][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};   // running row max (log2 domain)
-    float l_run[2] = {0.f, 0.f};               // this lane's part of the row sum
-
-    // ldmatrix addresses: lane -> (row, chunk) of the 8x8 matrix it points at.
-    //   Q (A operand):  heads (lane/8 % 2)*8 + lane%8, chunk 2*step + lane/16
-    //   K (B, scores):  keys (lane/16)*8 + lane%8,     chunk 2*step + lane/8 % 2
-    //   V (B, trans):   keys (lane/8 % 2)*8 + lane%8,  chunk 2*step + lane/16
-    const int q_ld_row = ((lane >> 3) & 1) * 8 + (lane & 7), q_ld_chunk = lane >> 4;
-    const int k_ld_row = (lane >> 4) * 8 + (lane & 7), k_ld_chunk = (lane >> 3) & 1;
-    const int v_ld_row = q_ld_row, v_ld_chunk = q_ld_chunk;
-
-    for (int chunk = 0; chunk < n_chunks; ++chunk) {
-      // Refill the stage that the previous iteration finished with.
-      const int ahead = chunk + kStages - 1;
-      if (ahead < n_chunks) issue(next_key, ahead % kStages);
-      cp_async_commit();
-      next_key = load_key(static_cast<int64_t>(ahead + 1) * kKeys + slot);
-      cp_async_wait<kStages - 1>();
-      __syncwarp();
-
-      const int stage = chunk % kStages;
-      const T* k_s = s_k + stage * kTile;
-      const T* v_s = s_v + stage * kTile;
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t a[4];
       if constexpr (kQInRegisters) {
-        if (chunk == 0) {
 #pragma unroll
-          for (int st = 0; st < kSteps; ++st)
-            ldmatrix_x4(q_frag[st], smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
-        }
+        for (int x = 0; x < 4; ++x) a[x] = q_frag[st][x];
+      } else {
+        ldmatrix_x4(a, smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
       }
-      // The keys of this lane's four score columns (-1: inactive).
-      const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 2 * quad);
-      const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 8 + 2 * quad);
-      const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
-      // Bias loads first, so that their latency overlaps the score MMAs.
-      float bias_val[2][4];
-      if (has_bias) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = col_key[j][e & 1];
-            const T* row = bias_rows[e >> 1];
-            bias_val[j][e] = (row != nullptr && key >= 0) ? to_float(row[key * p.bias_sk]) : 0.f;
-          }
-      }
-
-      // S = Q K^T over 16 keys: two m16n8 tiles (keys 0-7, 8-15).
-      float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        uint32_t a[4];
-        if constexpr (kQInRegisters) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) a[x] = q_frag[st][x];
-        } else {
-          ldmatrix_x4(a, smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
-        }
-        uint32_t kb[4];
-        ldmatrix_x4(kb, smem_addr(k_s + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
-        Mma<T>::run(s_acc[0], a, kb[0], kb[1]);
-        Mma<T>::run(s_acc[1], a, kb[2], kb[3]);
-      }
-
-      // Scores (log2 domain), inactive keys to -inf, row max over the quad.
-      float row_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if ((e >> 1) >= kHalves) continue;
-          float s = s_acc[j][e];
-          s = has_softcap ? score_mul * tanhf(s * tanh_mul) : score_mul * s;
-          if (has_bias) s += LOG2E * bias_val[j][e];
-          if (col_key[j][e & 1] < 0) s = -INFINITY;
-          s_acc[j][e] = s;
-          row_max[e >> 1] = fmaxf(row_max[e >> 1], s);
-        }
-      float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
-      bool moved = eager_rescale;
-#pragma unroll
-      for (int rr = 0; rr < kHalves; ++rr) {
-        row_max[rr] = fmaxf(row_max[rr], __shfl_xor_sync(0xffffffffu, row_max[rr], 1));
-        row_max[rr] = fmaxf(row_max[rr], __shfl_xor_sync(0xffffffffu, row_max[rr], 2));
-        // From -inf to a finite max always moves, with alpha = 0 (O and the sum are 0 then);
-        // a row still without an active key (both -inf) does not.
-        const bool moves = row_max[rr] - m_run[rr] > rescale_margin;
-        if (moves) {
-          alpha[rr] = exp2f(m_run[rr] - row_max[rr]);
-          m_run[rr] = row_max[rr];
-          l_run[rr] *= alpha[rr];
-        }
-        moved |= moves;
-        // A row with no active key so far keeps max -inf; exponents then use 0 (all -inf
-        // scores give p = 0).
-        m_use[rr] = m_run[rr] == -INFINITY ? 0.f : m_run[rr];
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if ((e >> 1) >= kHalves) {
-            s_acc[j][e] = 0.f;
-            continue;
-          }
-          const float pe = exp2f(s_acc[j][e] - m_use[e >> 1]);
-          s_acc[j][e] = pe;
-          l_run[e >> 1] += pe;
-        }
-      // O *= alpha where a row of this warp moved its max (a warp-uniform branch).
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int t = 0; t < kD / 8; ++t) {
-          o_acc[t][0] *= alpha[0];
-          o_acc[t][1] *= alpha[0];
-          if constexpr (kHalves == 2) {
-            o_acc[t][2] *= alpha[1];
-            o_acc[t][3] *= alpha[1];
-          }
-        }
-      }
-
-      // O += P V: P's A fragment is the two score tiles (keys 0-7 then 8-15).
-      uint32_t pa[4];
-      pa[0] = Mma<T>::pack(s_acc[0][0], s_acc[0][1]);
-      pa[1] = Mma<T>::pack(s_acc[0][2], s_acc[0][3]);
-      pa[2] = Mma<T>::pack(s_acc[1][0], s_acc[1][1]);
-      pa[3] = Mma<T>::pack(s_acc[1][2], s_acc[1][3]);
-#pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
-        Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
-        Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
-      }
-      // Every lane is done reading this stage before any lane refills it.
-      __syncwarp();
+      uint32_t kb[4];
+      ldmatrix_x4(kb, smem_addr(k_s + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
+      Mma<T>::run(s_acc[0], a, kb[0], kb[1]);
+      Mma<T>::run(s_acc[1], a, kb[2], kb[3]);
     }
-    cp_async_wait<0>();   // nothing left in flight when the warp ends (e.g. W = 0)
 
-    // Epilogue: row sums over the quad, out = O / l, lse = (m + log2 l) * ln 2.
-    T* out = static_cast<T*>(p.out);
+    // Scores (log2 domain), inactive keys to -inf, row max over the quad.
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if ((e >> 1) >= kHalves) continue;
+        float s = s_acc[j][e];
+        s = has_softcap ? score_mul * tanhf(s * tanh_mul) : score_mul * s;
+        if (has_bias) s += LOG2E * bias_val[j][e];
+        if (col_key[j][e & 1] < 0) s = -INFINITY;
+        s_acc[j][e] = s;
+        row_max[e >> 1] = fmaxf(row_max[e >> 1], s);
+      }
+    float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
+    bool moved = eager_rescale;
 #pragma unroll
     for (int rr = 0; rr < kHalves; ++rr) {
-      float l = l_run[rr];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int row = r + 8 * rr;
-      if (row >= heads) continue;
-      const bool has = l > 0.f;
-      const float inv = has ? 1.f / l : 0.f;
-      const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + i);
-      T* o = out + out_row * kD + 2 * quad;
-#pragma unroll
-      for (int t = 0; t < kD / 8; ++t)
-        *reinterpret_cast<uint32_t*>(o + 8 * t) =
-            Mma<T>::pack(o_acc[t][2 * rr] * inv, o_acc[t][2 * rr + 1] * inv);
-      if (quad == 0)
-        p.lse[out_row] = has ? (m_run[rr] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+      row_max[rr] = fmaxf(row_max[rr], __shfl_xor_sync(0xffffffffu, row_max[rr], 1));
+      row_max[rr] = fmaxf(row_max[rr], __shfl_xor_sync(0xffffffffu, row_max[rr], 2));
+      // From -inf to a finite max always moves, with alpha = 0 (O and the sum are 0 then);
+      // a row still without an active key (both -inf) does not.
+      const bool moves = row_max[rr] - m_run[rr] > rescale_margin;
+      if (moves) {
+        alpha[rr] = exp2f(m_run[rr] - row_max[rr]);
+        m_run[rr] = row_max[rr];
+        l_run[rr] *= alpha[rr];
+      }
+      moved |= moves;
+      // A row with no active key so far keeps max -inf; exponents then use 0 (all -inf
+      // scores give p = 0).
+      m_use[rr] = m_run[rr] == -INFINITY ? 0.f : m_run[rr];
     }
-    if (kPersistent) __syncwarp();   // the next item rewrites the query tile and the stages
-  } while (kPersistent && (item += item_stride) < n_items);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if ((e >> 1) >= kHalves) {
+          s_acc[j][e] = 0.f;
+          continue;
+        }
+        const float pe = exp2f(s_acc[j][e] - m_use[e >> 1]);
+        s_acc[j][e] = pe;
+        l_run[e >> 1] += pe;
+      }
+    // O *= alpha where a row of this warp moved its max (a warp-uniform branch).
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int t = 0; t < kD / 8; ++t) {
+        o_acc[t][0] *= alpha[0];
+        o_acc[t][1] *= alpha[0];
+        if constexpr (kHalves == 2) {
+          o_acc[t][2] *= alpha[1];
+          o_acc[t][3] *= alpha[1];
+        }
+      }
+    }
+
+    // O += P V: P's A fragment is the two score tiles (keys 0-7 then 8-15).
+    uint32_t pa[4];
+    pa[0] = Mma<T>::pack(s_acc[0][0], s_acc[0][1]);
+    pa[1] = Mma<T>::pack(s_acc[0][2], s_acc[0][3]);
+    pa[2] = Mma<T>::pack(s_acc[1][0], s_acc[1][1]);
+    pa[3] = Mma<T>::pack(s_acc[1][2], s_acc[1][3]);
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
+      Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
+      Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
+    }
+    // Every lane is done reading this stage before any lane refills it.
+    __syncwarp();
+  }
+  cp_async_wait<0>();   // nothing left in flight when the warp ends (e.g. W = 0)
+
+  // Epilogue: row sums over the quad, out = O / l, lse = (m + log2 l) * ln 2.
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int rr = 0; rr < kHalves; ++rr) {
+    float l = l_run[rr];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = r + 8 * rr;
+    if (row >= heads) continue;
+    const bool has = l > 0.f;
+    const float inv = has ? 1.f / l : 0.f;
+    const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + i);
+    T* o = out + out_row * kD + 2 * quad;
+#pragma unroll
+    for (int t = 0; t < kD / 8; ++t)
+      *reinterpret_cast<uint32_t*>(o + 8 * t) =
+          Mma<T>::pack(o_acc[t][2 * rr] * inv, o_acc[t][2 * rr + 1] * inv);
+    if (quad == 0)
+      p.lse[out_row] = has ? (m_run[rr] + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+  }
 }
 
-template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
-          bool kPersistent>
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage>
 void launch(IndexParams const& p, cudaStream_t stream) {
   constexpr int kWarps = Config<kD, kOneStage>::kWarps;
   constexpr int smem = cta_smem_bytes<kD, kOneStage>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
   if (items == 0) return;
-  int64_t blocks = (items + kWarps - 1) / kWarps;
-  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kOneStage, kPersistent>;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if (kPersistent) {   // as many CTAs as fit the GPU at once
-    int device = 0, sms = 0, per_sm = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, smem));
-    blocks = std::min<int64_t>(blocks, static_cast<int64_t>(sms) * std::max(per_sm, 1));
-  }
+  const int64_t blocks = (items + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
+  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kOneStage>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
 }
 
 // The one-stage kernel (kOneStage) at every W: twice the warps per SM beat the pipelined
 // kernel's stages at W = 16, 64 and 256 (perf-notes C71). FLEXSPARSE_CUDA_DEBUG bit
-// 2147483648 (debug_high bit 0) takes the pipelined kernel, for A/B runs; bit 4294967296
-// (debug_high bit 1) the persistent one-stage kernel (C72).
+// 2147483648 (debug_high bit 0) takes the pipelined kernel, for A/B runs.
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch_stages(IndexParams const& p, cudaStream_t stream) {
-  if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false, false>(p, stream);
-  else if (p.debug_high & 2) launch<T, kD, kHalfRows, kNarrowAddr, true, true>(p, stream);
-  else launch<T, kD, kHalfRows, kNarrowAddr, true, false>(p, stream);
+  if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
+  else launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);
 }
 
+// G <= 8 query heads (the usual GQA) fill at most the tile's first 8 rows. 32-bit row
+// addressing (kNarrowAddr) wherever the K and V row strides fit in it; bit 1073741824
+// takes 64-bit addressing, for A/B runs.
 template <typename T, int kD, bool kHalfRows>
 void launch_addr(IndexParams const& p, cudaStream_t stream) {
   constexpr int64_t kMaxStride = int64_t{1} << 31;   // elements: 2 * stride < 2^32 bytes

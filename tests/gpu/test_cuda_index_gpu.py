@@ -224,34 +224,6 @@ def test_one_stage_and_pipelined_kernels(D, G, monkeypatch):
     check_forward(q, k, v, idx[..., :16].contiguous())
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
-def test_persistent_kernel(D, monkeypatch):
-    """FLEXSPARSE_CUDA_DEBUG bit 4294967296: a persistent grid (as many CTAs as fit the GPU
-    at once), each warp running several rows in turn with the next row's list loaded
-    early. Enough rows that every warp runs several (B * Hkv * L = 2 * 2 * 2600 per head
-    group, G = 3 and 20: one and two head groups), with -1, out-of-range entries and fully
-    padded rows, W below, at and above one chunk: bitwise the default's results, with
-    either addressing and with the kernel before C70; and the float64 rule holds."""
-    torch.manual_seed(9 + D)
-    B, L, Hkv = 2, 2600, 2
-    for G, W in ((3, 5), (3, 16), (20, 40)):
-        q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
-                   for H in (Hkv * G, Hkv, Hkv))
-        idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
-        idx[1, 0, 7] = -1
-        idx[0, 1, -1] = -1
-        for extra in (0, 1073741824, 536870912):
-            monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(extra))
-            want = cuda_forward(q, k, v, idx)
-            monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(extra | 4294967296))
-            got = cuda_forward(q, k, v, idx)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (G, W, extra)
-        assert torch.all(got[0][1, :G, 7] == 0) and torch.all(got[1][1, :G, 7] == -math.inf)
-        assert torch.all(got[1][0, G:, -1] == -math.inf)
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "4294967296")
-    check_forward(q[:, :, :300], k, v, idx[:, :, :300].contiguous())
-
-
 BIAS_SHAPES = {"full": (2, 8, 33, 257), "hkv_batch1": (1, 2, 33, 257), "keys": (2, 1, 1, 257),
                "rows_per_head": (1, 8, 33, 1)}
 
