@@ -2,7 +2,7 @@
 process, against the random-row gather ceiling of benchmarks/gather_probe.py (issue 17).
 
     python -m benchmarks.cuda_index_bench [--lengths 8192,32768] [--widths 16,64,256]
-    python -m benchmarks.cuda_index_bench --backward [--lengths ...] [--widths ...]
+    python -m benchmarks.cuda_index_bench --backward [--split] [--lengths ...] [--widths ...]
 
 --variants 1,2 adds columns: the CUDA forward timed again under each of those
 FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits; the
@@ -15,7 +15,9 @@ or 256 times that head dim instead of 128.
 no float atomics, deterministic) against the Triton index backward in its two modes
 (atomic dK/dV, and the deterministic sorted mode), each over the CUDA forward's out and
 lse, with the CUDA backward's time over the CUDA forward's (issue 17 asks <= 2) and the
-largest difference of dq, dk, dv from the Triton deterministic backward.
+largest difference of dq, dk, dv from the Triton deterministic backward. --split adds the
+CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count, scan and
+sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 
 Random sorted lists (B=1, Hq=16, Hkv=4, hd 128, bf16). "gathered TB/s" counts the K and V
 rows each kv head's lists name (B*Hkv*L*W*(D+Dv)*2 bytes) over the forward's time: the G
@@ -44,6 +46,7 @@ from flexsparse.ops import MaskTensors
 
 from .debug_bits import with_debug
 from .gather_probe import ceiling
+from .kernel_split import per_kernel, print_split
 
 B, HQ, HKV, D = 1, 16, 4, 128
 
@@ -83,7 +86,7 @@ def probe(k, v, idx):
     return bench(fn), 2 * flat.numel() * D * k.element_size()
 
 
-def backward_table(lengths, widths):
+def backward_table(lengths, widths, split=False):
     from flexsparse.ops import triton_indices as ti
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; backward over the CUDA forward's out, lse")
@@ -91,6 +94,7 @@ def backward_table(lengths, widths):
           "| cuda bwd / cuda fwd | triton atomic / cuda bwd | max abs diff dq, dk, dv vs det. |")
     print("|---|---|---|---|---|---|---|---|---|")
     scale = 1 / math.sqrt(D)
+    splits = []
     for L in lengths:
         for W in widths:
             q, k, v, idx = inputs(L, W)
@@ -121,8 +125,12 @@ def backward_table(lengths, widths):
                 continue
             print(f"| {L} | {W} | {t_fwd:.3f} | {t_atomic:.3f} | {t_det:.3f} | {t_cuda:.3f} | "
                   f"{t_cuda / t_fwd:.2f} | {t_atomic / t_cuda:.2f} | {diffs} |", flush=True)
+            if split:
+                splits.append((L, W, per_kernel(cuda)))
             del q, k, v, idx
             torch.cuda.empty_cache()
+    for L, W, rows in splits:
+        print_split(rows, f"CUDA index backward, L={L} W={W}")
 
 
 def main():
@@ -132,6 +140,8 @@ def main():
     ap.add_argument("--widths", default="16,64,256")
     ap.add_argument("--backward", action="store_true",
                     help="the backward table (CUDA index backward vs Triton) instead")
+    ap.add_argument("--split", action="store_true",
+                    help="with --backward: the CUDA backward's GPU time per kernel (profiler)")
     ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128, 256))
     ap.add_argument("--variants", default="",
                     help="FLEXSPARSE_CUDA_DEBUG values to time the CUDA forward under too")
@@ -139,7 +149,8 @@ def main():
     D = a.head_dim
     variants = [int(x) for x in a.variants.split(",") if x]
     if a.backward:
-        backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))))
+        backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))),
+                       a.split)
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")

@@ -10,30 +10,17 @@ import os
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 import flexsparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
+from benchmarks import kernel_split  # noqa: E402
 from benchmarks.bench import flex_block_mask, make_case, parse_rows  # noqa: E402
+from benchmarks.kernel_split import print_split  # noqa: E402
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 
 
 def per_kernel(step, title, reps=5):
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    print(f"## {title}: GPU time per step by kernel (us), {reps} steps")
-    rows = [(e.key, e.device_time_total / reps, e.count // reps)
-            for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(t for _, t, _ in rows)
-    for name, t, n in sorted(rows, key=lambda r: -r[1])[:12]:
-        print(f"{t:9.1f} us {100 * t / total:5.1f}%  x{n}  {name[:110]}")
-    print(f"{total:9.1f} us total")
+    print_split(kernel_split.per_kernel(step, reps), f"{title}, {reps} steps")
 
 
 def main():
