@@ -15,9 +15,11 @@ or 256 times that head dim instead of 128.
 no float atomics, deterministic) against the Triton index backward in its two modes
 (atomic dK/dV, and the deterministic sorted mode), each over the CUDA forward's out and
 lse, with the CUDA backward's time over the CUDA forward's (issue 17 asks <= 2) and the
-largest difference of dq, dk, dv from the Triton deterministic backward. --split adds the
-CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count, scan and
-sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
+largest difference of dq, dk, dv from the Triton deterministic backward. With --variants
+the CUDA backward is timed again under each value (17179869184: the dK/dV pass with its
+query rows loaded a step ahead). --split adds the CUDA backward's GPU time per kernel
+(prep, dQ pass, the transposed lists' count, scan and sort, dK/dV pass;
+benchmarks/kernel_split.py) after the table.
 
 Random sorted lists (B=1, Hq=16, Hkv=4, hd 128, bf16). "gathered TB/s" counts the K and V
 rows each kv head's lists name (B*Hkv*L*W*(D+Dv)*2 bytes) over the forward's time: the G
@@ -86,13 +88,14 @@ def probe(k, v, idx):
     return bench(fn), 2 * flat.numel() * D * k.element_size()
 
 
-def backward_table(lengths, widths, split=False):
+def backward_table(lengths, widths, split=False, variants=()):
     from flexsparse.ops import triton_indices as ti
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; backward over the CUDA forward's out, lse")
     print("| L | W | cuda fwd ms | triton bwd ms (atomic) | triton bwd ms (det.) | cuda bwd ms "
-          "| cuda bwd / cuda fwd | triton atomic / cuda bwd | max abs diff dq, dk, dv vs det. |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| cuda bwd / cuda fwd | triton atomic / cuda bwd | max abs diff dq, dk, dv vs det. |"
+          + "".join(f" cuda bwd ms, debug {bits} |" for bits in variants))
+    print("|---" * (9 + len(variants)) + "|")
     scale = 1 / math.sqrt(D)
     splits = []
     for L in lengths:
@@ -116,6 +119,7 @@ def backward_table(lengths, widths, split=False):
                 t_atomic = bench(tri(False))
                 t_det = bench(tri(True))
                 t_cuda = bench(cuda)
+                t_var = [with_debug(bits, lambda: bench(cuda)) for bits in variants]
                 ref = tri(True)()[:3]
                 got = cuda()[:3]
                 diffs = ", ".join(f"{(a.float() - b.float()).abs().max().item():.1e}"
@@ -124,7 +128,8 @@ def backward_table(lengths, widths, split=False):
                 print(f"| {L} | {W} | failed: {type(err).__name__}: {str(err)[:150]} |")
                 continue
             print(f"| {L} | {W} | {t_fwd:.3f} | {t_atomic:.3f} | {t_det:.3f} | {t_cuda:.3f} | "
-                  f"{t_cuda / t_fwd:.2f} | {t_atomic / t_cuda:.2f} | {diffs} |", flush=True)
+                  f"{t_cuda / t_fwd:.2f} | {t_atomic / t_cuda:.2f} | {diffs} |"
+                  + "".join(f" {t:.3f} |" for t in t_var), flush=True)
             if split:
                 splits.append((L, W, per_kernel(cuda)))
             del q, k, v, idx
@@ -150,7 +155,7 @@ def main():
     variants = [int(x) for x in a.variants.split(",") if x]
     if a.backward:
         backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))),
-                       a.split)
+                       a.split, variants)
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")

@@ -379,6 +379,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> index_attention_backward(
   IndexBackwardParams bp;
   bp.fwd = index_params(in, idx, scale, softcap);
   IndexParams& p = bp.fwd;
+  const int64_t bits = debug_bits();   // the dK/dV pass's probe bit: index_bwd.cu
+  p.debug = debug_low(bits);
+  p.debug_high = static_cast<int>(bits >> 31);
   const Tensor& q = in.q;
   FLEXSPARSE_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
               "flexsparse cuda: out ", out.sizes(), " and grad_out ", grad_out.sizes(),

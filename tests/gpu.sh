@@ -162,7 +162,7 @@ if [[ " $parts " == *" ibwd "* ]]; then
     > "$OUT/ibwd_tests.log" 2>&1
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split} 2>&1 \
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --variants 17179869184} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
 fi
 # Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":

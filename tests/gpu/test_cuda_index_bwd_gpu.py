@@ -171,6 +171,27 @@ def test_bitwise_deterministic(D):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_prefetched_rows_are_bitwise_the_same(D, monkeypatch):
+    """FLEXSPARSE_CUDA_DEBUG bit 17179869184: the dK/dV pass loads a step's query rows one
+    step ahead, with a 32-bit pair counter. The arithmetic and its order are the default's:
+    bitwise the same dq, dk, dv, with padding, out-of-range entries, duplicates, keys no
+    list names and segments of every length mod the step (G = 1, 3, 8, 17); and the
+    float64 rule holds."""
+    for G, W, seed in ((1, 7, 1), (3, 40, 2), (8, 100, 3), (17, 5, 4)):
+        q, k, v, idx = TI._make(2, 2 * G, 2, 61, 203, D, D, W, torch.bfloat16, seed=seed + D)
+        idx[0, 1, 5] = -1
+        idx[1, 0, 3, : min(W, 3)] = 7                     # duplicates of key 7
+        idx = torch.where(idx >= 190, -1, idx)           # keys 190-202 listed by nobody
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        fwd, want = run(q, k, v, idx)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "17179869184")
+        got = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), (name, G, W)
+    check(q, k, v, idx)
+
+
 def test_index_layouts_int64_strided_broadcast():
     """int64 lists, a strided view and lists broadcast over batch and kv heads give bitwise
     the gradients of the same lists as contiguous int32 (one sorted list per (b, h))."""
