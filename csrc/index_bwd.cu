@@ -49,28 +49,35 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kKeys = 16;    // gathered keys per stage
 constexpr int kHeads = 16;   // query heads per warp (the MMA's M)
 
-// dQ pass: stages per warp and warps per CTA. Shared memory per warp: Q and dO tiles
-// (2 x 16 x D) and kStages x 16 rows of K and of V. D=64: 20 KB/warp (4 warps, 2 CTAs per
-// SM); D=128: 32 KB/warp (3 warps, 2 CTAs per SM); D=256: 48 KB/warp (4 warps, 1 CTA).
-template <int kD>
+// dQ pass: stages per warp, warps per CTA and the minimum CTAs per SM of
+// __launch_bounds__ (0: none). Shared memory per warp: Q and dO tiles (2 x 16 x D) and
+// kStages x 16 rows of K and of V. D=64: 20 KB/warp (4 warps, 2 CTAs per SM); D=128:
+// 32 KB/warp (3 warps, 2 CTAs per SM); D=256: 48 KB/warp (4 warps, 1 CTA).
+// kOneStage (FLEXSPARSE_CUDA_DEBUG bit 34359738368, not yet measured; the forward's C71
+// for this pass): one stage, so more warps fit an SM: D=64 8 KB/warp, 2 x 8 warps (128
+// registers); D=128 16 KB/warp, 3 x 4 warps (170 registers); D=256 32 KB/warp, 2 x 3.
+template <int kD, bool kOneStage = false>
 struct Config;
-template <>
-struct Config<64> {
-  static constexpr int kStages = 4, kWarps = 4;
+template <bool kOneStage>
+struct Config<64, kOneStage> {
+  static constexpr int kStages = kOneStage ? 1 : 4, kWarps = kOneStage ? 8 : 4;
+  static constexpr int kMinBlocks = kOneStage ? 2 : 0;
 };
-template <>
-struct Config<128> {
-  static constexpr int kStages = 3, kWarps = 3;
+template <bool kOneStage>
+struct Config<128, kOneStage> {
+  static constexpr int kStages = kOneStage ? 1 : 3, kWarps = kOneStage ? 4 : 3;
+  static constexpr int kMinBlocks = kOneStage ? 3 : 0;
 };
-template <>
-struct Config<256> {
-  static constexpr int kStages = 2, kWarps = 4;
+template <bool kOneStage>
+struct Config<256, kOneStage> {
+  static constexpr int kStages = kOneStage ? 1 : 2, kWarps = kOneStage ? 3 : 4;
+  static constexpr int kMinBlocks = 0;
 };
 
-template <int kD>
+template <int kD, bool kOneStage>
 constexpr int warp_smem_bytes() {
-  return (2 * kHeads * kD + 2 * Config<kD>::kStages * kKeys * kD) * 2 +
-         Config<kD>::kStages * kKeys * 4;
+  return (2 * kHeads * kD + 2 * Config<kD, kOneStage>::kStages * kKeys * kD) * 2 +
+         Config<kD, kOneStage>::kStages * kKeys * 4;
 }
 
 using namespace warp_mma;   // cp.async, ldmatrix, Mma<T>, swizzle (warp_mma.cuh)
@@ -111,12 +118,13 @@ __global__ void __launch_bounds__(256) prep_kernel(const IndexBackwardParams p, 
 
 // ------------------------------------------------------------------ 2. dQ
 
-template <typename T, int kD>
-__global__ void __launch_bounds__(Config<kD>::kWarps * 32)
+template <typename T, int kD, bool kOneStage>
+__global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
+                                  Config<kD, kOneStage>::kMinBlocks)
     dq_kernel(const IndexBackwardParams bp, const float2* rowstat) {
   const IndexParams& p = bp.fwd;
-  constexpr int kStages = Config<kD>::kStages;
-  constexpr int kWarps = Config<kD>::kWarps;
+  constexpr int kStages = Config<kD, kOneStage>::kStages;
+  constexpr int kWarps = Config<kD, kOneStage>::kWarps;
   constexpr int kChunks = kD / 8;
   constexpr int kTile = kKeys * kD;
   constexpr int kSteps = kD / 16;
@@ -125,7 +133,7 @@ __global__ void __launch_bounds__(Config<kD>::kWarps * 32)
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD>());
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage>());
   T* s_do = s_q + kHeads * kD;
   T* s_k = s_do + kHeads * kD;
   T* s_v = s_k + kStages * kTile;
@@ -550,6 +558,21 @@ Layout layout(IndexBackwardParams const& bp) {
   return L;
 }
 
+template <typename T, int kD, bool kOneStage>
+void launch_dq(IndexBackwardParams const& bp, const float2* rowstat, cudaStream_t stream) {
+  const IndexParams& p = bp.fwd;
+  constexpr int kWarps = Config<kD, kOneStage>::kWarps;
+  constexpr int smem = kWarps * warp_smem_bytes<kD, kOneStage>();
+  const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
+  const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
+  if (items == 0) return;
+  auto kernel = dq_kernel<T, kD, kOneStage>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
+      bp, rowstat);
+  CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename T, int kD>
 void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
   const IndexParams& p = bp.fwd;
@@ -569,20 +592,11 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
     CUDA_CHECK(cudaGetLastError());
   }
-  // 2. dQ
-  {
-    constexpr int kWarps = Config<kD>::kWarps;
-    constexpr int smem = kWarps * warp_smem_bytes<kD>();
-    const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
-    const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
-    if (items > 0) {
-      auto kernel = dq_kernel<T, kD>;
-      CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
-          bp, rowstat);
-      CUDA_CHECK(cudaGetLastError());
-    }
-  }
+  // 2. dQ (bit 34359738368: the one-stage kernel)
+  if (p.debug_high & 16)
+    launch_dq<T, kD, true>(bp, rowstat, stream);
+  else
+    launch_dq<T, kD, false>(bp, rowstat, stream);
   // 3. transposed lists
   if (L.buckets > 0) {
     CUDA_CHECK(cudaMemsetAsync(counts, 0, L.buckets * sizeof(int32_t), stream));
