@@ -134,7 +134,7 @@ struct IndexParams : AttentionTensors {
   int D = 0;
   int G = 1;                // Hq / Hkv
   int debug = 0;            // FLEXSPARSE_CUDA_DEBUG bits 0-30 (index_fwd.cu)
-  int debug_high = 0;       // its bits 31 and up, shifted down by 31 (index_fwd.cu's launch)
+  int debug_high = 0;       // its bits 31 and up, shifted down by 31 (the index kernels)
 };
 
 // The index backward (index_bwd.cu): gradients of out (and optionally lse) to dq, dk, dv
