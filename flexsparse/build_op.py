@@ -5,7 +5,7 @@ csrc/build_ops.h and csrc/build_masks.cu, part of flexsparse._C).
 
 Each call allocates every output in C++ and, on CUDA, runs two kernels for the usual
 sizes (one more for a row of more than 2048 documents, one more past ~160K tokens at
-block 128; with FLEXSPARSE_CUDA_DEBUG=8589934592, not yet run on a GPU, one for
+block 128; with FLEXSPARSE_CUDA_DEBUG=8589934592, measured no faster, one for
 documents and prefix-LM up to 256K tokens): no host synchronization, sizes from the
 shapes only. Documents and prefix-LM get the range form of
 `blocklists.column_range_range_descriptor` (what the compact build gives them; O(N /
