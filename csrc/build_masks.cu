@@ -1,7 +1,7 @@
 // The CUDA kernels of the mask-build ops (build_masks.h says what they compute), no host
 // synchronization, workspace O(N / block). Under FLEXSPARSE_CUDA_DEBUG bit 8589934592
-// (opt-in: within noise of the default on an H200), documents (up to kSharedDocs documents per row) and prefix-LM up to
-// kFusedMaxKeyBlocks key blocks take one launch:
+// (opt-in: within noise of the default on an H200), documents (up to kSharedDocs
+// documents per row) and prefix-LM up to kFusedMaxKeyBlocks key blocks take one launch:
 //
 //   fused_kernel        per row, CTA 0 makes the query blocks' forward and dQ lists from
 //                       bounds it computes from each key block's first and last column
