@@ -98,16 +98,28 @@ AUTO_BIAS_HEAD_DIMS = (64, 128)
 # far slower than Triton's deterministic mode (H100: full 8K 241 vs 435 TFLOP/s, causal
 # 136 vs 417; docs/perf-notes.md C13), so "auto" leaves deterministic training to Triton.
 AUTO_DETERMINISTIC = False
+# Index masks: the CUDA index forward (csrc/index_fwd.cu) against the Triton one, in one
+# process (H200, 2026-11-29, benchmarks.cuda_index_bench, B=1, Hq=16, Hkv=4, bf16, random
+# sorted lists, L 8K and 32K, W 16/64/256; docs/benchmarks.md): 1.26-1.75x at hd128,
+# 1.46-2.27x at hd64, 1.33-1.67x at hd256. Measured at 4 query heads per kv head, without
+# a bias or softcap: "auto" takes it there. Gradients keep their own route
+# (index_backward_kernel below: Triton's atomic backward, or with deterministic=True the
+# CUDA one, 1.4-1.7x Triton's deterministic mode), over the CUDA forward's out and lse.
+AUTO_INDEX_HEAD_DIMS = (64, 128, 256)
+AUTO_INDEX_GROUPS = (4,)
 
 
 def preferred_for(query, key, value, bias, mask, needs_grad: bool,
                   deterministic: bool = False, softcap: bool = False) -> bool:
     """Whether "auto" should run these inputs here (call_not_supported_reasons found
     none): the table above, from shapes, strides and flags only (no host sync, so also
-    inside torch.compile). `softcap`: whether one is given. Not for index masks until
-    bench_indices has measured where the CUDA index forward beats Triton's."""
+    inside torch.compile). `softcap`: whether one is given."""
     if mask.attn_indices is not None:
-        return False
+        if bias is not None or softcap or query.shape[-1] not in AUTO_INDEX_HEAD_DIMS:
+            return False
+        # heads per kv head read only where known without a guard (as the bias rule below)
+        return any(statically_known_true(query.shape[1] == g * key.shape[1])
+                   for g in AUTO_INDEX_GROUPS)
     if needs_grad and deterministic and not AUTO_DETERMINISTIC:
         return False
     if mask.dense_mask is not None or mask.partial_bits is not None:

@@ -607,6 +607,23 @@ def test_auto_picks_cuda_where_measured_faster():
         a = flexsparse.attention(q, q, q, causal)
     torch.testing.assert_close(a, flexsparse.attention(q, q, q, causal, backend="triton"),
                                atol=2e-2, rtol=2e-2)
+    # index masks: cuda at 4 query heads per kv head (AUTO_INDEX_GROUPS), no bias or softcap;
+    # gradients then come from the Triton index backward (or, deterministic, the CUDA one)
+    q8 = torch.randn(1, 8, L, 128, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(1, 2, L, 128, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
+    lists = torch.randint(-1, L, (1, 2, L, 32), device=T.DEV, dtype=torch.int32)
+    imt = M.indices(lists).compile(1, 8, 2, L, L, device=T.DEV).mask_tensors()
+    assert B.choose(q8, kv, kv, None, imt, False) == "cuda"
+    assert B.choose(q8, kv, kv, None, imt, True) == "cuda"
+    assert B.choose(q8, kv, kv, None, imt, True, softcap=True) == "triton"
+    assert B.choose(q, q, q, None, imt, False) == "triton"          # one head per kv head
+    got = flexsparse.attention(q8, kv, kv, M.indices(lists))
+    want = flexsparse.attention(q8, kv, kv, M.indices(lists), backend="triton")
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    g_got = torch.autograd.grad(got.float().square().sum(), (q8, kv))
+    g_want = torch.autograd.grad(want.float().square().sum(), (q8, kv))
+    for x, y in zip(g_got, g_want):
+        torch.testing.assert_close(x, y, atol=5e-2, rtol=5e-2)
 
 
 def test_compiled_graph_calls_the_cuda_op_one_frame():
