@@ -9,7 +9,7 @@ FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bit
 index forward's: 536870912, the kernel before C70's arithmetic; 1073741824, 64-bit row
 addressing; 2147483648, the pipelined kernel instead of the one-stage one, C71). Values
 add: 3221225472 = the default before C71 (pipelined, 64-bit addressing). --head-dim 64
-or 256 times that head dim instead of 128.
+or 256 times that head dim instead of 128; --heads 8,8 (query, kv heads) another ratio.
 
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes
@@ -139,7 +139,7 @@ def backward_table(lengths, widths, split=False, variants=()):
 
 
 def main():
-    global D
+    global D, HQ, HKV
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--widths", default="16,64,256")
@@ -148,10 +148,14 @@ def main():
     ap.add_argument("--split", action="store_true",
                     help="with --backward: the CUDA backward's GPU time per kernel (profiler)")
     ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128, 256))
+    ap.add_argument("--heads", default=f"{HQ},{HKV}",
+                    help="query heads,kv heads (the rule of \"auto\" for index masks is "
+                         "measured per ratio: ops/cuda_backend.AUTO_INDEX_GROUPS)")
     ap.add_argument("--variants", default="",
                     help="FLEXSPARSE_CUDA_DEBUG values to time the CUDA forward under too")
     a = ap.parse_args()
     D = a.head_dim
+    HQ, HKV = map(int, a.heads.split(","))
     variants = [int(x) for x in a.variants.split(",") if x]
     if a.backward:
         backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))),
