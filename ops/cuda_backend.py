@@ -204,8 +204,8 @@ def call_not_supported_reasons(query, key, value, bias, mask, block_q: int, bloc
                                needs_grad: bool, deterministic: bool = False) -> list:
     """Why this backend cannot run a call (empty: it can): its forward kernels; for block
     masks the descriptor's block sizes and, with gradients wanted, the CUDA backward; for
-    index masks, with gradients wanted, the Triton index backward (it gives them unless
-    index_backward_kernel picks the CUDA one, which runs wherever Triton's does)."""
+    index masks, with gradients wanted, the Triton index backward (index_backward_kernel
+    falls back to it wherever the CUDA one is not chosen or cannot run)."""
     reasons = not_supported_reasons(query, key, value, bias, mask)
     if reasons:
         return reasons
