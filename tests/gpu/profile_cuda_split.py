@@ -10,17 +10,17 @@ import os
 import sys
 
 import torch
+
 import flexsparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
-from benchmarks import kernel_split  # noqa: E402
 from benchmarks.bench import flex_block_mask, make_case, parse_rows  # noqa: E402
-from benchmarks.kernel_split import print_split  # noqa: E402
+from benchmarks.kernel_split import per_kernel as kernel_times, print_split  # noqa: E402
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 
 
 def per_kernel(step, title, reps=5):
-    print_split(kernel_split.per_kernel(step, reps), f"{title}, {reps} steps")
+    print_split(kernel_times(step, reps), f"{title}, {reps} steps")
 
 
 def main():
