@@ -5,11 +5,12 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
     python -m benchmarks.cuda_index_bench --backward [--split] [--lengths ...] [--widths ...]
 
 --variants 1,2 adds columns: the CUDA forward timed again under each of those
-FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits; the
-index forward's: 536870912, the kernel before C70's arithmetic; 1073741824, 64-bit row
-addressing; 2147483648, the pipelined kernel instead of the one-stage one, C71). Values
-add: 3221225472 = the default before C71 (pipelined, 64-bit addressing). --head-dim 64
-or 256 times that head dim instead of 128; --heads 8,8 (query, kv heads) another ratio.
+FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits, the
+settings taking turns --rounds times; the index forward's: 536870912, the kernel before
+C70's arithmetic; 1073741824, 64-bit row addressing; 2147483648, the pipelined kernel
+instead of the one-stage one, C71). Values add: 3221225472 = the default before C71
+(pipelined, 64-bit addressing). --head-dim 64 or 256 times that head dim instead of 128;
+--heads 8,8 (query, kv heads) another ratio.
 
 --backward prints the backward table instead: the CUDA index backward (csrc/index_bwd.cu,
 no float atomics, deterministic) against the Triton index backward in its two modes
@@ -39,6 +40,7 @@ reads and gathers per entry; on the H100 it reached only 0.42 TB/s, so it is no 
 """
 import argparse
 import math
+import statistics
 
 import torch
 import triton.testing
@@ -55,6 +57,17 @@ B, HQ, HKV, D = 1, 16, 4, 128
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def in_turns(fn, variants, rounds):
+    """Median ms of fn() by default and under each FLEXSPARSE_CUDA_DEBUG value, the
+    settings taking turns `rounds` times (so that a drift of the machine reaches all)."""
+    times = [[] for _ in range(1 + len(variants))]
+    for _ in range(rounds):
+        times[0].append(bench(fn))
+        for i, bits in enumerate(variants):
+            times[1 + i].append(with_debug(bits, lambda: bench(fn)))
+    return [statistics.median(t) for t in times]
 
 
 def inputs(L, W, seed=0):
@@ -88,7 +101,7 @@ def probe(k, v, idx):
     return bench(fn), 2 * flat.numel() * D * k.element_size()
 
 
-def backward_table(lengths, widths, split=False, variants=()):
+def backward_table(lengths, widths, split=False, variants=(), rounds=1):
     from flexsparse.ops import triton_indices as ti
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; backward over the CUDA forward's out, lse")
@@ -118,8 +131,7 @@ def backward_table(lengths, widths, split=False, variants=()):
                 t_fwd = bench(forward("cuda", q, k, v, idx))
                 t_atomic = bench(tri(False))
                 t_det = bench(tri(True))
-                t_cuda = bench(cuda)
-                t_var = [with_debug(bits, lambda: bench(cuda)) for bits in variants]
+                t_cuda, *t_var = in_turns(cuda, variants, rounds)
                 ref = tri(True)()[:3]
                 got = cuda()[:3]
                 diffs = ", ".join(f"{(a.float() - b.float()).abs().max().item():.1e}"
@@ -147,6 +159,9 @@ def main():
                     help="the backward table (CUDA index backward vs Triton) instead")
     ap.add_argument("--split", action="store_true",
                     help="with --backward: the CUDA backward's GPU time per kernel (profiler)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the CUDA timings (default and --variants) taking turns this many "
+                         "times, medians reported")
     ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128, 256))
     ap.add_argument("--heads", default=f"{HQ},{HKV}",
                     help="query heads,kv heads (the rule of \"auto\" for index masks is "
@@ -157,9 +172,10 @@ def main():
     D = a.head_dim
     HQ, HKV = map(int, a.heads.split(","))
     variants = [int(x) for x in a.variants.split(",") if x]
+    rounds = a.rounds
     if a.backward:
         backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))),
-                       a.split, variants)
+                       a.split, variants, a.rounds)
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={B} Hq={HQ} "
           f"Hkv={HKV} D={D}, random sorted lists; TB/s of gathered K/V rows")
@@ -174,9 +190,7 @@ def main():
             gathered = B * HKV * L * W * 2 * D * q.element_size()
             try:
                 t_tri = bench(forward("triton", q, k, v, idx))
-                t_cuda = bench(forward("cuda", q, k, v, idx))
-                t_var = [with_debug(bits, lambda: bench(forward("cuda", q, k, v, idx)))
-                         for bits in variants]
+                t_cuda, *t_var = in_turns(forward("cuda", q, k, v, idx), variants, rounds)
                 diff = (forward("triton", q, k, v, idx)().float()
                         - forward("cuda", q, k, v, idx)().float()).abs().max().item()
                 t_probe, probe_bytes = probe(k, v, idx)

@@ -169,7 +169,7 @@ if [[ " $parts " == *" ibwd "* ]]; then
     -k "probe_kernels or fully_padded or duplicates" > "$OUT/ibwd_memcheck.log" 2>&1
   rc=$?; echo "ibwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ibwd_memcheck.log" | tail -3
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --variants 17179869184,34359738368,51539607552} 2>&1 \
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 17179869184,34359738368,51539607552} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
 fi
 # Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":
