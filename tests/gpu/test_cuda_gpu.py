@@ -622,8 +622,8 @@ def test_auto_picks_cuda_where_measured_faster():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     g_got = torch.autograd.grad(got.float().square().sum(), (q8, kv))
     g_want = torch.autograd.grad(want.float().square().sum(), (q8, kv))
-    for x, y in zip(g_got, g_want):
-        torch.testing.assert_close(x, y, atol=5e-2, rtol=5e-2)
+    for x, y in zip(g_got, g_want):   # same backward kernel, over two forwards' out and lse
+        torch.testing.assert_close(x, y, atol=2e-2 * y.abs().max().item(), rtol=5e-2)
 
 
 def test_compiled_graph_calls_the_cuda_op_one_frame():
