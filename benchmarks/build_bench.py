@@ -29,7 +29,7 @@ import torch
 from flexsparse import masks as M
 from flexsparse.descriptor import STATIC_MAX_BLOCKS
 
-from .debug_bits import with_debug
+from .debug_bits import in_turns, with_debug
 
 H, BLOCK = 16, 128
 
@@ -81,16 +81,11 @@ def time_us(fn, reps):
     return statistics.median(times)
 
 
-def turns(fn, variants, reps, rounds=3):
+def turns(fn, variants, reps):
     """Median µs of fn() by default and under each FLEXSPARSE_CUDA_DEBUG value in
-    `variants`, the settings taking turns `rounds` times (with no variants: one timing)."""
-    if not variants:
-        return time_us(fn, reps), []
-    times = {v: [] for v in [None] + list(variants)}
-    for _ in range(rounds):
-        for v in times:
-            times[v].append(time_us(fn, reps) if v is None else with_debug(v, lambda: time_us(fn, reps)))
-    return statistics.median(times[None]), [statistics.median(times[v]) for v in variants]
+    `variants`, the settings taking turns three times (with no variants: one timing)."""
+    default, *var_times = in_turns(lambda: time_us(fn, reps), variants, 3 if variants else 1)
+    return default, var_times
 
 
 def host_syncs(fn):

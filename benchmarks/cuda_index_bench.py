@@ -18,9 +18,9 @@ no float atomics, deterministic) against the Triton index backward in its two mo
 lse, with the CUDA backward's time over the CUDA forward's (issue 17 asks <= 2) and the
 largest difference of dq, dk, dv from the Triton deterministic backward. With --variants
 the CUDA backward is timed again under each value (17179869184: the dK/dV pass with its
-query rows loaded a step ahead; 34359738368: the dQ pass with one stage). --split adds the CUDA backward's GPU time per kernel
-(prep, dQ pass, the transposed lists' count, scan and sort, dK/dV pass;
-benchmarks/kernel_split.py) after the table.
+query rows loaded a step ahead; 34359738368: the dQ pass with one stage). --split adds
+the CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count, scan
+and sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 
 Random sorted lists (B=1, Hq=16, Hkv=4, hd 128, bf16). "gathered TB/s" counts the K and V
 rows each kv head's lists name (B*Hkv*L*W*(D+Dv)*2 bytes) over the forward's time: the G
@@ -40,7 +40,6 @@ reads and gathers per entry; on the H100 it reached only 0.42 TB/s, so it is no 
 """
 import argparse
 import math
-import statistics
 
 import torch
 import triton.testing
@@ -48,7 +47,7 @@ import triton.testing
 import flexsparse  # noqa: F401  (registers torch.ops.flexsparse)
 from flexsparse.ops import MaskTensors
 
-from .debug_bits import with_debug
+from .debug_bits import in_turns
 from .gather_probe import ceiling
 from .kernel_split import per_kernel, print_split
 
@@ -57,17 +56,6 @@ B, HQ, HKV, D = 1, 16, 4, 128
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def in_turns(fn, variants, rounds):
-    """Median ms of fn() by default and under each FLEXSPARSE_CUDA_DEBUG value, the
-    settings taking turns `rounds` times (so that a drift of the machine reaches all)."""
-    times = [[] for _ in range(1 + len(variants))]
-    for _ in range(rounds):
-        times[0].append(bench(fn))
-        for i, bits in enumerate(variants):
-            times[1 + i].append(with_debug(bits, lambda: bench(fn)))
-    return [statistics.median(t) for t in times]
 
 
 def inputs(L, W, seed=0):
@@ -131,7 +119,7 @@ def backward_table(lengths, widths, split=False, variants=(), rounds=1):
                 t_fwd = bench(forward("cuda", q, k, v, idx))
                 t_atomic = bench(tri(False))
                 t_det = bench(tri(True))
-                t_cuda, *t_var = in_turns(cuda, variants, rounds)
+                t_cuda, *t_var = in_turns(lambda: bench(cuda), variants, rounds)
                 ref = tri(True)()[:3]
                 got = cuda()[:3]
                 diffs = ", ".join(f"{(a.float() - b.float()).abs().max().item():.1e}"
@@ -172,7 +160,6 @@ def main():
     D = a.head_dim
     HQ, HKV = map(int, a.heads.split(","))
     variants = [int(x) for x in a.variants.split(",") if x]
-    rounds = a.rounds
     if a.backward:
         backward_table(list(map(int, a.lengths.split(","))), list(map(int, a.widths.split(","))),
                        a.split, variants, a.rounds)
@@ -190,7 +177,8 @@ def main():
             gathered = B * HKV * L * W * 2 * D * q.element_size()
             try:
                 t_tri = bench(forward("triton", q, k, v, idx))
-                t_cuda, *t_var = in_turns(forward("cuda", q, k, v, idx), variants, rounds)
+                cuda = forward("cuda", q, k, v, idx)
+                t_cuda, *t_var = in_turns(lambda: bench(cuda), variants, a.rounds)
                 diff = (forward("triton", q, k, v, idx)().float()
                         - forward("cuda", q, k, v, idx)().float()).abs().max().item()
                 t_probe, probe_bytes = probe(k, v, idx)

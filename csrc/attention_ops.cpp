@@ -261,7 +261,8 @@ bool any_present(std::initializer_list<std::reference_wrapper<const OptTensor>> 
 }
 
 // Index mode (docs/design.md, "Index mode"): the kernel arguments of query, key, value,
-// bias and the lists (index_fwd.cu and index_bwd.cu), all but out and lse.
+// bias and the lists (index_fwd.cu and index_bwd.cu), all but out and lse, and the
+// FLEXSPARSE_CUDA_DEBUG bits both kernels read.
 IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double softcap) {
   check_qkv(in);
   const Tensor& q = in.q;
@@ -287,6 +288,9 @@ IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double sof
   p.idx_int64 = idx.scalar_type() == at::kLong;
   p.idx_sb = bstride(idx, 0); p.idx_sh = bstride(idx, 1);
   p.idx_sq = idx.stride(2); p.idx_sw = idx.stride(3);
+  const int64_t bits = debug_bits();
+  p.debug = debug_low(bits);
+  p.debug_high = static_cast<int>(bits >> 31);
   return p;
 }
 
@@ -294,9 +298,6 @@ IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double sof
 std::tuple<Tensor, Tensor> index_attention(Inputs& in, const Tensor& idx, double scale,
                                            double softcap) {
   IndexParams p = index_params(in, idx, scale, softcap);
-  const int64_t bits = debug_bits();
-  p.debug = debug_low(bits);
-  p.debug_high = static_cast<int>(bits >> 31);
   const Tensor& q = in.q;
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, q.options().dtype(at::kFloat));
@@ -381,9 +382,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> index_attention_backward(
   IndexBackwardParams bp;
   bp.fwd = index_params(in, idx, scale, softcap);
   IndexParams& p = bp.fwd;
-  const int64_t bits = debug_bits();   // the dK/dV pass's probe bit: index_bwd.cu
-  p.debug = debug_low(bits);
-  p.debug_high = static_cast<int>(bits >> 31);
   const Tensor& q = in.q;
   FLEXSPARSE_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(),
               "flexsparse cuda: out ", out.sizes(), " and grad_out ", grad_out.sizes(),

@@ -181,8 +181,8 @@ def test_strided_and_misaligned_inputs():
 def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
     """32-bit row addressing (the default; ignore-src copies for inactive slots) and the
     64-bit addressing of FLEXSPARSE_CUDA_DEBUG bit 1073741824 fetch rows differently with
-    the same arithmetic: bitwise the same result, on strided (B, L, H, D) inputs with -1 and out-of-range entries (both tile
-    kinds: G = 4 half rows, G = 12 all 16)."""
+    the same arithmetic: bitwise the same result, on strided (B, L, H, D) inputs with -1
+    and out-of-range entries (both tile kinds: G = 4 half rows, G = 12 all 16)."""
     torch.manual_seed(6)
     B, L, Hkv, D = 2, 97, 2, 128
     q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
