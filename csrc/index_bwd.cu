@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
   const T* do_base = static_cast<const T*>(bp.dout) + b * bp.do_sb + col;
 
   // kPrefetchRows: the query rows of the next step's pairs (0 past the segment).
-  int32_t next_qi[kPrefetchRows ? kU : 1];
+  int32_t next_qi[kU];
   auto load_step_rows = [&](PairIndex r0) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
     uint4 q_raw[kU], do_raw[kU];   // raw rows: converted in the math, fewer registers
     float l2[kU], dl[kU], bv[kU];
     bool ok[kU];
-    int32_t step_qi[kPrefetchRows ? kU : 1];
+    int32_t step_qi[kU];
     if constexpr (kPrefetchRows) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) step_qi[u] = next_qi[u];
