@@ -36,7 +36,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
 #include <cub/cub.cuh>
 
 #include "kernels.h"
@@ -51,11 +50,12 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M)
 
 // dQ pass: stages per warp, warps per CTA and the minimum CTAs per SM of
 // __launch_bounds__ (0: none). Shared memory per warp: Q and dO tiles (2 x 16 x D) and
-// kStages x 16 rows of K and of V. D=64: 20 KB/warp (4 warps, 2 CTAs per SM); D=128:
-// 32 KB/warp (3 warps, 2 CTAs per SM); D=256: 48 KB/warp (4 warps, 1 CTA).
-// kOneStage (FLEXSPARSE_CUDA_DEBUG bit 34359738368, not yet measured; the forward's C71
-// for this pass): one stage, so more warps fit an SM: D=64 8 KB/warp, 2 x 8 warps (128
-// registers); D=128 16 KB/warp, 3 x 4 warps (170 registers); D=256 32 KB/warp, 2 x 3.
+// kStages x 16 rows of K and of V. The default (kOneStage) has one stage, so more warps fit
+// an SM (more gathers in flight than a deeper pipeline per warp gave; perf-notes C74):
+// D=64 8 KB/warp, 2 x 8 warps (128 registers); D=128 16 KB/warp, 3 x 4 warps (170
+// registers); D=256 32 KB/warp, 2 x 3. The pipelined kernel (FLEXSPARSE_CUDA_DEBUG bit
+// 34359738368, kept for A/Bs): D=64 20 KB/warp (4 warps, 2 CTAs per SM); D=128 32 KB/warp
+// (3 warps, 2 CTAs per SM); D=256 48 KB/warp (4 warps, 1 CTA).
 template <int kD, bool kOneStage = false>
 struct Config;
 template <bool kOneStage>
@@ -367,13 +367,7 @@ __device__ __forceinline__ uint4 load16(const void* src, bool ok) {
   return ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
 }
 
-// kPrefetchRows (FLEXSPARSE_CUDA_DEBUG bit 17179869184, not yet measured): the query
-// rows of a step's pairs (a load from the transposed lists that the pair's Q, dO and row
-// statistics loads wait on) are loaded one step ahead, so a step waits on one round trip
-// to memory instead of two; and the pair counter is 32-bit (its division by G was a
-// 64-bit one per pair; the launch takes this kernel only where Lq * W * G fits). Same
-// arithmetic in the same order: bitwise the same results.
-template <typename T, int kD, bool kPrefetchRows>
+template <typename T, int kD>
 __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
     dkdv_kernel(const IndexBackwardParams bp, const float2* rowstat, const int32_t* counts,
                 const int32_t* starts, const int32_t* qrows) {
@@ -389,8 +383,7 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
   const int64_t nb = (bp.Bi == 1 ? 0 : b) * bp.Hi + (bp.Hi == 1 ? 0 : h);
   const int64_t bucket = nb * (p.Lk + 1) + j;
   const int64_t seg = starts[bucket];
-  using PairIndex = std::conditional_t<kPrefetchRows, int32_t, int64_t>;
-  const PairIndex n_rows = static_cast<PairIndex>(counts[bucket]) * p.G;
+  const int64_t n_rows = static_cast<int64_t>(counts[bucket]) * p.G;
   const int grp = lane / C::kLanes, col = (lane % C::kLanes) * kE;
 
   float kf[kE], vf[kE], dk[kE], dv[kE];
@@ -406,35 +399,18 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
   const T* q_base = static_cast<const T*>(p.q) + b * p.q_sb + col;
   const T* do_base = static_cast<const T*>(bp.dout) + b * bp.do_sb + col;
 
-  // kPrefetchRows: the query rows of the next step's pairs (0 past the segment).
-  int32_t next_qi[kU];
-  auto load_step_rows = [&](PairIndex r0) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const PairIndex rr = r0 + u * kGroups + grp;
-      next_qi[u] = rr < n_rows ? qrows[seg + rr / p.G] : 0;
-    }
-  };
-  if constexpr (kPrefetchRows) load_step_rows(0);
-
-  for (PairIndex r0 = 0; r0 < n_rows; r0 += kGroups * kU) {
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kGroups * kU) {
     uint4 q_raw[kU], do_raw[kU];   // raw rows: converted in the math, fewer registers
     float l2[kU], dl[kU], bv[kU];
     bool ok[kU];
-    int32_t step_qi[kU];
-    if constexpr (kPrefetchRows) {
-#pragma unroll
-      for (int u = 0; u < kU; ++u) step_qi[u] = next_qi[u];
-      load_step_rows(r0 + kGroups * kU);
-    }
     // Loads of kU pairs first (their latencies overlap), then the math.
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const PairIndex rr = r0 + u * kGroups + grp;   // pair: entry rr / G, head rr % G
+      const int64_t rr = r0 + u * kGroups + grp;   // pair: entry rr / G, head rr % G
       ok[u] = rr < n_rows;
-      const PairIndex e = rr / p.G;
+      const int64_t e = rr / p.G;
       const int64_t hq = h * p.G + (rr - e * p.G);
-      const int64_t qi = kPrefetchRows ? step_qi[u] : (ok[u] ? qrows[seg + e] : 0);
+      const int64_t qi = ok[u] ? qrows[seg + e] : 0;
       q_raw[u] = load16(q_base + hq * p.q_sh + qi * p.q_sm, ok[u]);
       do_raw[u] = load16(do_base + hq * bp.do_sh + qi * bp.do_sm, ok[u]);
       const int64_t g_row = (b * p.Hq + hq) * p.Lq + qi;
@@ -592,11 +568,11 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
     CUDA_CHECK(cudaGetLastError());
   }
-  // 2. dQ (bit 34359738368: the one-stage kernel)
+  // 2. dQ (bit 34359738368: the pipelined kernel)
   if (p.debug_high & 16)
-    launch_dq<T, kD, true>(bp, rowstat, stream);
-  else
     launch_dq<T, kD, false>(bp, rowstat, stream);
+  else
+    launch_dq<T, kD, true>(bp, rowstat, stream);
   // 3. transposed lists
   if (L.buckets > 0) {
     CUDA_CHECK(cudaMemsetAsync(counts, 0, L.buckets * sizeof(int32_t), stream));
@@ -618,13 +594,8 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     const int64_t items = p.B * p.Hkv * p.Lk;
     if (items > 0) {
       const unsigned blocks = static_cast<unsigned>((items + C::kWarps - 1) / C::kWarps);
-      // bit 17179869184, where a key's pairs (at most Lq * W * G) fit a 32-bit counter
-      if ((p.debug_high & 8) && p.Lq * p.W * p.G < INT32_MAX - 64)
-        dkdv_kernel<T, kD, true><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts,
-                                                                         starts, vals_out);
-      else
-        dkdv_kernel<T, kD, false><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts,
-                                                                          starts, vals_out);
+      dkdv_kernel<T, kD><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts, starts,
+                                                               vals_out);
       CUDA_CHECK(cudaGetLastError());
     }
   }
