@@ -43,14 +43,18 @@ def test_preferred_for():
     bits = MaskTensors(**_lists(), partial_bits_index=torch.zeros(1, 1, 2, 2, dtype=torch.int32),
                        partial_bits=torch.zeros(1, 128, 4, dtype=torch.int32))
     assert not pick(q, q, q, None, bits, needs_grad=False)
-    # index masks: measured at 4 query heads per kv head, no bias, no softcap
+    # index masks: measured at 1, 2, 4, 8, 16 query heads per kv head, no bias, no softcap
     index = MaskTensors(attn_indices=torch.zeros(1, 1, 256, 4, dtype=torch.int32))
     q8, kv2 = torch.empty(1, 8, 256, 128), torch.empty(1, 2, 256, 128)
     assert pick(q8, kv2, kv2, None, index, needs_grad=False)
     assert pick(q8, kv2, kv2, None, index, needs_grad=True)
     assert pick(q8, kv2, kv2, None, index, needs_grad=True, deterministic=True)
     assert pick(q8[..., :64], kv2[..., :64], kv2[..., :64], None, index, needs_grad=True)
-    assert not pick(q, q, q, None, index, needs_grad=False)            # 1 head per kv head
+    assert pick(q, q, q, None, index, needs_grad=False)                # 1 head per kv head
+    assert pick(torch.empty(1, 32, 256, 128), kv2, kv2, None, index, needs_grad=False)   # 16
+    q6 = torch.empty(1, 6, 256, 128)
+    assert not pick(q6, kv2, kv2, None, index, needs_grad=False)       # 3: not measured
+    assert not pick(torch.empty(1, 64, 256, 128), kv2, kv2, None, index, needs_grad=False)
     assert not pick(q8, kv2, kv2, torch.empty(1, 8, 256, 256), index, needs_grad=False)
     assert not pick(q8, kv2, kv2, None, index, needs_grad=False, softcap=True)
     assert not pick(q8[..., :96], kv2[..., :96], kv2[..., :96], None, index, needs_grad=False)

@@ -607,7 +607,8 @@ def test_auto_picks_cuda_where_measured_faster():
         a = flexsparse.attention(q, q, q, causal)
     torch.testing.assert_close(a, flexsparse.attention(q, q, q, causal, backend="triton"),
                                atol=2e-2, rtol=2e-2)
-    # index masks: cuda at 4 query heads per kv head (AUTO_INDEX_GROUPS), no bias or softcap;
+    # index masks: cuda at 1, 2, 4, 8, 16 query heads per kv head (AUTO_INDEX_GROUPS), no
+    # bias or softcap;
     # gradients then come from the Triton index backward (or, deterministic, the CUDA one)
     q8 = torch.randn(1, 8, L, 128, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
     kv = torch.randn(1, 2, L, 128, device=T.DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -616,7 +617,11 @@ def test_auto_picks_cuda_where_measured_faster():
     assert B.choose(q8, kv, kv, None, imt, False) == "cuda"
     assert B.choose(q8, kv, kv, None, imt, True) == "cuda"
     assert B.choose(q8, kv, kv, None, imt, True, softcap=True) == "triton"
-    assert B.choose(q, q, q, None, imt, False) == "triton"          # one head per kv head
+    assert B.choose(q, q, q, None, M.indices(lists).compile(1, 2, 2, L, L, device=T.DEV)
+                    .mask_tensors(), False) == "cuda"                 # one head per kv head
+    q6 = torch.randn(1, 6, L, 128, device=T.DEV, dtype=torch.bfloat16)
+    imt6 = M.indices(lists).compile(1, 6, 2, L, L, device=T.DEV).mask_tensors()
+    assert B.choose(q6, kv, kv, None, imt6, False) == "triton"        # 3, not measured
     got = flexsparse.attention(q8, kv, kv, M.indices(lists))
     want = flexsparse.attention(q8, kv, kv, M.indices(lists), backend="triton")
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
