@@ -329,12 +329,3 @@ def test_unsupported_inputs_are_refused(what):
     with pytest.raises(ValueError, match="backend: 'cuda' cannot run"):
         flexsparse.attention(q, q, v, M.indices(idx), backend="cuda")
     flexsparse.attention(q, q, v, M.indices(idx), backend="triton")
-
-
-def test_auto_keeps_index_masks_on_triton():
-    """"auto" picks Triton for index masks until the benchmark says where CUDA wins."""
-    q = torch.randn(1, 4, 128, 128, device=DEV, dtype=torch.bfloat16)
-    idx = torch.randint(0, 128, (1, 4, 128, 16), device=DEV, dtype=torch.int32)
-    mt = MaskTensors(attn_indices=idx)
-    for needs_grad in (False, True):
-        assert backends.choose(q, q, q, None, mt, needs_grad) == "triton"
