@@ -102,7 +102,7 @@ AUTO_DETERMINISTIC = False
 # process (H200, 2026-11-29, benchmarks.cuda_index_bench, B=1, bf16, random sorted lists,
 # L 8K and 32K, W 16/64/256; docs/benchmarks.md). At 4 query heads per kv head: 1.26-1.75x
 # at hd128, 1.46-2.27x at hd64, 1.33-1.67x at hd256. At 1, 2, 8 and 16 (Hq/Hkv 16/16, 16/8,
-# 16/2, 32/2): 1.12-3.22x at hd128, 1.27-3.55x at hd64, and at hd256 (1, 2, 16 measured)
+# 16/2, 32/2): 1.12-3.22x at hd128, 1.21-3.55x at hd64, and at hd256 (1, 2, 16 measured)
 # 1.08-1.77x. Without a bias or softcap: "auto" takes it at those group sizes. Gradients
 # keep their own route (index_backward_kernel below: Triton's atomic backward, or with
 # deterministic=True the CUDA one, 1.5-2.3x Triton's deterministic mode), over the CUDA
