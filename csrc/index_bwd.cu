@@ -349,14 +349,6 @@ struct KvConfig {
   static constexpr int kGroups = 32 / kLanes;  // pairs per warp step: 4, 2, 1
   static constexpr int kUnroll = 4;            // steps whose loads are issued together
   static constexpr int kWarps = 8;
-  // The staged kernel (FLEXSPARSE_CUDA_DEBUG bit 17179869184, perf-notes C77): its Q and
-  // dO rows land in shared memory by cp.async, kStages warp steps ahead of the math.
-  // Per warp and stage: kGroups * kUnroll pairs of a Q and a dO row (4 KB at every head
-  // dim) and their row statistics and query rows (16 bytes a pair).
-  static constexpr int kStages = 3;
-  static constexpr int kStepPairs = kGroups * kUnroll;
-  static constexpr int kStageBytes = kStepPairs * (2 * kD * 2 + 16);
-  static constexpr int kWarpSmem = kStages * kStageBytes;
 };
 
 // 8 elements (16 bytes) as 8 floats.
@@ -375,21 +367,10 @@ __device__ __forceinline__ uint4 load16(const void* src, bool ok) {
   return ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
 }
 
-// 8 bytes global -> shared (through L1), or 8 zero bytes written and nothing read.
-__device__ __forceinline__ void cp_async_8_or_zeros(uint32_t dst, const void* src, bool zeros) {
-  asm volatile(
-      "{\n"
-      ".reg .pred z;\n"
-      "setp.ne.b32 z, %2, 0;\n"
-      "cp.async.ca.shared.global [%0], [%1], 8, z;\n"
-      "}\n" ::"r"(dst),
-      "l"(src), "r"(static_cast<int>(zeros))
-      : "memory");
-}
-
 // One (query row, head) pair's share of dK and dV, for this lane's kE columns: the score
 // and dP dot products (reduced over the pair's kLanes lanes), the probability and dS, then
-// dV += p dO and dK += dS Q. Both kernels below run exactly this, in the same order.
+// dV += p dO and dK += dS Q. (A function of its own so that variants of the pass share
+// the arithmetic bit for bit, as C73's and C77's did.)
 template <typename T, int kLanes, int kE>
 __device__ __forceinline__ void accumulate_pair(const float (&kf)[kE], const float (&vf)[kE],
                                                 uint4 q_raw, uint4 do_raw, float l2, float dl,
@@ -430,12 +411,9 @@ __device__ __forceinline__ void accumulate_pair(const float (&kf)[kE], const flo
 }
 
 // A warp per key: the key's transposed list (the query rows that list it, from the sort),
-// each row times the G query heads of the key's kv head, kGroups pairs per warp step.
-// kStaged (bit 17179869184, C77): the pairs' Q and dO rows and row statistics are copied
-// into shared memory kStages - 1 steps ahead (cp.async), so a warp's loads stay in flight
-// through its math instead of being waited on once per step; the arithmetic is the
-// default's, in the same order (bitwise the same results).
-template <typename T, int kD, bool kStaged>
+// each row times the G query heads of the key's kv head, kGroups pairs per warp step. The
+// pass is bound by its instructions per pair, not by its loads (perf-notes C77).
+template <typename T, int kD>
 __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
     dkdv_kernel(const IndexBackwardParams bp, const float2* rowstat, const int32_t* counts,
                 const int32_t* starts, const int32_t* qrows) {
@@ -471,99 +449,30 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
                                                   qi * p.bias_sq + j * p.bias_sk]);
   };
 
-  if constexpr (!kStaged) {
-    for (int64_t r0 = 0; r0 < n_rows; r0 += kGroups * kU) {
-      uint4 q_raw[kU], do_raw[kU];   // raw rows: converted in the math, fewer registers
-      float l2[kU], dl[kU], bv[kU];
-      bool ok[kU];
-      // Loads of kU pairs first (their latencies overlap), then the math.
+  for (int64_t r0 = 0; r0 < n_rows; r0 += kGroups * kU) {
+    uint4 q_raw[kU], do_raw[kU];   // raw rows: converted in the math, fewer registers
+    float l2[kU], dl[kU], bv[kU];
+    bool ok[kU];
+    // Loads of kU pairs first (their latencies overlap), then the math.
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int64_t rr = r0 + u * kGroups + grp;   // pair: entry rr / G, head rr % G
-        ok[u] = rr < n_rows;
-        const int64_t e = rr / p.G;
-        const int64_t hq = h * p.G + (rr - e * p.G);
-        const int64_t qi = ok[u] ? qrows[seg + e] : 0;
-        q_raw[u] = load16(q_base + hq * p.q_sh + qi * p.q_sm, ok[u]);
-        do_raw[u] = load16(do_base + hq * bp.do_sh + qi * bp.do_sm, ok[u]);
-        const int64_t g_row = (b * p.Hq + hq) * p.Lq + qi;
-        const float2 st = ok[u] ? rowstat[g_row] : make_float2(0.f, 0.f);
-        l2[u] = st.x;
-        dl[u] = st.y;
-        bv[u] = (has_bias && ok[u]) ? bias_at(hq, qi) : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        accumulate_pair<T, C::kLanes>(kf, vf, q_raw[u], do_raw[u], l2[u], dl[u], bv[u], ok[u], p,
-                                      has_softcap, tanh_mul, dk, dv);
+    for (int u = 0; u < kU; ++u) {
+      const int64_t rr = r0 + u * kGroups + grp;   // pair: entry rr / G, head rr % G
+      ok[u] = rr < n_rows;
+      const int64_t e = rr / p.G;
+      const int64_t hq = h * p.G + (rr - e * p.G);
+      const int64_t qi = ok[u] ? qrows[seg + e] : 0;
+      q_raw[u] = load16(q_base + hq * p.q_sh + qi * p.q_sm, ok[u]);
+      do_raw[u] = load16(do_base + hq * bp.do_sh + qi * bp.do_sm, ok[u]);
+      const int64_t g_row = (b * p.Hq + hq) * p.Lq + qi;
+      const float2 st = ok[u] ? rowstat[g_row] : make_float2(0.f, 0.f);
+      l2[u] = st.x;
+      dl[u] = st.y;
+      bv[u] = (has_bias && ok[u]) ? bias_at(hq, qi) : 0.f;
     }
-  } else {
-    // Shared memory per warp: kStages slots of kStepPairs pairs; a pair is its Q row, its
-    // dO row (kD elements each) and 16 bytes of (lse2, delta, query row). Each lane
-    // copies and later reads its own 16 bytes of a row, so only the statistics (copied by
-    // the pair's first lane) need the warp barrier after the wait.
-    extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char* warp_smem = smem + (threadIdx.x >> 5) * C::kWarpSmem;
-    auto row_slot = [&](int stage, int pair) {
-      return reinterpret_cast<T*>(warp_smem + stage * C::kStageBytes) + pair * 2 * kD;
-    };
-    auto stat_slot = [&](int stage, int pair) {
-      return reinterpret_cast<float4*>(warp_smem + stage * C::kStageBytes +
-                                       C::kStepPairs * 2 * kD * 2) + pair;
-    };
-    const int64_t n_steps = (n_rows + C::kStepPairs - 1) / C::kStepPairs;
-    // The copies of warp step t into slot t % kStages (none past the last step; a commit
-    // all the same, so that every step is one group).
-    auto issue = [&](int64_t t) {
-      if (t < n_steps) {
-        const int stage = static_cast<int>(t % C::kStages);
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int pair = u * kGroups + grp;
-          const int64_t rr = t * C::kStepPairs + pair;
-          const bool ok = rr < n_rows;
-          const int64_t e = rr / p.G;
-          const int64_t hq = h * p.G + (rr - e * p.G);
-          const int64_t qi = ok ? qrows[seg + e] : 0;
-          T* dst = row_slot(stage, pair) + col;
-          cp_async_16_or_zeros(smem_addr(dst), q_base + hq * p.q_sh + qi * p.q_sm, !ok);
-          cp_async_16_or_zeros(smem_addr(dst + kD), do_base + hq * bp.do_sh + qi * bp.do_sm, !ok);
-          if (col == 0) {
-            float4* st = stat_slot(stage, pair);
-            cp_async_8_or_zeros(smem_addr(st), rowstat + (b * p.Hq + hq) * p.Lq + qi, !ok);
-            reinterpret_cast<int32_t*>(st)[2] = static_cast<int32_t>(qi);
-          }
-        }
-      }
-      cp_async_commit();
-    };
-#pragma unroll
-    for (int t = 0; t < C::kStages - 1; ++t) issue(t);
-    for (int64_t t = 0; t < n_steps; ++t) {
-      __syncwarp();                    // every lane is done with slot (t - 1) % kStages
-      issue(t + C::kStages - 1);
-      cp_async_wait<C::kStages - 1>();  // this lane's copies of step t have landed
-      __syncwarp();                    // and the statistics its group's first lane copied
-      const int stage = static_cast<int>(t % C::kStages);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int pair = u * kGroups + grp;
-        const int64_t rr = t * C::kStepPairs + pair;
-        const bool ok = rr < n_rows;
-        const T* row = row_slot(stage, pair) + col;
-        const uint4 q_raw = *reinterpret_cast<const uint4*>(row);
-        const uint4 do_raw = *reinterpret_cast<const uint4*>(row + kD);
-        const float4 st = *stat_slot(stage, pair);
-        float bv = 0.f;
-        if (has_bias && ok) {
-          const int64_t e = rr / p.G;
-          bv = bias_at(h * p.G + (rr - e * p.G), __float_as_int(st.z));
-        }
-        accumulate_pair<T, C::kLanes>(kf, vf, q_raw, do_raw, st.x, st.y, bv, ok, p, has_softcap,
-                                      tanh_mul, dk, dv);
-      }
-    }
-    cp_async_wait<0>();   // no copy outlives the warp (the last steps' groups are empty)
+    for (int u = 0; u < kU; ++u)
+      accumulate_pair<T, C::kLanes>(kf, vf, q_raw[u], do_raw[u], l2[u], dl[u], bv[u], ok[u], p,
+                                    has_softcap, tanh_mul, dk, dv);
   }
   // The groups' partial sums, in a fixed order (xor 8 then 16: every lane ends with the
   // same total, computed the same way every run).
@@ -702,15 +611,8 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     const int64_t items = p.B * p.Hkv * p.Lk;
     if (items > 0) {
       const unsigned blocks = static_cast<unsigned>((items + C::kWarps - 1) / C::kWarps);
-      if (p.debug_high & 8) {   // bit 17179869184: the staged kernel (C77)
-        constexpr int smem = C::kWarps * C::kWarpSmem;
-        auto kernel = dkdv_kernel<T, kD, true>;
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        kernel<<<blocks, C::kWarps * 32, smem, stream>>>(bp, rowstat, counts, starts, vals_out);
-      } else {
-        dkdv_kernel<T, kD, false><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts,
-                                                                          starts, vals_out);
-      }
+      dkdv_kernel<T, kD><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts, starts,
+                                                               vals_out);
       CUDA_CHECK(cudaGetLastError());
     }
   }

@@ -158,8 +158,7 @@ if [[ " $parts " == *" ifwd_ab "* ]]; then
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, some under
 # compute-sanitizer memcheck (and the variant kernels at hd128 under racecheck, last), its
-# table with the variant bits' columns (34359738368: the pipelined dQ pass, C74;
-# 17179869184: the staged dK/dV pass, C77) and the per-kernel split.
+# table with the pipelined dQ pass's column (bit 34359738368, C74) and the per-kernel split.
 if [[ " $parts " == *" ibwd "* ]]; then
   timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_bwd_gpu.py \
     > "$OUT/ibwd_tests.log" 2>&1
@@ -170,7 +169,7 @@ if [[ " $parts " == *" ibwd "* ]]; then
     -k "variant_kernels or fully_padded or duplicates" > "$OUT/ibwd_memcheck.log" 2>&1
   rc=$?; echo "ibwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ibwd_memcheck.log" | tail -3
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 34359738368,17179869184} 2>&1 \
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 34359738368} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
   timeout "${T_IBWD_RACE:-150}" compute-sanitizer --tool racecheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
