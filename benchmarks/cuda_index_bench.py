@@ -18,7 +18,8 @@ no float atomics, deterministic) against the Triton index backward in its two mo
 lse, with the CUDA backward's time over the CUDA forward's (issue 17 asks <= 2) and the
 largest difference of dq, dk, dv from the Triton deterministic backward. With --variants
 the CUDA backward is timed again under each value (34359738368: the pipelined dQ pass
-the one-stage default replaced, perf-notes C74). --split adds
+the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on the tensor
+cores, C78). --split adds
 the CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count, scan
 and sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 

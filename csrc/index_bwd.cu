@@ -1,7 +1,6 @@
 // Index attention backward (issue 17): dq, dk, dv of index masks (per-query key lists,
 // docs/design.md "Index mode") with no float atomics, bitwise deterministic by
-// construction. FIRST VERSION, written without a GPU: see docs/perf-notes.md ("CUDA index
-// backward, first version, not yet run").
+// construction. Measurements: docs/benchmarks.md, docs/perf-notes.md (C73, C74, C77).
 //
 // Four steps on the stream, no host sync:
 //  1. prep: per (b, query head, row) the pair (lse2, delta): lse2 = lse * log2(e) (0 for
@@ -24,8 +23,10 @@
 //     row per lane; 4 groups at D=64, 2 at 128, 1 at 256), each group one pair at a time,
 //     4 steps' loads issued together; dot products over the group's lanes by shuffles,
 //     then dV += P dO, dK += dS Q in fp32 registers; the groups' sums are added in a
-//     fixed shuffle order at the end. CUDA-core FMA: a key-major pair reads one Q and one dO row
-//     for 4 D flops, so the pass is bound by that gather, not by math (perf-notes).
+//     fixed shuffle order at the end. CUDA-core FMA. The pass is bound by its instructions
+//     (~94 warp instructions per pair at hd128; its rows mostly come from L2, C77).
+//     Bit 17179869184 (C78, opt-in): the same pass on the tensor cores, 16 pairs per warp
+//     step (dkdv_mma_kernel below).
 //
 // Determinism: every output element is written by one warp, whose summation order
 // depends only on the lists (the sort is stable, the scan exact); no float atomics.
@@ -367,6 +368,18 @@ __device__ __forceinline__ uint4 load16(const void* src, bool ok) {
   return ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
 }
 
+// 8 bytes global -> shared (through L1), or 8 zero bytes written and nothing read.
+__device__ __forceinline__ void cp_async_8_or_zeros(uint32_t dst, const void* src, bool zeros) {
+  asm volatile(
+      "{\n"
+      ".reg .pred z;\n"
+      "setp.ne.b32 z, %2, 0;\n"
+      "cp.async.ca.shared.global [%0], [%1], 8, z;\n"
+      "}\n" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(zeros))
+      : "memory");
+}
+
 // One (query row, head) pair's share of dK and dV, for this lane's kE columns: the score
 // and dP dot products (reduced over the pair's kLanes lanes), the probability and dS, then
 // dV += p dO and dK += dS Q. (A function of its own so that variants of the pass share
@@ -504,6 +517,275 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
   }
 }
 
+// dK/dV on the tensor cores (FLEXSPARSE_CUDA_DEBUG bit 17179869184, perf-notes C78). A
+// warp per key, as above, but 16 (query row, head) pairs per step: their Q and dO rows are
+// gathered into shared tiles (cp.async, one step ahead), and both products are m16n8k16
+// mma.sync with the key on the N side, where only one or two of the 8 columns are used:
+//  - [s dp] (16 pairs x 2) = [Q | dO] (16 x 2D) [[k 0] [0 v]] (2D x 8): one chain over
+//    2D, K's column 0 and V's column 1 (the B fragments, zero elsewhere, stay in
+//    registers for the whole key);
+//  - [dK dV] (D x 2) += [Q^T | dO^T] (D x 32) [[dS 0] [0 P]] (32 x 8): one chain of two
+//    k-steps per 16 dimensions, Q and dO through ldmatrix.trans, dS and P rounded to 16
+//    bits (as every flash backward's dS and P).
+// Unused columns cost tensor-core time, which this pass has to spare; it saves the
+// per-pair instructions the FMA kernel is bound by (~94 per pair there; here, by count,
+// ~15). Deterministic: one warp per key, fixed order. Not bitwise the FMA kernel's
+// results (16-bit dS and P, mma summation order).
+template <int kD>
+struct KvMmaConfig;
+template <>
+struct KvMmaConfig<64> {
+  static constexpr int kWarps = 8, kMinBlocks = 2;
+};
+template <>
+struct KvMmaConfig<128> {
+  static constexpr int kWarps = 4, kMinBlocks = 3;
+};
+template <>
+struct KvMmaConfig<256> {
+  static constexpr int kWarps = 3, kMinBlocks = 2;
+};
+constexpr int kPairs = 16;   // (query row, head) pairs per warp step: the MMA's M
+constexpr int kKvStages = 2;
+// Per warp and stage: the Q and dO tiles, then per pair 16 bytes of row pointers (Q, dO;
+// null: no pair) and 16 of (lse2, delta, bias, unused).
+template <int kD>
+constexpr int kv_mma_stage_bytes() {
+  return 2 * kPairs * kD * 2 + kPairs * 16 + kPairs * 16;
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>::kMinBlocks)
+    dkdv_mma_kernel(const IndexBackwardParams bp, const float2* rowstat, const int32_t* counts,
+                    const int32_t* starts, const int32_t* qrows) {
+  constexpr int kWarps = KvMmaConfig<kD>::kWarps;
+  constexpr int kChunks = kD / 8;
+  constexpr int kSteps = kD / 16;
+  constexpr int kStageBytes = kv_mma_stage_bytes<kD>();
+  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks within a row");
+  const IndexParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  unsigned char* warp_smem = smem + warp * (kKvStages * kStageBytes);
+  auto q_tile = [&](int stage) { return reinterpret_cast<T*>(warp_smem + stage * kStageBytes); };
+  auto pointers = [&](int stage) {
+    return reinterpret_cast<ulonglong2*>(warp_smem + stage * kStageBytes + 2 * kPairs * kD * 2);
+  };
+  auto stats = [&](int stage) {
+    return reinterpret_cast<float4*>(warp_smem + stage * kStageBytes + 2 * kPairs * kD * 2 +
+                                     kPairs * 16);
+  };
+
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.B * p.Hkv * p.Lk) return;
+  const int64_t j = item % p.Lk;
+  const int64_t bh = item / p.Lk;
+  const int64_t h = bh % p.Hkv, b = bh / p.Hkv;
+  const int64_t nb = (bp.Bi == 1 ? 0 : b) * bp.Hi + (bp.Hi == 1 ? 0 : h);
+  const int64_t bucket = nb * (p.Lk + 1) + j;
+  const int64_t seg = starts[bucket];
+  const int64_t n_rows = static_cast<int64_t>(counts[bucket]) * p.G;
+  const int64_t n_steps = (n_rows + kPairs - 1) / kPairs;
+  const int g = lane >> 2, quad = lane & 3;   // the fragments' row (or column) and quad
+
+  // B fragments of [[k 0] [0 v]]: column 0 (lanes 0-3) holds K's row, column 1 (lanes 4-7)
+  // V's; every other lane zeros.
+  uint32_t kb[kSteps][2], vb[kSteps][2];
+  {
+    const uint32_t* k_row = reinterpret_cast<const uint32_t*>(
+        static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh + j * p.k_sn);
+    const uint32_t* v_row = reinterpret_cast<const uint32_t*>(
+        static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh + j * p.v_sn);
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      kb[st][0] = g == 0 ? k_row[8 * st + quad] : 0u;
+      kb[st][1] = g == 0 ? k_row[8 * st + 4 + quad] : 0u;
+      vb[st][0] = g == 1 ? v_row[8 * st + quad] : 0u;
+      vb[st][1] = g == 1 ? v_row[8 * st + 4 + quad] : 0u;
+    }
+  }
+
+  const bool has_softcap = p.softcap > 0.f;
+  const bool has_bias = p.bias != nullptr;
+  const float tanh_mul = has_softcap ? p.scale / p.softcap : 0.f;
+  // The kv head's first query head: pair (entry e, head g) reads row qrows[seg + e] of
+  // query head h * G + g.
+  const T* q_kv = static_cast<const T*>(p.q) + b * p.q_sb + h * p.G * p.q_sh;
+  const T* do_kv = static_cast<const T*>(bp.dout) + b * bp.do_sb + h * p.G * bp.do_sh;
+  const float2* rs_kv = rowstat + (b * p.Hq + h * p.G) * p.Lq;
+
+  // Pair lanes (0-15): this lane's pair of step t, loaded a step ahead: its query row (-1:
+  // no pair) and its head within the kv head's G.
+  auto pair_of = [&](int64_t t) -> int2 {
+    const int64_t rr = t * kPairs + lane;
+    if (lane >= kPairs || rr >= n_rows) return make_int2(-1, 0);
+    const int64_t e = rr / p.G;
+    return make_int2(qrows[seg + e], static_cast<int>(rr - e * p.G));
+  };
+  // The gather's lanes: 16-byte chunk gc of row gr of each iteration's kRowsPerIt rows. Row
+  // r = it * kRowsPerIt + gr has r & 7 = x ^ gr with x = (it * kRowsPerIt) & 7 (kRowsPerIt
+  // divides 8), so its swizzled chunk gc ^ (r & 7) is the lane's gc ^ gr XOR a constant.
+  constexpr int kRowsPerIt = 32 / kChunks;
+  const int gc = lane % kChunks, gr = lane / kChunks;
+  const uint32_t gather_row = gr * kD * 2;   // bytes
+  const int gather_chunk = gc ^ gr;
+  // Step t's copies into stage t % kKvStages (a commit either way: one group per step).
+  auto issue = [&](int64_t t, int2 pair) {
+    if (t < n_steps) {
+      const int stage = static_cast<int>(t % kKvStages);
+      if (lane < kPairs) {
+        const T* q_ptr = nullptr;
+        const T* do_ptr = nullptr;
+        float4* st = stats(stage) + lane;
+        const int64_t qi = pair.x, hg = pair.y;
+        if (qi >= 0) {
+          q_ptr = q_kv + hg * p.q_sh + qi * p.q_sm;
+          do_ptr = do_kv + hg * bp.do_sh + qi * bp.do_sm;
+          cp_async_8_or_zeros(smem_addr(st), rs_kv + hg * p.Lq + qi, false);
+          st->z = has_bias ? to_float(static_cast<const T*>(p.bias)[b * p.bias_sb +
+                                      ((h * p.G + hg) / p.bias_head_div) * p.bias_sh +
+                                      qi * p.bias_sq + j * p.bias_sk])
+                           : 0.f;
+        } else {
+          *st = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        pointers(stage)[lane] = make_ulonglong2(reinterpret_cast<uint64_t>(q_ptr),
+                                                reinterpret_cast<uint64_t>(do_ptr));
+      }
+      __syncwarp();
+      const uint32_t q_dst = smem_addr(q_tile(stage)) + gather_row;
+      const ulonglong2* table = pointers(stage) + gr;
+#pragma unroll
+      for (int it = 0; it < kPairs / kRowsPerIt; ++it) {
+        const int x = (it * kRowsPerIt) & 7;
+        const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
+        const ulonglong2 ptrs = table[it * kRowsPerIt];
+        const bool none = ptrs.x == 0;
+        cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs.x) + gc * 8, none);
+        cp_async_16_or_zeros(swz + kPairs * kD * 2, reinterpret_cast<const T*>(ptrs.y) + gc * 8,
+                             none);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[kSteps][4];   // [dK dV] (D x 8): column 0 dK, column 1 dV (lanes with quad 0)
+#pragma unroll
+  for (int st = 0; st < kSteps; ++st) acc[st][0] = acc[st][1] = acc[st][2] = acc[st][3] = 0.f;
+
+  // ldmatrix lanes: A operands (Q, dO as 16 pairs x D) as the dQ pass's; the transposed A
+  // operands (Q^T, dO^T as D x 16 pairs) address rows as the dQ pass's non-trans B. Their
+  // byte offsets in a tile for k-steps 0-3; step st is step st % 4's plus (st / 4) * 128
+  // bytes (the swizzle leaves chunk bits above the third alone).
+  uint32_t a_off[4], t_off[4];
+  {
+    const int a_row = ((lane >> 3) & 1) * 8 + (lane & 7), a_bit = lane >> 4;
+    const int t_row = (lane >> 4) * 8 + (lane & 7), t_bit = (lane >> 3) & 1;
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) {
+      a_off[s4] = (a_row * kD + (((2 * s4 + a_bit) ^ (a_row & 7)) << 3)) * 2;
+      t_off[s4] = (t_row * kD + (((2 * s4 + t_bit) ^ (t_row & 7)) << 3)) * 2;
+    }
+  }
+  constexpr uint32_t kDoTile = kPairs * kD * 2;   // the dO tile, bytes after the Q tile
+
+  issue(0, pair_of(0));
+  int2 next_pair = pair_of(1);
+  for (int64_t t = 0; t < n_steps; ++t) {
+    __syncwarp();   // every lane is done with stage (t + 1) % kKvStages (step t - 1)
+    issue(t + 1, next_pair);
+    next_pair = pair_of(t + 2);
+    cp_async_wait<1>();
+    __syncwarp();   // step t's tiles and the statistics its pair lanes copied
+    const int stage = static_cast<int>(t % kKvStages);
+    const uint32_t qt = smem_addr(q_tile(stage));
+
+    // [s dp]: row g and g + 8 of the 16 pairs, columns 2 quad, 2 quad + 1.
+    float sd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t qa[4], da[4];
+      const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
+      ldmatrix_x4(qa, at);
+      ldmatrix_x4(da, at + kDoTile);
+      Mma<T>::run(sd, qa, kb[st][0], kb[st][1]);
+      Mma<T>::run(sd, da, vb[st][0], vb[st][1]);
+    }
+    // P and dS of pairs g (sd[0], sd[1]) and g + 8 (sd[2], sd[3]); meaningful on quad 0.
+    float pe[2], ds[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int pair = g + 8 * half;
+      const float4 st = stats(stage)[pair];
+      const bool ok = t * kPairs + pair < n_rows;
+      float x = sd[2 * half], tt = 0.f;
+      if (has_softcap) {
+        tt = tanhf(x * tanh_mul);
+        x = p.softcap * tt;
+      } else {
+        x *= p.scale;
+      }
+      x += st.z;
+      pe[half] = ok ? exp2f(x * kLog2e - st.x) : 0.f;
+      float d = pe[half] * (sd[2 * half + 1] - st.y);
+      if (has_softcap) d *= 1.f - tt * tt;
+      ds[half] = quad == 0 ? d * p.scale : 0.f;
+      pe[half] = quad == 0 ? pe[half] : 0.f;
+    }
+    // B fragments of [[dS 0] [0 P]] (32 x 8): lanes of column 0 take dS of pairs 2 quad,
+    // 2 quad + 1 (b0) and + 8 (b1), from lanes 8 quad (pair 2 quad) and 8 quad + 4; column 1
+    // the same pairs' P; other lanes zeros.
+    const int src0 = 8 * quad, src1 = 8 * quad + 4;
+    const float ds0 = __shfl_sync(0xffffffffu, ds[0], src0), ds1 = __shfl_sync(0xffffffffu, ds[0], src1);
+    const float ds8 = __shfl_sync(0xffffffffu, ds[1], src0), ds9 = __shfl_sync(0xffffffffu, ds[1], src1);
+    const float p0 = __shfl_sync(0xffffffffu, pe[0], src0), p1 = __shfl_sync(0xffffffffu, pe[0], src1);
+    const float p8 = __shfl_sync(0xffffffffu, pe[1], src0), p9 = __shfl_sync(0xffffffffu, pe[1], src1);
+    const uint32_t bq0 = g == 0 ? Mma<T>::pack(ds0, ds1) : 0u;
+    const uint32_t bq1 = g == 0 ? Mma<T>::pack(ds8, ds9) : 0u;
+    const uint32_t bd0 = g == 1 ? Mma<T>::pack(p0, p1) : 0u;
+    const uint32_t bd1 = g == 1 ? Mma<T>::pack(p8, p9) : 0u;
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t qa[4], da[4];
+      const uint32_t at = qt + t_off[st & 3] + (st >> 2) * 128;
+      ldmatrix_x4_trans(qa, at);
+      ldmatrix_x4_trans(da, at + kDoTile);
+      Mma<T>::run(acc[st], qa, bq0, bq1);
+      Mma<T>::run(acc[st], da, bd0, bd1);
+    }
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+
+  // dK and dV rows: quad-0 lanes hold dimensions 16 st + g (acc[st][0], [1]) and + 8
+  // ([2], [3]); through shared memory (stage 0's Q tile) into 16-byte stores.
+  float* out_s = reinterpret_cast<float*>(warp_smem);
+  if (quad == 0) {
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      out_s[16 * st + g] = acc[st][0];
+      out_s[kD + 16 * st + g] = acc[st][1];
+      out_s[16 * st + g + 8] = acc[st][2];
+      out_s[kD + 16 * st + g + 8] = acc[st][3];
+    }
+  }
+  __syncwarp();
+  const int64_t out_row = (bh * p.Lk + j) * kD;
+#pragma unroll
+  for (int c = lane; c < 2 * kChunks; c += 32) {
+    const int which = c / kChunks, chunk = c % kChunks;
+    const float* x = out_s + which * kD + chunk * 8;
+    uint4 w;
+    w.x = Mma<T>::pack(x[0], x[1]);
+    w.y = Mma<T>::pack(x[2], x[3]);
+    w.z = Mma<T>::pack(x[4], x[5]);
+    w.w = Mma<T>::pack(x[6], x[7]);
+    T* dst = static_cast<T*>(which == 0 ? bp.dk : bp.dv) + out_row + chunk * 8;
+    *reinterpret_cast<uint4*>(dst) = w;
+  }
+}
+
 // ------------------------------------------------------------------ host side
 
 // Workspace layout, each piece 256-byte aligned.
@@ -611,8 +893,17 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     const int64_t items = p.B * p.Hkv * p.Lk;
     if (items > 0) {
       const unsigned blocks = static_cast<unsigned>((items + C::kWarps - 1) / C::kWarps);
-      dkdv_kernel<T, kD><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts, starts,
-                                                               vals_out);
+      if (p.debug_high & 8) {   // bit 17179869184: on the tensor cores (C78)
+        constexpr int kWarps = KvMmaConfig<kD>::kWarps;
+        constexpr int smem = kWarps * kKvStages * kv_mma_stage_bytes<kD>();
+        auto kernel = dkdv_mma_kernel<T, kD>;
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
+            bp, rowstat, counts, starts, vals_out);
+      } else {
+        dkdv_kernel<T, kD><<<blocks, C::kWarps * 32, 0, stream>>>(bp, rowstat, counts, starts,
+                                                                 vals_out);
+      }
       CUDA_CHECK(cudaGetLastError());
     }
   }

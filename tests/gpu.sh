@@ -158,7 +158,8 @@ if [[ " $parts " == *" ifwd_ab "* ]]; then
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, some under
 # compute-sanitizer memcheck (and the variant kernels at hd128 under racecheck, last), its
-# table with the pipelined dQ pass's column (bit 34359738368, C74) and the per-kernel split.
+# table with the variant bits' columns (34359738368: the pipelined dQ pass, C74;
+# 17179869184: the dK/dV pass on the tensor cores, C78) and the per-kernel split.
 if [[ " $parts " == *" ibwd "* ]]; then
   timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_bwd_gpu.py \
     > "$OUT/ibwd_tests.log" 2>&1
@@ -166,14 +167,14 @@ if [[ " $parts " == *" ibwd "* ]]; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   timeout "${T_IBWD_CSAN:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
-    -k "variant_kernels or fully_padded or duplicates" > "$OUT/ibwd_memcheck.log" 2>&1
+    -k "variant_kernels or tensor_core or fully_padded or duplicates" > "$OUT/ibwd_memcheck.log" 2>&1
   rc=$?; echo "ibwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ibwd_memcheck.log" | tail -3
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 34359738368} 2>&1 \
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 17179869184,34359738368} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
   timeout "${T_IBWD_RACE:-150}" compute-sanitizer --tool racecheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
-    -k "variant_kernels and 128" > "$OUT/ibwd_racecheck.log" 2>&1
+    -k "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)" > "$OUT/ibwd_racecheck.log" 2>&1
   rc=$?; echo "ibwd racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/ibwd_racecheck.log" | tail -3
 fi
