@@ -5,13 +5,15 @@ step with its descriptor compiled once outside. Issue 16 asks ≤ 3% over compil
 backward through autograd, as a training step runs it).
 
     python -m benchmarks.step_bench [--L 8192] [--B 2] [--H 16] [--D 128] [--device cuda]
-                                    [--reps 30] [--no-compile]
+                                    [--reps 30] [--no-compile] [--variants 8589934592]
 
 Masks: benchmarks.build_bench's cases (document(lengths tensor), prefix_lm(tensor),
 column_ranges(tensor), block_sparse(layout)). Times: median ms per step over `reps` steps
 (GPU drained after each, so host and kernel time both count), the two ways taking turns
 step by step. Each row also checks that both ways give the same output (max abs
-difference).
+difference). --variants: the built-every-step way is also timed (pipelined) under each
+FLEXSPARSE_CUDA_DEBUG value, in the same turns (8589934592: the one-launch document and
+prefix-LM builds, perf-notes "One launch per document build").
 """
 import argparse
 import statistics
@@ -21,6 +23,7 @@ import torch
 
 import flexsparse
 from benchmarks import build_bench
+from benchmarks.debug_bits import with_debug
 
 
 def tensor_masks(H, L, device):
@@ -63,9 +66,12 @@ def median_ms(fns, reps, device, steps_per_sync=1):
     return [statistics.median(t) for t in times]
 
 
-def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtype=None):
+def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtype=None,
+        variants=()):
     """The table's rows as dicts: mask, mode, compiled-once ms, built-every-step ms, overhead
-    %, max abs difference between the two outputs and gradients."""
+    %, max abs difference between the two outputs and gradients; with `variants`
+    (FLEXSPARSE_CUDA_DEBUG values), `variant_pipelined_ms`: the pipelined built-every-step
+    time under each."""
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(0)
@@ -86,12 +92,14 @@ def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtyp
             both = [lambda: fn(q, k, v, desc, grad_out),  # noqa: B023
                     lambda: fn(q, k, v, make(), grad_out)]  # noqa: B023
             t_once, t_fresh = median_ms(both, reps, device)
-            p_once, p_fresh = median_ms(both, max(3, reps // 5), device, steps_per_sync=10)
+            flavoured = [lambda bits=bits: with_debug(bits, both[1]) for bits in variants]
+            p_once, p_fresh, *p_variants = median_ms(both + flavoured, max(3, reps // 5), device,
+                                                     steps_per_sync=10)
             rows.append(dict(mask=name, mode=mode, once_ms=t_once, every_step_ms=t_fresh,
                              overhead_pct=100.0 * (t_fresh / t_once - 1.0),
                              pipelined_once_ms=p_once, pipelined_every_step_ms=p_fresh,
                              pipelined_overhead_pct=100.0 * (p_fresh / p_once - 1.0),
-                             max_abs_diff=diff))
+                             variant_pipelined_ms=p_variants, max_abs_diff=diff))
     return rows
 
 
@@ -104,19 +112,25 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--variants", default="",
+                    help="FLEXSPARSE_CUDA_DEBUG values to time the built-every-step way under")
     a = ap.parse_args(argv)
+    variants = [int(x) for x in a.variants.split(",") if x]
     name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     print(f"{name}, torch {torch.__version__}; B={a.B} H={a.H} L={a.L} D={a.D}; fwd+bwd step, "
           f"median ms of {a.reps}; issue 16's bar: built every step <= 3% over compiled once")
     print("synced: the GPU drained after every step; pipelined: after every 10 steps")
+    extra = "".join(f" pipelined every step, debug {v} |" for v in variants)
     print("| mask | mode | compiled once ms | built every step ms | overhead | pipelined once ms "
-          "| pipelined every step ms | pipelined overhead | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in run(a.L, a.B, a.H, a.D, a.device, a.reps, not a.no_compile):
+          "| pipelined every step ms | pipelined overhead | max abs diff |" + extra)
+    print("|---" * (9 + len(variants)) + "|")
+    for r in run(a.L, a.B, a.H, a.D, a.device, a.reps, not a.no_compile, variants=variants):
+        cells = "".join(f" {ms:.3f} ({100.0 * (ms / r['pipelined_once_ms'] - 1.0):+.1f}%) |"
+                        for ms in r["variant_pipelined_ms"])
         print(f"| {r['mask']} | {r['mode']} | {r['once_ms']:.3f} | {r['every_step_ms']:.3f} "
               f"| {r['overhead_pct']:+.1f}% | {r['pipelined_once_ms']:.3f} "
               f"| {r['pipelined_every_step_ms']:.3f} | {r['pipelined_overhead_pct']:+.1f}% "
-              f"| {r['max_abs_diff']:.1e} |", flush=True)
+              f"| {r['max_abs_diff']:.1e} |" + cells, flush=True)
 
 
 if __name__ == "__main__":

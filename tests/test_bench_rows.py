@@ -13,12 +13,14 @@ def test_step_bench_rows_on_cpu():
     that holds a tensor, built inside the step, gives exactly the output and gradients of
     its descriptor compiled once, and both are timed."""
     from benchmarks import step_bench
-    rows = step_bench.run(L=128, B=1, H=2, D=16, device="cpu", reps=1, compile_too=False)
+    rows = step_bench.run(L=128, B=1, H=2, D=16, device="cpu", reps=1, compile_too=False,
+                          variants=(8589934592,))
     assert [r["mask"] for r in rows] == list(step_bench.tensor_masks(2, 128, "cpu"))
     for r in rows:
         assert r["max_abs_diff"] == 0.0, r
         assert r["once_ms"] > 0 and r["every_step_ms"] > 0, r
         assert r["pipelined_once_ms"] > 0 and r["pipelined_every_step_ms"] > 0, r
+        assert len(r["variant_pipelined_ms"]) == 1 and r["variant_pipelined_ms"][0] > 0, r
 
 
 def test_cuda_bench_backends_take_turns():
