@@ -172,6 +172,16 @@ if [[ " $parts " == *" ibwd "* ]]; then
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ibwd_memcheck.log" | tail -3
   timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 17179869184,34359738368} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
+  # What bounds the dK/dV pass (C77, C78): ncu's instruction and stall counts of both
+  # kernels, default and on the tensor cores, at 8K W=64 hd128.
+  for bits in 0 17179869184; do
+    FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_NCU:-90}" ncu --clock-control none -k regex:dkdv -c 1 \
+      --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
+      --section Occupancy python3 -m benchmarks.index_bwd_once > "$OUT/ibwd_ncu_$bits.txt" 2>&1
+    echo "ibwd ncu (debug $bits) rc=$?"
+    grep -E "dkdv_|Duration|Executed Instructions  |Issued Warp Per|Warp Cycles Per Issued|Achieved Active Warps|L2 Cache Throughput|DRAM Throughput|Stall (Wait|Long|Short|Not Sel|Math)" \
+      "$OUT/ibwd_ncu_$bits.txt" | cut -c1-120
+  done
   timeout "${T_IBWD_RACE:-150}" compute-sanitizer --tool racecheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
     -k "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)" > "$OUT/ibwd_racecheck.log" 2>&1
