@@ -177,7 +177,7 @@ if [[ " $parts " == *" ibwd "* ]]; then
   for bits in 0 17179869184; do
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_NCU:-90}" ncu --clock-control none -k regex:dkdv -c 1 \
       --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
-      --section Occupancy python3 -m benchmarks.index_bwd_once > "$OUT/ibwd_ncu_$bits.txt" 2>&1
+      --section Occupancy --print-details all python3 -m benchmarks.index_bwd_once > "$OUT/ibwd_ncu_$bits.txt" 2>&1
     echo "ibwd ncu (debug $bits) rc=$?"
     grep -E "dkdv_|Duration|Executed Instructions  |Issued Warp Per|Warp Cycles Per Issued|Achieved Active Warps|L2 Cache Throughput|DRAM Throughput|Stall (Wait|Long|Short|Not Sel|Math)" \
       "$OUT/ibwd_ncu_$bits.txt" | cut -c1-120
