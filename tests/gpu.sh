@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ibwd|topk|hf|probe|step|build ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ibwd|ibwdprof|topk|hf|probe|step|build ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -157,9 +157,10 @@ if [[ " $parts " == *" ifwd_ab "* ]]; then
   fi
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, some under
-# compute-sanitizer memcheck (and the variant kernels at hd128 under racecheck, last), its
-# table with the variant bits' columns (34359738368: the pipelined dQ pass, C74;
-# 17179869184: the dK/dV pass on the tensor cores, C78) and the per-kernel split.
+# compute-sanitizer memcheck, then its table with the variant bits' columns (34359738368:
+# the pipelined dQ pass, C74; 17179869184: the dK/dV pass on the tensor cores, C78) and the
+# per-kernel split. ibwdprof (a second call on the warm machine): ncu of both dK/dV
+# kernels and the variant kernels at hd128 under racecheck.
 if [[ " $parts " == *" ibwd "* ]]; then
   timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_bwd_gpu.py \
     > "$OUT/ibwd_tests.log" 2>&1
@@ -167,11 +168,14 @@ if [[ " $parts " == *" ibwd "* ]]; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   timeout "${T_IBWD_CSAN:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
-    -k "variant_kernels or tensor_core or fully_padded or duplicates" > "$OUT/ibwd_memcheck.log" 2>&1
+    -k "(variant_kernels and 128) or (tensor_core and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates" \
+    > "$OUT/ibwd_memcheck.log" 2>&1
   rc=$?; echo "ibwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ibwd_memcheck.log" | tail -3
   timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 17179869184,34359738368} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
+fi
+if [[ " $parts " == *" ibwdprof "* ]]; then
   # What bounds the dK/dV pass (C77, C78): ncu's instruction and stall counts of both
   # kernels, default and on the tensor cores, at 8K W=64 hd128.
   for bits in 0 17179869184; do
