@@ -61,39 +61,59 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // 3 x 8 warps per SM; D=128: 12 KB/warp, 2 x 8 warps; D=256: 24 KB/warp, 2 x 4 warps.
 // The pipelined kernel (bit 2147483648): D=64: 18 KB/warp, three CTAs of 4 warps per SM;
 // D=128: 28 KB/warp, two CTAs; D=256: 40 KB/warp, one CTA.
-template <int kD, bool kOneStage = false>
+// kTwoRows (FLEXSPARSE_CUDA_DEBUG bit 4294967296, perf-notes C79; one stage, G <= 8, D <=
+// 128): two query rows per warp, K and V of both in shared memory: D=64: 10 KB/warp,
+// 3 x 4 warps per SM; D=128: 20 KB/warp, 2 x 4 warps (the rows in flight per SM of the
+// one-row kernel, with half the warps). (D=256: 40 KB/warp, 2 x 2 warps; not launched.)
+template <int kD, bool kOneStage = false, bool kTwoRows = false>
 struct Config {
   static_assert(kD == 64 || kD == 128 || kD == 256, "head dim 64, 128 or 256");
+  static_assert(!kTwoRows || kOneStage, "two rows per warp: one stage");
   static constexpr int kStages = kOneStage ? 1 : (kD == 64 ? 4 : kD == 128 ? 3 : 2);
-  static constexpr int kWarps = kOneStage && kD <= 128 ? 8 : 4;
+  static constexpr int kRows = kTwoRows ? 2 : 1;   // query rows per warp
+  static constexpr int kWarps = kTwoRows ? (kD == 256 ? 2 : 4) : kOneStage && kD <= 128 ? 8 : 4;
   // __launch_bounds__' minimum CTAs per SM (0: none, the default kernels' bound)
-  static constexpr int kMinBlocks = !kOneStage ? 0 : (kD == 64 ? 3 : 2);
+  static constexpr int kMinBlocks =
+      kTwoRows ? (kD == 64 ? 3 : 2) : !kOneStage ? 0 : (kD == 64 ? 3 : 2);
 };
 
-template <int kD, bool kOneStage>
+template <int kD, bool kOneStage, bool kTwoRows = false>
 constexpr int warp_smem_bytes() {
-  // query tile + K and V stages (2-byte elements) + the keys of each stage (int32)
-  return (kHeads * kD + 2 * Config<kD, kOneStage>::kStages * kKeys * kD) * 2 +
-         Config<kD, kOneStage>::kStages * kKeys * 4;
+  // query tile + K and V stages of each row (2-byte elements) + the keys of each stage
+  using C = Config<kD, kOneStage, kTwoRows>;
+  return (kHeads * kD + 2 * C::kStages * C::kRows * kKeys * kD) * 2 +
+         C::kStages * C::kRows * kKeys * 4;
 }
 
-template <int kD, bool kOneStage>
+template <int kD, bool kOneStage, bool kTwoRows = false>
 constexpr int cta_smem_bytes() {
-  return Config<kD, kOneStage>::kWarps * warp_smem_bytes<kD, kOneStage>();
+  return Config<kD, kOneStage, kTwoRows>::kWarps * warp_smem_bytes<kD, kOneStage, kTwoRows>();
 }
 
 // ------------------------------------------------------------------ the kernel
 
-template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage>
-__global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
-                                  Config<kD, kOneStage>::kMinBlocks)
+// kTwoRows (bit 4294967296, C79; G <= 8): the warp takes query rows A = i and B = i + 1
+// (i even), A's heads as the tile's rows 0-7 and B's as rows 8-15, each row with its own
+// gathered keys. S_A = Q K_A^T keeps rows 0-7 and S_B = Q K_B^T rows 8-15; P is one A
+// operand (A's rows, then B's); O_A += P V_A keeps the C fragments' rows 0-7 and O_B +=
+// P V_B rows 8-15, the other half of each a zero temporary thrown away. So a row's output
+// never sums another row's keys (no 0 x Inf from a V row that only the other row lists),
+// every output element is the one-row kernel's arithmetic in its order, and the decode,
+// the query tile and the set-up are paid once per two rows.
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
+          bool kTwoRows = false>
+__global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows>::kWarps * 32,
+                                  Config<kD, kOneStage, kTwoRows>::kMinBlocks)
     index_fwd_kernel(const IndexParams p) {
-  constexpr int kHalves = kHalfRows ? 1 : 2;   // accumulator row halves that hold heads
+  static_assert(!kTwoRows || (kHalfRows && kNarrowAddr), "two rows: G <= 8, 32-bit rows");
+  // accumulator row halves that hold heads (two rows: A's and B's)
+  constexpr int kHalves = kHalfRows && !kTwoRows ? 1 : 2;
   constexpr float kRescaleMargin = 8.f;
   const bool eager_rescale = p.debug & 536870912;
   const float rescale_margin = eager_rescale ? 0.f : kRescaleMargin;
-  constexpr int kStages = Config<kD, kOneStage>::kStages;
-  constexpr int kWarps = Config<kD, kOneStage>::kWarps;
+  constexpr int kStages = Config<kD, kOneStage, kTwoRows>::kStages;
+  constexpr int kWarps = Config<kD, kOneStage, kTwoRows>::kWarps;
+  constexpr int kRows = Config<kD, kOneStage, kTwoRows>::kRows;
   constexpr int kChunks = kD / 8;           // 16-byte chunks per row
   constexpr int kTile = kKeys * kD;         // elements of one K (or V) stage
   constexpr int kSteps = kD / 16;           // k-steps of Q K^T, n-tile pairs of P V
@@ -106,17 +126,22 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage>());
-  T* s_k = s_q + kHeads * kD;               // [kStages][kKeys][kD], swizzled rows
-  T* s_v = s_k + kStages * kTile;
-  int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);   // [kStages][kKeys]
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage, kTwoRows>());
+  T* s_k = s_q + kHeads * kD;               // [kStages][kRows][kKeys][kD], swizzled rows
+  T* s_v = s_k + kStages * kRows * kTile;
+  int* s_keys = reinterpret_cast<int*>(s_v + kStages * kRows * kTile);   // [kStages][kRows * kKeys]
 
   // This warp's work item: (batch, kv head, head group, query row), query row fastest.
   const int n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (item >= p.B * p.Hkv * n_groups * p.Lq) return;   // the whole warp leaves
-  const int64_t i = item % p.Lq;
-  int64_t rest = item / p.Lq;
+  // An item is a query row i, or with two rows the rows i and i + 1 (i even).
+  if constexpr (kTwoRows) {
+    if (item >= p.B * p.Hkv * n_groups * ((p.Lq + 1) / 2)) return;
+  } else {
+    if (item >= p.B * p.Hkv * n_groups * p.Lq) return;   // the whole warp leaves
+  }
+  const int64_t i = kTwoRows ? item % ((p.Lq + 1) / 2) * 2 : item % p.Lq;
+  int64_t rest = kTwoRows ? item / ((p.Lq + 1) / 2) : item / p.Lq;
   const int group = static_cast<int>(rest % n_groups);
   rest /= n_groups;
   const int64_t h = rest % p.Hkv;
@@ -127,13 +152,19 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   const T* q_row = static_cast<const T*>(p.q) + b * p.q_sb + hq0 * p.q_sh + i * p.q_sm;
   const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
   const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
-  const int64_t idx_off = b * p.idx_sb + h * p.idx_sh + i * p.idx_sq;
+  // Two rows: row B exists unless it would be row Lq; lanes 16-31 read row B's list.
+  const bool has_b = kTwoRows && i + 1 < p.Lq;
+  const int64_t idx_off =
+      b * p.idx_sb + h * p.idx_sh + (kTwoRows ? i + (lane >= kKeys ? 1 : 0) : i) * p.idx_sq;
   const int32_t* idx32 = static_cast<const int32_t*>(p.idx) + idx_off;
   const int64_t* idx64 = static_cast<const int64_t*>(p.idx) + idx_off;
 
   // The key of list slot w, or -1 when the slot is past W or its entry is inactive.
   auto load_key = [&](int64_t w) -> int {
     if (w >= p.W) return -1;
+    if constexpr (kTwoRows) {
+      if (lane >= kKeys && !has_b) return -1;
+    }
     const int64_t x =
         p.idx_int64 ? idx64[w * p.idx_sw] : static_cast<int64_t>(idx32[w * p.idx_sw]);
     return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
@@ -144,9 +175,16 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   for (int t = 0; t < kHeads * kChunks / 32; ++t) {
     const int e = t * 32 + lane;
     const int r = e / kChunks, c = e % kChunks;
-    const bool ok = r < heads;
-    cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
-                ok ? 16 : 0);
+    if constexpr (kTwoRows) {   // row A's heads in rows 0-7, row B's in rows 8-15
+      const int head = r & 7;
+      const bool ok = head < heads && (r < 8 || has_b);
+      cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)),
+                  ok ? q_row + head * p.q_sh + (r < 8 ? 0 : p.q_sm) + c * 8 : q_row, ok ? 16 : 0);
+    } else {
+      const bool ok = r < heads;
+      cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)), ok ? q_row + r * p.q_sh + c * 8 : q_row,
+                  ok ? 16 : 0);
+    }
   }
 
   // Gather one chunk into `stage`: lane l < 16 holds the key of the chunk's slot l (lanes
@@ -166,15 +204,19 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
                                  : reinterpret_cast<const char*>(q_row);
   const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_sn * 2);
   const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_sn * 2);
+  // Two rows: lanes 0-15 hold row A's keys (copied into the stage's first K and V tiles),
+  // lanes 16-31 row B's (into the second).
   auto issue = [&](int key_of_lane, int stage) {
-    if (lane < kKeys) s_keys[stage * kKeys + lane] = key_of_lane;
-    T* dk = s_k + stage * kTile;
-    T* dv = s_v + stage * kTile;
+    if (kTwoRows || lane < kKeys) s_keys[stage * kRows * kKeys + lane] = key_of_lane;
+#pragma unroll
+    for (int which = 0; which < kRows; ++which) {
+    T* dk = s_k + (stage * kRows + which) * kTile;
+    T* dv = s_v + (stage * kRows + which) * kTile;
 #pragma unroll
     for (int t = 0; t < kKeys * kChunks / 32; ++t) {
       const int e = t * 32 + lane;
       const int r = e / kChunks, c = e % kChunks;
-      const int key = __shfl_sync(0xffffffffu, key_of_lane, r);
+      const int key = __shfl_sync(0xffffffffu, key_of_lane, which * kKeys + r);
       const int off = swizzle<kD>(r, c);
       if constexpr (kNarrowAddr) {
         const uint64_t row = static_cast<uint32_t>(max(key, 0));
@@ -186,6 +228,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
         cp_async_16(smem_addr(dk + off), ok ? k_head + key * p.k_sn + c * 8 : q_row, ok ? 16 : 0);
         cp_async_16(smem_addr(dv + off), ok ? v_head + key * p.v_sn + c * 8 : q_row, ok ? 16 : 0);
       }
+    }
     }
   };
 
@@ -210,14 +253,17 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   // The accumulator layout: this lane holds head rows r and r + 8, key columns
   // 2 * quad + {0, 1} of each 8-key half (m16n8 C fragment).
   const int r = lane >> 2, quad = lane & 3;
+  // This lane's accumulator rows r and r + 8 are query heads r and r + 8 of row i, or
+  // (two rows) head r of rows i and i + 1.
   const T* bias_rows[2] = {nullptr, nullptr};
   if (has_bias) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      const int row = r + 8 * rr;
-      if (row < heads)
+      const int row = kTwoRows ? r : r + 8 * rr;
+      if (row < heads && (!kTwoRows || rr == 0 || has_b))
         bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
-                        ((hq0 + row) / p.bias_head_div) * p.bias_sh + i * p.bias_sq;
+                        ((hq0 + row) / p.bias_head_div) * p.bias_sh +
+                        (kTwoRows ? i + rr : i) * p.bias_sq;
     }
   }
 
@@ -246,8 +292,8 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
     __syncwarp();
 
     const int stage = chunk % kStages;
-    const T* k_s = s_k + stage * kTile;
-    const T* v_s = s_v + stage * kTile;
+    const T* k_s = s_k + stage * kRows * kTile;   // two rows: row B's tiles follow A's
+    const T* v_s = s_v + stage * kRows * kTile;
     if constexpr (kQInRegisters) {
       if (chunk == 0) {
 #pragma unroll
@@ -256,9 +302,20 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
       }
     }
     // The keys of this lane's four score columns (-1: inactive).
-    const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 2 * quad);
-    const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kKeys + 8 + 2 * quad);
+    const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kRows * kKeys + 2 * quad);
+    const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kRows * kKeys + 8 + 2 * quad);
     const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
+    // two rows: row B's keys, for the accumulator rows 8-15
+    int col_key_b[2][2] = {{-1, -1}, {-1, -1}};
+    if constexpr (kTwoRows) {
+      const int* keys_b = s_keys + stage * kRows * kKeys + kKeys;
+      const int2 lo = *reinterpret_cast<const int2*>(keys_b + 2 * quad);
+      const int2 hi = *reinterpret_cast<const int2*>(keys_b + 8 + 2 * quad);
+      col_key_b[0][0] = lo.x;
+      col_key_b[0][1] = lo.y;
+      col_key_b[1][0] = hi.x;
+      col_key_b[1][1] = hi.y;
+    }
     // Bias loads first, so that their latency overlaps the score MMAs.
     float bias_val[2][4];
     if (has_bias) {
@@ -266,7 +323,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = col_key[j][e & 1];
+          const int key = kTwoRows && (e >> 1) ? col_key_b[j][e & 1] : col_key[j][e & 1];
           const T* row = bias_rows[e >> 1];
           bias_val[j][e] = (row != nullptr && key >= 0) ? to_float(row[key * p.bias_sk]) : 0.f;
         }
@@ -274,6 +331,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
 
     // S = Q K^T over 16 keys: two m16n8 tiles (keys 0-7, 8-15).
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float s_acc_b[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // two rows: S_B
 #pragma unroll
     for (int st = 0; st < kSteps; ++st) {
       uint32_t a[4];
@@ -287,6 +345,18 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
       ldmatrix_x4(kb, smem_addr(k_s + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
       Mma<T>::run(s_acc[0], a, kb[0], kb[1]);
       Mma<T>::run(s_acc[1], a, kb[2], kb[3]);
+      if constexpr (kTwoRows) {
+        ldmatrix_x4(kb, smem_addr(k_s + kTile + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
+        Mma<T>::run(s_acc_b[0], a, kb[0], kb[1]);
+        Mma<T>::run(s_acc_b[1], a, kb[2], kb[3]);
+      }
+    }
+    if constexpr (kTwoRows) {   // rows 8-15 (row B's heads) from S_B
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s_acc[j][2] = s_acc_b[j][2];
+        s_acc[j][3] = s_acc_b[j][3];
+      }
     }
 
     // Scores (log2 domain), inactive keys to -inf, row max over the quad.
@@ -299,7 +369,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
         float s = s_acc[j][e];
         s = has_softcap ? score_mul * tanhf(s * tanh_mul) : score_mul * s;
         if (has_bias) s += LOG2E * bias_val[j][e];
-        if (col_key[j][e & 1] < 0) s = -INFINITY;
+        if ((kTwoRows && (e >> 1) ? col_key_b[j][e & 1] : col_key[j][e & 1]) < 0) s = -INFINITY;
         s_acc[j][e] = s;
         row_max[e >> 1] = fmaxf(row_max[e >> 1], s);
       }
@@ -357,8 +427,28 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
     for (int st = 0; st < kSteps; ++st) {
       uint32_t vb[4];
       ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
-      Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
-      Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
+      if constexpr (!kTwoRows) {
+        Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
+        Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
+      } else {
+        // O_A += P V_A in rows 0-7, then O_B += P V_B in rows 8-15; the other rows of
+        // each product land in zero temporaries and are dropped.
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          float c[4] = {o_acc[2 * st + n][0], o_acc[2 * st + n][1], 0.f, 0.f};
+          Mma<T>::run(c, pa, vb[2 * n], vb[2 * n + 1]);
+          o_acc[2 * st + n][0] = c[0];
+          o_acc[2 * st + n][1] = c[1];
+        }
+        ldmatrix_x4_trans(vb, smem_addr(v_s + kTile + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          float c[4] = {0.f, 0.f, o_acc[2 * st + n][2], o_acc[2 * st + n][3]};
+          Mma<T>::run(c, pa, vb[2 * n], vb[2 * n + 1]);
+          o_acc[2 * st + n][2] = c[2];
+          o_acc[2 * st + n][3] = c[3];
+        }
+      }
     }
     // Every lane is done reading this stage before any lane refills it.
     __syncwarp();
@@ -372,11 +462,11 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
     float l = l_run[rr];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = r + 8 * rr;
-    if (row >= heads) continue;
+    const int row = kTwoRows ? r : r + 8 * rr;
+    if (row >= heads || (kTwoRows && rr == 1 && !has_b)) continue;
     const bool has = l > 0.f;
     const float inv = has ? 1.f / l : 0.f;
-    const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + i);
+    const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + (kTwoRows ? i + rr : i));
     T* o = out + out_row * kD + 2 * quad;
 #pragma unroll
     for (int t = 0; t < kD / 8; ++t)
@@ -387,17 +477,18 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   }
 }
 
-template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage>
+template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
+          bool kTwoRows = false>
 void launch(IndexParams const& p, cudaStream_t stream) {
-  constexpr int kWarps = Config<kD, kOneStage>::kWarps;
-  constexpr int smem = cta_smem_bytes<kD, kOneStage>();
+  constexpr int kWarps = Config<kD, kOneStage, kTwoRows>::kWarps;
+  constexpr int smem = cta_smem_bytes<kD, kOneStage, kTwoRows>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
-  const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
+  const int64_t items = p.B * p.Hkv * n_groups * (kTwoRows ? (p.Lq + 1) / 2 : p.Lq);
   if (items == 0) return;
   const int64_t blocks = (items + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
-  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kOneStage>;
+  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kOneStage, kTwoRows>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
@@ -406,9 +497,13 @@ void launch(IndexParams const& p, cudaStream_t stream) {
 // The one-stage kernel (kOneStage) at every W: twice the warps per SM beat the pipelined
 // kernel's stages at W = 16, 64 and 256 (perf-notes C71). FLEXSPARSE_CUDA_DEBUG bit
 // 2147483648 (debug_high bit 0) takes the pipelined kernel, for A/B runs.
+// Bit 4294967296 (debug_high bit 1; C79, not yet measured): two query rows per warp, where
+// G <= 8 with 32-bit row addressing, at D = 64 and 128 (at 256 its O registers spill).
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch_stages(IndexParams const& p, cudaStream_t stream) {
   if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
+  else if (kHalfRows && kNarrowAddr && kD <= 128 && (p.debug_high & 2))
+    launch<T, kD, kHalfRows, kNarrowAddr, true, kHalfRows && kNarrowAddr && kD <= 128>(p, stream);
   else launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);
 }
 

@@ -132,8 +132,10 @@ if [[ " $parts " == *" topk "* ]]; then
     --chunk-elements "" --kernel-configs "${TOPK_CONFIGS:-8192x8}" --cuda-warps "${TOPK_WARPS:-1,4,8,16}" --out "$OUT/topk.md" 2>&1 | grep -v Warn
 fi
 # The CUDA index forward (csrc/index_fwd.cu, issue 17): its tests, some under
-# compute-sanitizer memcheck, then its table against Triton and the gather ceiling
-# (IFWD_ARGS="--variants 1,2": columns under those FLEXSPARSE_CUDA_DEBUG values).
+# compute-sanitizer memcheck (the two-rows kernel at hd128 under racecheck too), then its
+# table against Triton and the gather ceiling, by default with the two-rows kernel's
+# column (bit 4294967296, perf-notes C79; IFWD_ARGS="--variants 1,2": columns under
+# other FLEXSPARSE_CUDA_DEBUG values).
 if [[ " $parts " == *" ifwd "* ]]; then
   timeout "${T_IFWD:-300}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_gpu.py \
     > "$OUT/ifwd_tests.log" 2>&1
@@ -141,10 +143,16 @@ if [[ " $parts " == *" ifwd "* ]]; then
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
   timeout "${T_IFWD_CSAN:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_gpu.py \
-    -k "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in" > "$OUT/ifwd_memcheck.log" 2>&1
+    -k "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows" \
+    > "$OUT/ifwd_memcheck.log" 2>&1
   rc=$?; echo "ifwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/ifwd_memcheck.log" | tail -3
-  timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:-} 2>&1 \
+  timeout "${T_IFWD_RACE:-120}" compute-sanitizer --tool racecheck --error-exitcode 9 \
+    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_gpu.py \
+    -k "two_rows and 128-3" > "$OUT/ifwd_racecheck.log" 2>&1
+  rc=$?; echo "ifwd racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/ifwd_racecheck.log" | tail -3
+  timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---variants 4294967296} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bench.md"
 fi
 # The index forward's table from the second build (AB_CSRC, e.g. an older csrc/), after

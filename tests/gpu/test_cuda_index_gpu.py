@@ -224,6 +224,50 @@ def test_one_stage_and_pipelined_kernels(D, G, monkeypatch):
     check_forward(q, k, v, idx[..., :16].contiguous())
 
 
+TWO_ROWS = "4294967296"   # two query rows per warp (perf-notes C79)
+
+
+@pytest.mark.parametrize("G", [1, 3, 8])
+@pytest.mark.parametrize("D", [64, 128])
+def test_two_rows_per_warp_is_bitwise_the_same(D, G, monkeypatch):
+    """FLEXSPARSE_CUDA_DEBUG bit 4294967296: two query rows per warp (G <= 8), each with
+    its own keys, every output element computed as the one-row kernel does: bitwise the
+    same out and lse, on strided inputs with -1, out-of-range entries, a fully padded row
+    next to a full one, an odd Lq (the last pair has no row B), W below, at and above one
+    chunk; with a bias and softcap too; and the float64 rule holds. A NaN in K and V at a
+    key only the neighbouring row lists stays in that row."""
+    torch.manual_seed(11 + D + G)
+    B, L, Hkv = 2, 75, 2
+    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+               for H in (Hkv * G, Hkv, Hkv))
+    for W in (1, 7, 16, 17, 100):
+        idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
+        idx[1, 0, 7] = -1                                   # row 7 (a pair's row B) empty
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        want = cuda_forward(q, k, v, idx)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", TWO_ROWS)
+        got = cuda_forward(q, k, v, idx)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), W
+        assert torch.all(got[0][1, :G, 7] == 0) and torch.all(got[1][1, :G, 7] == -math.inf)
+    bias = torch.randn(B, Hkv * G, L, L, device=DEV, dtype=torch.bfloat16)
+    for softcap in (0.0, 5.0):
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        want = cuda_forward(q, k, v, idx, bias, softcap=softcap)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", TWO_ROWS)
+        got = cuda_forward(q, k, v, idx, bias, softcap=softcap)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), softcap
+    check_forward(q, k, v, idx[..., :16].contiguous())
+    # rows 10 and 11 share a warp; key 3 (K and V NaN) is listed by row 11 only
+    k, v = k.clone(), v.clone()
+    k[:, :, 3] = math.nan
+    v[:, :, 3] = math.nan
+    idx = torch.randint(4, L, (B, Hkv, L, 9), device=DEV, dtype=torch.int32)
+    idx[:, :, 11, 0] = 3
+    out, _ = cuda_forward(q, k, v, idx)
+    assert (~torch.isfinite(out[:, :, 11])).all() and torch.isfinite(out[:, :, 10]).all()
+    assert torch.isfinite(out[:, :, :11]).all() and torch.isfinite(out[:, :, 12:]).all()
+
+
 BIAS_SHAPES = {"full": (2, 8, 33, 257), "hkv_batch1": (1, 2, 33, 257), "keys": (2, 1, 1, 257),
                "rows_per_head": (1, 8, 33, 1)}
 
