@@ -737,10 +737,11 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
     // 2 quad + 1 (b0) and + 8 (b1), from lanes 8 quad (pair 2 quad) and 8 quad + 4; column 1
     // the same pairs' P; other lanes zeros.
     const int src0 = 8 * quad, src1 = 8 * quad + 4;
-    const float ds0 = __shfl_sync(0xffffffffu, ds[0], src0), ds1 = __shfl_sync(0xffffffffu, ds[0], src1);
-    const float ds8 = __shfl_sync(0xffffffffu, ds[1], src0), ds9 = __shfl_sync(0xffffffffu, ds[1], src1);
-    const float p0 = __shfl_sync(0xffffffffu, pe[0], src0), p1 = __shfl_sync(0xffffffffu, pe[0], src1);
-    const float p8 = __shfl_sync(0xffffffffu, pe[1], src0), p9 = __shfl_sync(0xffffffffu, pe[1], src1);
+    constexpr unsigned kAll = 0xffffffffu;
+    const float ds0 = __shfl_sync(kAll, ds[0], src0), ds1 = __shfl_sync(kAll, ds[0], src1);
+    const float ds8 = __shfl_sync(kAll, ds[1], src0), ds9 = __shfl_sync(kAll, ds[1], src1);
+    const float p0 = __shfl_sync(kAll, pe[0], src0), p1 = __shfl_sync(kAll, pe[0], src1);
+    const float p8 = __shfl_sync(kAll, pe[1], src0), p9 = __shfl_sync(kAll, pe[1], src1);
     const uint32_t bq0 = g == 0 ? Mma<T>::pack(ds0, ds1) : 0u;
     const uint32_t bq1 = g == 0 ? Mma<T>::pack(ds8, ds9) : 0u;
     const uint32_t bd0 = g == 1 ? Mma<T>::pack(p0, p1) : 0u;

@@ -302,13 +302,14 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows>::kWarps * 32,
       }
     }
     // The keys of this lane's four score columns (-1: inactive).
-    const int2 keys_lo = *reinterpret_cast<const int2*>(s_keys + stage * kRows * kKeys + 2 * quad);
-    const int2 keys_hi = *reinterpret_cast<const int2*>(s_keys + stage * kRows * kKeys + 8 + 2 * quad);
+    const int* stage_keys = s_keys + stage * kRows * kKeys;
+    const int2 keys_lo = *reinterpret_cast<const int2*>(stage_keys + 2 * quad);
+    const int2 keys_hi = *reinterpret_cast<const int2*>(stage_keys + 8 + 2 * quad);
     const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
     // two rows: row B's keys, for the accumulator rows 8-15
     int col_key_b[2][2] = {{-1, -1}, {-1, -1}};
     if constexpr (kTwoRows) {
-      const int* keys_b = s_keys + stage * kRows * kKeys + kKeys;
+      const int* keys_b = stage_keys + kKeys;
       const int2 lo = *reinterpret_cast<const int2*>(keys_b + 2 * quad);
       const int2 hi = *reinterpret_cast<const int2*>(keys_b + 8 + 2 * quad);
       col_key_b[0][0] = lo.x;
