@@ -368,18 +368,6 @@ __device__ __forceinline__ uint4 load16(const void* src, bool ok) {
   return ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
 }
 
-// 8 bytes global -> shared (through L1), or 8 zero bytes written and nothing read.
-__device__ __forceinline__ void cp_async_8_or_zeros(uint32_t dst, const void* src, bool zeros) {
-  asm volatile(
-      "{\n"
-      ".reg .pred z;\n"
-      "setp.ne.b32 z, %2, 0;\n"
-      "cp.async.ca.shared.global [%0], [%1], 8, z;\n"
-      "}\n" ::"r"(dst),
-      "l"(src), "r"(static_cast<int>(zeros))
-      : "memory");
-}
-
 // One (query row, head) pair's share of dK and dV, for this lane's kE columns: the score
 // and dP dot products (reduced over the pair's kLanes lanes), the probability and dS, then
 // dV += p dO and dK += dS Q. (A function of its own so that variants of the pass share
@@ -423,6 +411,26 @@ __device__ __forceinline__ void accumulate_pair(const float (&kf)[kE], const flo
   }
 }
 
+// A dK/dV warp's key: j of kv head h of batch b (bh = b * Hkv + h), its segment of the
+// transposed lists (starting at seg, n_rows (query row, head) pairs), from its work item.
+struct KeySegment {
+  int64_t j, bh, h, b, seg, n_rows;
+};
+__device__ __forceinline__ KeySegment key_segment(const IndexBackwardParams& bp, int64_t item,
+                                                  const int32_t* counts, const int32_t* starts) {
+  const IndexParams& p = bp.fwd;
+  KeySegment k;
+  k.j = item % p.Lk;
+  k.bh = item / p.Lk;
+  k.h = k.bh % p.Hkv;
+  k.b = k.bh / p.Hkv;
+  const int64_t nb = (bp.Bi == 1 ? 0 : k.b) * bp.Hi + (bp.Hi == 1 ? 0 : k.h);
+  const int64_t bucket = nb * (p.Lk + 1) + k.j;
+  k.seg = starts[bucket];
+  k.n_rows = static_cast<int64_t>(counts[bucket]) * p.G;
+  return k;
+}
+
 // A warp per key: the key's transposed list (the query rows that list it, from the sort),
 // each row times the G query heads of the key's kv head, kGroups pairs per warp step. The
 // pass is bound by its instructions per pair, not by its loads (perf-notes C77).
@@ -436,13 +444,8 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * C::kWarps + (threadIdx.x >> 5);
   if (item >= p.B * p.Hkv * p.Lk) return;
-  const int64_t j = item % p.Lk;
-  const int64_t bh = item / p.Lk;
-  const int64_t h = bh % p.Hkv, b = bh / p.Hkv;
-  const int64_t nb = (bp.Bi == 1 ? 0 : b) * bp.Hi + (bp.Hi == 1 ? 0 : h);
-  const int64_t bucket = nb * (p.Lk + 1) + j;
-  const int64_t seg = starts[bucket];
-  const int64_t n_rows = static_cast<int64_t>(counts[bucket]) * p.G;
+  const KeySegment key = key_segment(bp, item, counts, starts);
+  const int64_t j = key.j, bh = key.bh, h = key.h, b = key.b, seg = key.seg, n_rows = key.n_rows;
   const int grp = lane / C::kLanes, col = (lane % C::kLanes) * kE;
 
   float kf[kE], vf[kE], dk[kE], dv[kE];
@@ -579,13 +582,8 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
 
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (item >= p.B * p.Hkv * p.Lk) return;
-  const int64_t j = item % p.Lk;
-  const int64_t bh = item / p.Lk;
-  const int64_t h = bh % p.Hkv, b = bh / p.Hkv;
-  const int64_t nb = (bp.Bi == 1 ? 0 : b) * bp.Hi + (bp.Hi == 1 ? 0 : h);
-  const int64_t bucket = nb * (p.Lk + 1) + j;
-  const int64_t seg = starts[bucket];
-  const int64_t n_rows = static_cast<int64_t>(counts[bucket]) * p.G;
+  const KeySegment key = key_segment(bp, item, counts, starts);
+  const int64_t j = key.j, bh = key.bh, h = key.h, b = key.b, seg = key.seg, n_rows = key.n_rows;
   const int64_t n_steps = (n_rows + kPairs - 1) / kPairs;
   const int g = lane >> 2, quad = lane & 3;   // the fragments' row (or column) and quad
 
@@ -642,7 +640,7 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
         if (qi >= 0) {
           q_ptr = q_kv + hg * p.q_sh + qi * p.q_sm;
           do_ptr = do_kv + hg * bp.do_sh + qi * bp.do_sm;
-          cp_async_8_or_zeros(smem_addr(st), rs_kv + hg * p.Lq + qi, false);
+          cp_async_8(smem_addr(st), rs_kv + hg * p.Lq + qi);
           st->z = has_bias ? to_float(static_cast<const T*>(p.bias)[b * p.bias_sb +
                                       ((h * p.G + hg) / p.bias_head_div) * p.bias_sh +
                                       qi * p.bias_sq + j * p.bias_sk])

@@ -33,6 +33,11 @@ __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t dst, const void* s
       : "memory");
 }
 
+// 8 bytes global -> shared, through L1 (cp.async.cg copies 16 bytes only).
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
