@@ -40,6 +40,14 @@ print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
 PY
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# A pytest run under compute-sanitizer: sanitized_pytest TOOL SECONDS NAME TEST_FILE K_EXPR
+# (log $OUT/NAME.log; its rc line, named NAME with spaces, and the log's summary lines).
+sanitized_pytest() {
+  timeout "$2" compute-sanitizer --tool "$1" --error-exitcode 9 \
+    python3 -m pytest -p no:cacheprovider -o addopts= -q "$4" -k "$5" > "$OUT/$3.log" 2>&1
+  local rc=$?; echo "${3//_/ } rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/$3.log" | tail -3
+}
 # A second build of the extension for probes (trace, build_ab): a copy of the tree in $1,
 # built in place with extra nvcc flags $2, its log in $3, and csrc/ taken from directory $4
 # where given (an older csrc/, for an A/B across commits); the build's exit status.
@@ -122,11 +130,8 @@ if [[ " $parts " == *" topk "* ]]; then
   rc=$?; echo "topk tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed|skipped" "$OUT/topk_tests.log" | cut -c1-300 | tail -8
   for tool in memcheck racecheck; do
-    timeout "${T_TOPK_CSAN:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_triton_indices_gpu.py \
-      -k topk_cuda_op > "$OUT/topk_$tool.log" 2>&1
-    rc=$?; echo "topk $tool rc=$rc"; [ $rc -eq 0 ] || status=1
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/topk_$tool.log" | tail -3
+    sanitized_pytest "$tool" "${T_TOPK_CSAN:-150}" "topk_$tool" tests/gpu/test_triton_indices_gpu.py \
+      topk_cuda_op
   done
   timeout "${T_TOPKBENCH:-300}" python3 -m benchmarks.topk_bench --lengths "${TOPK_LENGTHS:-8192,16384,32768}" \
     --chunk-elements "" --kernel-configs "${TOPK_CONFIGS:-8192x8}" --cuda-warps "${TOPK_WARPS:-1,4,8,16}" --out "$OUT/topk.md" 2>&1 | grep -v Warn
@@ -141,17 +146,10 @@ if [[ " $parts " == *" ifwd "* ]]; then
     > "$OUT/ifwd_tests.log" 2>&1
   rc=$?; echo "ifwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
-  timeout "${T_IFWD_CSAN:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_gpu.py \
-    -k "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows" \
-    > "$OUT/ifwd_memcheck.log" 2>&1
-  rc=$?; echo "ifwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
-  grep -E "ERROR SUMMARY|passed|failed" "$OUT/ifwd_memcheck.log" | tail -3
-  timeout "${T_IFWD_RACE:-120}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_gpu.py \
-    -k "two_rows and 128-3" > "$OUT/ifwd_racecheck.log" 2>&1
-  rc=$?; echo "ifwd racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
-  grep -E "RACECHECK SUMMARY|passed|failed" "$OUT/ifwd_racecheck.log" | tail -3
+  sanitized_pytest memcheck "${T_IFWD_CSAN:-200}" ifwd_memcheck tests/gpu/test_cuda_index_gpu.py \
+    "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows"
+  sanitized_pytest racecheck "${T_IFWD_RACE:-120}" ifwd_racecheck tests/gpu/test_cuda_index_gpu.py \
+    "two_rows and 128-3"
   timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---variants 4294967296} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bench.md"
 fi
@@ -174,12 +172,8 @@ if [[ " $parts " == *" ibwd "* ]]; then
     > "$OUT/ibwd_tests.log" 2>&1
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
-  timeout "${T_IBWD_CSAN:-200}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
-    -k "(variant_kernels and 128) or (tensor_core and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates" \
-    > "$OUT/ibwd_memcheck.log" 2>&1
-  rc=$?; echo "ibwd memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
-  grep -E "ERROR SUMMARY|passed|failed" "$OUT/ibwd_memcheck.log" | tail -3
+  sanitized_pytest memcheck "${T_IBWD_CSAN:-200}" ibwd_memcheck tests/gpu/test_cuda_index_bwd_gpu.py \
+    "(variant_kernels and 128) or (tensor_core and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
   timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 17179869184,34359738368} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
 fi
@@ -194,11 +188,8 @@ if [[ " $parts " == *" ibwdprof "* ]]; then
     grep -E "dkdv_|Duration|Executed Instructions  |Issued Warp Per|Warp Cycles Per Issued|Achieved Active Warps|L2 Cache Throughput|DRAM Throughput|Stall (Wait|Long|Short|Not Sel|Math)" \
       "$OUT/ibwd_ncu_$bits.txt" | cut -c1-120
   done
-  timeout "${T_IBWD_RACE:-150}" compute-sanitizer --tool racecheck --error-exitcode 9 \
-    python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_index_bwd_gpu.py \
-    -k "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)" > "$OUT/ibwd_racecheck.log" 2>&1
-  rc=$?; echo "ibwd racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/ibwd_racecheck.log" | tail -3
+  sanitized_pytest racecheck "${T_IBWD_RACE:-150}" ibwd_racecheck tests/gpu/test_cuda_index_bwd_gpu.py \
+    "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)"
 fi
 # Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":
 #   AB_ROWS=full@8192@64,sliding@8192 AB_ARGS="--variants 0,256 --bwd" bash tests/gpu.sh ab
@@ -266,11 +257,8 @@ if [[ " $parts " == *" build "* ]]; then
   rc=$?; echo "build tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/build_tests.log" | cut -c1-300 | tail -15
   for tool in memcheck racecheck; do     # the fused build's kernel (opt-in bit) on small cases
-    timeout "${T_BUILD_CSAN:-200}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_build_op_gpu.py \
-      -k "fused_build and not 262144" > "$OUT/build_$tool.log" 2>&1
-    rc=$?; echo "build $tool rc=$rc"; [ $rc -eq 0 ] || status=1
-    grep -E "ERROR SUMMARY|passed|failed" "$OUT/build_$tool.log" | tail -3
+    sanitized_pytest "$tool" "${T_BUILD_CSAN:-200}" "build_$tool" tests/gpu/test_build_op_gpu.py \
+      "fused_build and not 262144"
   done
   timeout "${T_BUILDBENCH:-240}" python3 -m benchmarks.build_bench \
     ${BUILD_ARGS:---op-only --no-flex --lengths 8192,131072 --variants 8589934592} 2>&1 \
