@@ -177,6 +177,13 @@ def test_strided_and_misaligned_inputs():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def strided_qkv(B, L, Hkv, G, D):
+    """bf16 q, k, v (G query heads per kv head) as (B, H, L, D) views of (B, L, H, D)
+    tensors: strided, as a model's projections give them."""
+    return (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+            for H in (Hkv * G, Hkv, Hkv))
+
+
 @pytest.mark.parametrize("G", [4, 12])
 def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
     """32-bit row addressing (the default; ignore-src copies for inactive slots) and the
@@ -185,8 +192,7 @@ def test_narrow_addressing_is_bitwise_the_same(G, monkeypatch):
     and out-of-range entries (both tile kinds: G = 4 half rows, G = 12 all 16)."""
     torch.manual_seed(6)
     B, L, Hkv, D = 2, 97, 2, 128
-    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
-               for H in (Hkv * G, Hkv, Hkv))
+    q, k, v = strided_qkv(B, L, Hkv, G, D)
     idx = torch.randint(-1, L + 3, (B, Hkv, L, 40), device=DEV, dtype=torch.int32)
     want = cuda_forward(q, k, v, idx)
     monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "1073741824")
@@ -205,8 +211,7 @@ def test_one_stage_and_pipelined_kernels(D, G, monkeypatch):
     row, W below, at and above one chunk of 16 keys; and the float64 rule holds."""
     torch.manual_seed(8 + D + G)
     B, L, Hkv = 2, 75, 2
-    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
-               for H in (Hkv * G, Hkv, Hkv))
+    q, k, v = strided_qkv(B, L, Hkv, G, D)
     for W in (1, 7, 16, 17, 100):
         idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
         idx[1, 0, 7] = -1
@@ -238,8 +243,7 @@ def test_two_rows_per_warp_is_bitwise_the_same(D, G, monkeypatch):
     key only the neighbouring row lists stays in that row."""
     torch.manual_seed(11 + D + G)
     B, L, Hkv = 2, 75, 2
-    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
-               for H in (Hkv * G, Hkv, Hkv))
+    q, k, v = strided_qkv(B, L, Hkv, G, D)
     for W in (1, 7, 16, 17, 100):
         idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
         idx[1, 0, 7] = -1                                   # row 7 (a pair's row B) empty
