@@ -8,7 +8,8 @@ process, against the random-row gather ceiling of benchmarks/gather_probe.py (is
 FLEXSPARSE_CUDA_DEBUG values, in the same process (a same-build A/B of probe bits, the
 settings taking turns --rounds times; the index forward's: 536870912, the kernel before
 C70's arithmetic; 1073741824, 64-bit row addressing; 2147483648, the pipelined kernel
-instead of the one-stage one, C71; 4294967296, two query rows per warp, C79). Values add:
+instead of the one-stage one, C71; 4294967296, one query row per warp,
+the default before C79). Values add:
 3221225472 = the default before C71 (pipelined, 64-bit addressing). --head-dim 64 or 256 times that head dim instead of 128;
 --heads 8,8 (query, kv heads) another ratio.
 
@@ -18,8 +19,8 @@ no float atomics, deterministic) against the Triton index backward in its two mo
 lse, with the CUDA backward's time over the CUDA forward's (issue 17 asks <= 2) and the
 largest difference of dq, dk, dv from the Triton deterministic backward. With --variants
 the CUDA backward is timed again under each value (34359738368: the pipelined dQ pass
-the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on the tensor
-cores, C78). --split adds the CUDA backward's GPU time per kernel (prep, dQ pass, the
+the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on the CUDA
+cores, the default before C78). --split adds the CUDA backward's GPU time per kernel (prep, dQ pass, the
 transposed lists' count, scan and sort, dK/dV pass; benchmarks/kernel_split.py) after the
 table.
 

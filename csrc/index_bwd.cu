@@ -23,10 +23,10 @@
 //     row per lane; 4 groups at D=64, 2 at 128, 1 at 256), each group one pair at a time,
 //     4 steps' loads issued together; dot products over the group's lanes by shuffles,
 //     then dV += P dO, dK += dS Q in fp32 registers; the groups' sums are added in a
-//     fixed shuffle order at the end. CUDA-core FMA. The pass is bound by its instructions
-//     (~94 warp instructions per pair at hd128; its rows mostly come from L2, C77).
-//     Bit 17179869184 (C78, opt-in): the same pass on the tensor cores, 16 pairs per warp
-//     step (dkdv_mma_kernel below).
+//     fixed shuffle order at the end. CUDA-core FMA (dkdv_kernel, now under bit
+//     17179869184), bound by its instructions (~94 warp instructions per pair at hd128;
+//     its rows mostly come from L2, C77). The default (C78): the same pass on the tensor
+//     cores, 16 pairs per warp step (dkdv_mma_kernel below), twice as fast.
 //
 // Determinism: every output element is written by one warp, whose summation order
 // depends only on the lists (the sort is stable, the scan exact); no float atomics.
@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(KvConfig<kD>::kWarps * 32, 2)
   }
 }
 
-// dK/dV on the tensor cores (FLEXSPARSE_CUDA_DEBUG bit 17179869184, perf-notes C78). A
+// dK/dV on the tensor cores (the default; perf-notes C78). A
 // warp per key, as above, but 16 (query row, head) pairs per step: their Q and dO rows are
 // gathered into shared tiles (cp.async, one step ahead), and both products are m16n8k16
 // mma.sync with the key on the N side, where only one or two of the 8 columns are used:
@@ -892,7 +892,7 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     const int64_t items = p.B * p.Hkv * p.Lk;
     if (items > 0) {
       const unsigned blocks = static_cast<unsigned>((items + C::kWarps - 1) / C::kWarps);
-      if (p.debug_high & 8) {   // bit 17179869184: on the tensor cores (C78)
+      if (!(p.debug_high & 8)) {   // bit 17179869184 takes the CUDA-core FMA kernel (C78)
         constexpr int kWarps = KvMmaConfig<kD>::kWarps;
         constexpr int smem = kWarps * kKvStages * kv_mma_stage_bytes<kD>();
         auto kernel = dkdv_mma_kernel<T, kD>;

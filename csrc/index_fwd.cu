@@ -61,10 +61,11 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // 3 x 8 warps per SM; D=128: 12 KB/warp, 2 x 8 warps; D=256: 24 KB/warp, 2 x 4 warps.
 // The pipelined kernel (bit 2147483648): D=64: 18 KB/warp, three CTAs of 4 warps per SM;
 // D=128: 28 KB/warp, two CTAs; D=256: 40 KB/warp, one CTA.
-// kTwoRows (FLEXSPARSE_CUDA_DEBUG bit 4294967296, perf-notes C79; one stage, G <= 8, D <=
-// 128): two query rows per warp, K and V of both in shared memory: D=64: 10 KB/warp,
-// 3 x 4 warps per SM; D=128: 20 KB/warp, 2 x 4 warps (the rows in flight per SM of the
-// one-row kernel, with half the warps). (D=256: 40 KB/warp, 2 x 2 warps; not launched.)
+// kTwoRows (the default where it applies, perf-notes C79; one stage, G <= 8, D <= 128;
+// bit 4294967296 takes the one-row kernel): two query rows per warp, K and V of both in
+// shared memory: D=64: 10 KB/warp, 3 x 4 warps per SM; D=128: 20 KB/warp, 2 x 4 warps
+// (the rows in flight per SM of the one-row kernel, with half the warps). (D=256:
+// 40 KB/warp, 2 x 2 warps; not launched.)
 template <int kD, bool kOneStage = false, bool kTwoRows = false>
 struct Config {
   static_assert(kD == 64 || kD == 128 || kD == 256, "head dim 64, 128 or 256");
@@ -92,7 +93,7 @@ constexpr int cta_smem_bytes() {
 
 // ------------------------------------------------------------------ the kernel
 
-// kTwoRows (bit 4294967296, C79; G <= 8): the warp takes query rows A = i and B = i + 1
+// kTwoRows (C79; G <= 8): the warp takes query rows A = i and B = i + 1
 // (i even), A's heads as the tile's rows 0-7 and B's as rows 8-15, each row with its own
 // gathered keys. S_A = Q K_A^T keeps rows 0-7 and S_B = Q K_B^T rows 8-15; P is one A
 // operand (A's rows, then B's); O_A += P V_A keeps the C fragments' rows 0-7 and O_B +=
@@ -498,12 +499,13 @@ void launch(IndexParams const& p, cudaStream_t stream) {
 // The one-stage kernel (kOneStage) at every W: twice the warps per SM beat the pipelined
 // kernel's stages at W = 16, 64 and 256 (perf-notes C71). FLEXSPARSE_CUDA_DEBUG bit
 // 2147483648 (debug_high bit 0) takes the pipelined kernel, for A/B runs.
-// Bit 4294967296 (debug_high bit 1; C79, not yet measured): two query rows per warp, where
-// G <= 8 with 32-bit row addressing, at D = 64 and 128 (at 256 its O registers spill).
+// Two query rows per warp where G <= 8 with 32-bit row addressing, at D = 64 and 128 (at
+// 256 its O registers spill): 1-12% faster than one row per warp at 8K and 32K, W = 16-256
+// (C79, H200). Bit 4294967296 (debug_high bit 1) takes the one-row kernel, for A/B runs.
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch_stages(IndexParams const& p, cudaStream_t stream) {
   if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
-  else if (kHalfRows && kNarrowAddr && kD <= 128 && (p.debug_high & 2))
+  else if (kHalfRows && kNarrowAddr && kD <= 128 && !(p.debug_high & 2))
     launch<T, kD, kHalfRows, kNarrowAddr, true, kHalfRows && kNarrowAddr && kD <= 128>(p, stream);
   else launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);
 }

@@ -41,9 +41,11 @@ PY
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # A pytest run under compute-sanitizer: sanitized_pytest TOOL SECONDS NAME TEST_FILE K_EXPR
-# (log $OUT/NAME.log; its rc line, named NAME with spaces, and the log's summary lines).
+# [SANITIZER_ARGS...] (log $OUT/NAME.log; its rc line, named NAME with spaces, and the
+# log's summary lines). "--kernel-regex kns=index_bwd" keeps racecheck to our kernels: it
+# reports cuBLAS's nvjet kernels (the tests' references) and ran past its limit there.
 sanitized_pytest() {
-  timeout "$2" compute-sanitizer --tool "$1" --error-exitcode 9 \
+  timeout "$2" compute-sanitizer --tool "$1" "${@:6}" --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q "$4" -k "$5" > "$OUT/$3.log" 2>&1
   local rc=$?; echo "${3//_/ } rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/$3.log" | tail -3
@@ -138,9 +140,9 @@ if [[ " $parts " == *" topk "* ]]; then
 fi
 # The CUDA index forward (csrc/index_fwd.cu, issue 17): its tests, some under
 # compute-sanitizer memcheck (the two-rows kernel at hd128 under racecheck too), then its
-# table against Triton and the gather ceiling, by default with the two-rows kernel's
-# column (bit 4294967296, perf-notes C79; IFWD_ARGS="--variants 1,2": columns under
-# other FLEXSPARSE_CUDA_DEBUG values).
+# table against Triton and the gather ceiling, by default with the one-row kernel's
+# column (bit 4294967296, the default before perf-notes C79; IFWD_ARGS="--variants 1,2":
+# columns under other FLEXSPARSE_CUDA_DEBUG values).
 if [[ " $parts " == *" ifwd "* ]]; then
   timeout "${T_IFWD:-300}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_gpu.py \
     > "$OUT/ifwd_tests.log" 2>&1
@@ -164,7 +166,7 @@ if [[ " $parts " == *" ifwd_ab "* ]]; then
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, some under
 # compute-sanitizer memcheck, then its table with the variant bits' columns (34359738368:
-# the pipelined dQ pass, C74; 17179869184: the dK/dV pass on the tensor cores, C78) and the
+# the pipelined dQ pass, C74; 17179869184: the dK/dV pass on the CUDA cores, C78) and the
 # per-kernel split. ibwdprof (a second call on the warm machine): ncu of both dK/dV
 # kernels and the variant kernels at hd128 under racecheck.
 if [[ " $parts " == *" ibwd "* ]]; then
@@ -179,7 +181,7 @@ if [[ " $parts " == *" ibwd "* ]]; then
 fi
 if [[ " $parts " == *" ibwdprof "* ]]; then
   # What bounds the dK/dV pass (C77, C78): ncu's instruction and stall counts of both
-  # kernels, default and on the tensor cores, at 8K W=64 hd128.
+  # kernels, the default on the tensor cores and the FMA one, at 8K W=64 hd128.
   for bits in 0 17179869184; do
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_NCU:-90}" ncu --clock-control none -k regex:dkdv -c 1 \
       --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
@@ -189,7 +191,7 @@ if [[ " $parts " == *" ibwdprof "* ]]; then
       "$OUT/ibwd_ncu_$bits.txt" | cut -c1-120
   done
   sanitized_pytest racecheck "${T_IBWD_RACE:-150}" ibwd_racecheck tests/gpu/test_cuda_index_bwd_gpu.py \
-    "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)"
+    "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)" --kernel-regex kns=index_bwd
 fi
 # Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":
 #   AB_ROWS=full@8192@64,sliding@8192 AB_ARGS="--variants 0,256 --bwd" bash tests/gpu.sh ab

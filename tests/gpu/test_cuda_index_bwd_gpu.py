@@ -193,25 +193,26 @@ def test_variant_kernels_are_bitwise_the_same(D, monkeypatch):
     check(q, k, v, idx)
 
 
-TENSOR_CORE_DKDV = "17179869184"   # the dK/dV pass on the tensor cores (perf-notes C78)
+FMA_DKDV = "17179869184"   # the dK/dV pass on the CUDA cores, the default before C78
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
-    """The dK/dV pass on the tensor cores (bit 17179869184): the float64 rule over G = 1,
+    """The dK/dV pass on the tensor cores (the default, C78): the float64 rule over G = 1,
     3, 8, 17 and W below, at and above a 16-pair step (segments of every length mod 16),
     padding, out-of-range entries, duplicates and keys no list names (dk = dv = 0 there);
-    dq is the default's bit for bit (the same dQ pass), and two runs agree bitwise."""
+    dq is the FMA kernel's (bit 17179869184) bit for bit (the same dQ pass), and two runs
+    agree bitwise."""
     for G, W, seed in ((1, 7, 1), (3, 40, 2), (8, 100, 3), (17, 16, 4), (4, 1000, 5)):
         Lq = 61 if W < 1000 else 9
         q, k, v, idx = TI._make(2, 2 * G, 2, Lq, 203, D, D, W, dtype, seed=seed + D)
         idx[0, 1, 5 % Lq] = -1
         idx[1, 0, 3, : min(W, 3)] = 7                     # duplicates of key 7
         idx = torch.where(idx >= 190, -1, idx)           # keys 190-202 listed by nobody
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", FMA_DKDV)
         fwd, want = run(q, k, v, idx)
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", TENSOR_CORE_DKDV)
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
         dq, dk, dv = check(q, k, v, idx)
         assert torch.equal(dq, want[0]), (G, W)
         assert torch.all(dk[:, :, 190:] == 0) and torch.all(dv[:, :, 190:] == 0)
@@ -219,13 +220,15 @@ def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
         second = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
         for a, b in zip(first, second):
             assert torch.equal(a, b), (G, W)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", FMA_DKDV)   # the FMA kernel, kept for A/Bs
+    check(q, k, v, idx)
 
 
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_tensor_core_dkdv_pass_bias_softcap_nan(softcap, monkeypatch):
-    """Under the same bit: a bias (read) and softcap; NaN in K and V at a key no list
-    names reaches no gradient; all-padded lists give zero gradients."""
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", TENSOR_CORE_DKDV)
+    """The tensor-core dK/dV pass: a bias (read) and softcap; NaN in K and V at a key no
+    list names reaches no gradient; all-padded lists give zero gradients."""
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
     q, k, v, idx = TI._make(2, 8, 2, 33, 257, 64, 64, 100, torch.float16, seed=6)
     q = (q.float() * 3).half()
     check(q, k, v, idx, bias=torch.randn(2, 8, 33, 257, device=DEV).half(), softcap=softcap)

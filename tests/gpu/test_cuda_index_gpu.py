@@ -229,14 +229,14 @@ def test_one_stage_and_pipelined_kernels(D, G, monkeypatch):
     check_forward(q, k, v, idx[..., :16].contiguous())
 
 
-TWO_ROWS = "4294967296"   # two query rows per warp (perf-notes C79)
+ONE_ROW = "4294967296"   # one query row per warp, the default before C79
 
 
 @pytest.mark.parametrize("G", [1, 3, 8])
 @pytest.mark.parametrize("D", [64, 128])
 def test_two_rows_per_warp_is_bitwise_the_same(D, G, monkeypatch):
-    """FLEXSPARSE_CUDA_DEBUG bit 4294967296: two query rows per warp (G <= 8), each with
-    its own keys, every output element computed as the one-row kernel does: bitwise the
+    """Two query rows per warp (the default at G <= 8, C79), each with its own keys, every
+    output element computed as the one-row kernel (bit 4294967296) does: bitwise the
     same out and lse, on strided inputs with -1, out-of-range entries, a fully padded row
     next to a full one, an odd Lq (the last pair has no row B), W below, at and above one
     chunk; with a bias and softcap too; and the float64 rule holds. A NaN in K and V at a
@@ -247,17 +247,17 @@ def test_two_rows_per_warp_is_bitwise_the_same(D, G, monkeypatch):
     for W in (1, 7, 16, 17, 100):
         idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
         idx[1, 0, 7] = -1                                   # row 7 (a pair's row B) empty
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_ROW)
         want = cuda_forward(q, k, v, idx)
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", TWO_ROWS)
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
         got = cuda_forward(q, k, v, idx)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), W
         assert torch.all(got[0][1, :G, 7] == 0) and torch.all(got[1][1, :G, 7] == -math.inf)
     bias = torch.randn(B, Hkv * G, L, L, device=DEV, dtype=torch.bfloat16)
     for softcap in (0.0, 5.0):
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_ROW)
         want = cuda_forward(q, k, v, idx, bias, softcap=softcap)
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", TWO_ROWS)
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
         got = cuda_forward(q, k, v, idx, bias, softcap=softcap)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), softcap
     check_forward(q, k, v, idx[..., :16].contiguous())
