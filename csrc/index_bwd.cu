@@ -551,7 +551,7 @@ struct KvMmaConfig<256> {
 constexpr int kPairs = 16;   // (query row, head) pairs per warp step: the MMA's M
 constexpr int kKvStages = 2;
 // Per warp and stage: the Q and dO tiles, then per pair 16 bytes of row pointers (Q, dO;
-// Q's low bit set: no pair) and 16 of (lse2, delta, bias, unused).
+// null: no pair) and 16 of (lse2, delta, bias, unused).
 template <int kD>
 constexpr int kv_mma_stage_bytes() {
   return 2 * kPairs * kD * 2 + kPairs * 16 + kPairs * 16;
@@ -633,18 +633,13 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
     if (t < n_steps) {
       const int stage = static_cast<int>(t % kKvStages);
       if (lane < kPairs) {
-        // No pair: the kv head's row 0 (a valid address) with the low bit set; the copies
-        // then write zeros and read nothing. Not a null pointer: with null sources (and
-        // ignore-src set) racecheck stopped on a hardware exception in this kernel (C78).
-        const T* q_ptr = q_kv;
-        const T* do_ptr = do_kv;
-        uint64_t none_bit = 1;
+        const T* q_ptr = nullptr;
+        const T* do_ptr = nullptr;
         float4* st = stats(stage) + lane;
         const int64_t qi = pair.x, hg = pair.y;
         if (qi >= 0) {
           q_ptr = q_kv + hg * p.q_sh + qi * p.q_sm;
           do_ptr = do_kv + hg * bp.do_sh + qi * bp.do_sm;
-          none_bit = 0;
           cp_async_8(smem_addr(st), rs_kv + hg * p.Lq + qi);
           st->z = has_bias ? to_float(static_cast<const T*>(p.bias)[b * p.bias_sb +
                                       ((h * p.G + hg) / p.bias_head_div) * p.bias_sh +
@@ -653,7 +648,7 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
         } else {
           *st = make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        pointers(stage)[lane] = make_ulonglong2(reinterpret_cast<uint64_t>(q_ptr) | none_bit,
+        pointers(stage)[lane] = make_ulonglong2(reinterpret_cast<uint64_t>(q_ptr),
                                                 reinterpret_cast<uint64_t>(do_ptr));
       }
       __syncwarp();
@@ -664,8 +659,8 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
         const int x = (it * kRowsPerIt) & 7;
         const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
         const ulonglong2 ptrs = table[it * kRowsPerIt];
-        const bool none = ptrs.x & 1;
-        cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs.x & ~uint64_t{1}) + gc * 8, none);
+        const bool none = ptrs.x == 0;
+        cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs.x) + gc * 8, none);
         cp_async_16_or_zeros(swz + kPairs * kD * 2, reinterpret_cast<const T*>(ptrs.y) + gc * 8,
                              none);
       }
