@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ibwd|ibwdprof|topk|hf|probe|step|build ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -42,7 +42,7 @@ PY
 fi
 # A pytest run under compute-sanitizer: sanitized_pytest TOOL SECONDS NAME TEST_FILE K_EXPR
 # [SANITIZER_ARGS...] (log $OUT/NAME.log; its rc line, named NAME with spaces, and the
-# log's summary lines). "--kernel-regex kns=index_bwd" keeps racecheck to our kernels: it
+# log's summary lines). "--kernel-name kns=index_" keeps racecheck to our kernels: it
 # reports cuBLAS's nvjet kernels (the tests' references) and ran past its limit there.
 sanitized_pytest() {
   timeout "$2" compute-sanitizer --tool "$1" "${@:6}" --error-exitcode 9 \
@@ -190,8 +190,19 @@ if [[ " $parts " == *" ibwdprof "* ]]; then
     grep -E "dkdv_|Duration|Executed Instructions  |Issued Warp Per|Warp Cycles Per Issued|Achieved Active Warps|L2 Cache Throughput|DRAM Throughput|Stall (Wait|Long|Short|Not Sel|Math)" \
       "$OUT/ibwd_ncu_$bits.txt" | cut -c1-120
   done
-  sanitized_pytest racecheck "${T_IBWD_RACE:-150}" ibwd_racecheck tests/gpu/test_cuda_index_bwd_gpu.py \
-    "(variant_kernels and 128) or (tensor_core_dkdv_pass and 128-bf16)" --kernel-regex kns=index_bwd
+fi
+# Racecheck of the index kernels without cuBLAS (tests/gpu/race_index_kernels.py: the
+# tensor-core dK/dV test's configurations, no reference matmuls), then the test itself
+# under racecheck with a kernel filter that matches nothing: under racecheck that test
+# stopped in the cuBLAS matmuls of its reference whichever of our kernels was
+# instrumented (perf-notes C78); this tells whether racecheck's presence alone does it.
+if [[ " $parts " == *" ibwdprof "* || " $parts " == *" ibwdrace "* ]]; then
+  timeout "${T_IBWD_RACE:-150}" compute-sanitizer --tool racecheck --kernel-name kns=index_ \
+    --error-exitcode 9 python3 tests/gpu/race_index_kernels.py > "$OUT/index_racecheck.log" 2>&1
+  rc=$?; echo "index kernels racecheck rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "RACECHECK SUMMARY|Internal|D=|Error" "$OUT/index_racecheck.log" | tail -6
+  sanitized_pytest racecheck "${T_IBWD_RACE0:-60}" ibwd_racecheck_nofilter_match \
+    tests/gpu/test_cuda_index_bwd_gpu.py "tensor_core_dkdv_pass and 128-bf16" --kernel-name kns=no_such_kernel
 fi
 # Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":
 #   AB_ROWS=full@8192@64,sliding@8192 AB_ARGS="--variants 0,256 --bwd" bash tests/gpu.sh ab
