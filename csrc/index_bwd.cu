@@ -557,7 +557,14 @@ constexpr int kv_mma_stage_bytes() {
   return 2 * kPairs * kD * 2 + kPairs * 16 + kPairs * 16;
 }
 
-template <typename T, int kD>
+// kShortChains (FLEXSPARSE_CUDA_DEBUG bit 68719476736, perf-notes C80; not yet run): the
+// same arithmetic with shorter dependency chains. [s dp] in four accumulators (Q's and
+// dO's products, even and odd k-steps) summed at the end, instead of one chain of 2 D/16
+// dependent MMAs (16 at hd128, ~33 cycles each); and the gather's row pointers all read
+// from shared memory before its first cp.async (whose "memory" clobber otherwise keeps
+// each pointer's load right before its copy, one shared-memory latency per copy pair).
+// Not bitwise the default: the [s dp] sums are added in another order.
+template <typename T, int kD, bool kShortChains = false>
 __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>::kMinBlocks)
     dkdv_mma_kernel(const IndexBackwardParams bp, const float2* rowstat, const int32_t* counts,
                     const int32_t* starts, const int32_t* qrows) {
@@ -654,15 +661,37 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
       __syncwarp();
       const uint32_t q_dst = smem_addr(q_tile(stage)) + gather_row;
       const ulonglong2* table = pointers(stage) + gr;
+      constexpr int kIts = kPairs / kRowsPerIt;
+      if constexpr (kShortChains) {
+        // the pointers of up to 8 iterations (32 registers) read before their copies
+        constexpr int kGroup = kIts < 8 ? kIts : 8;
 #pragma unroll
-      for (int it = 0; it < kPairs / kRowsPerIt; ++it) {
-        const int x = (it * kRowsPerIt) & 7;
-        const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
-        const ulonglong2 ptrs = table[it * kRowsPerIt];
-        const bool none = ptrs.x == 0;
-        cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs.x) + gc * 8, none);
-        cp_async_16_or_zeros(swz + kPairs * kD * 2, reinterpret_cast<const T*>(ptrs.y) + gc * 8,
-                             none);
+        for (int it0 = 0; it0 < kIts; it0 += kGroup) {
+          ulonglong2 ptrs[kGroup];
+#pragma unroll
+          for (int u = 0; u < kGroup; ++u) ptrs[u] = table[(it0 + u) * kRowsPerIt];
+#pragma unroll
+          for (int u = 0; u < kGroup; ++u) {
+            const int it = it0 + u;
+            const int x = (it * kRowsPerIt) & 7;
+            const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
+            const bool none = ptrs[u].x == 0;
+            cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs[u].x) + gc * 8, none);
+            cp_async_16_or_zeros(swz + kPairs * kD * 2,
+                                 reinterpret_cast<const T*>(ptrs[u].y) + gc * 8, none);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int it = 0; it < kIts; ++it) {
+          const int x = (it * kRowsPerIt) & 7;
+          const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
+          const ulonglong2 ptrs = table[it * kRowsPerIt];
+          const bool none = ptrs.x == 0;
+          cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs.x) + gc * 8, none);
+          cp_async_16_or_zeros(swz + kPairs * kD * 2, reinterpret_cast<const T*>(ptrs.y) + gc * 8,
+                               none);
+        }
       }
     }
     cp_async_commit();
@@ -701,14 +730,29 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
 
     // [s dp]: row g and g + 8 of the 16 pairs, columns 2 quad, 2 quad + 1.
     float sd[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (kShortChains) {
+      float part[4][4] = {};   // chains: Q even, dO even, Q odd, dO odd k-steps
 #pragma unroll
-    for (int st = 0; st < kSteps; ++st) {
-      uint32_t qa[4], da[4];
-      const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
-      ldmatrix_x4(qa, at);
-      ldmatrix_x4(da, at + kDoTile);
-      Mma<T>::run(sd, qa, kb[st][0], kb[st][1]);
-      Mma<T>::run(sd, da, vb[st][0], vb[st][1]);
+      for (int st = 0; st < kSteps; ++st) {
+        uint32_t qa[4], da[4];
+        const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
+        ldmatrix_x4(qa, at);
+        ldmatrix_x4(da, at + kDoTile);
+        Mma<T>::run(part[2 * (st & 1)], qa, kb[st][0], kb[st][1]);
+        Mma<T>::run(part[2 * (st & 1) + 1], da, vb[st][0], vb[st][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sd[e] = (part[0][e] + part[2][e]) + (part[1][e] + part[3][e]);
+    } else {
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) {
+        uint32_t qa[4], da[4];
+        const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
+        ldmatrix_x4(qa, at);
+        ldmatrix_x4(da, at + kDoTile);
+        Mma<T>::run(sd, qa, kb[st][0], kb[st][1]);
+        Mma<T>::run(sd, da, vb[st][0], vb[st][1]);
+      }
     }
     // P and dS of pairs g (sd[0], sd[1]) and g + 8 (sd[2], sd[3]); meaningful on quad 0.
     float pe[2], ds[2];
@@ -895,7 +939,8 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
       if (!(p.debug_high & 8)) {   // bit 17179869184 takes the CUDA-core FMA kernel (C78)
         constexpr int kWarps = KvMmaConfig<kD>::kWarps;
         constexpr int smem = kWarps * kKvStages * kv_mma_stage_bytes<kD>();
-        auto kernel = dkdv_mma_kernel<T, kD>;
+        // bit 68719476736: shorter dependency chains (C80, opt-in until measured)
+        auto kernel = (p.debug_high & 32) ? dkdv_mma_kernel<T, kD, true> : dkdv_mma_kernel<T, kD>;
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
             bp, rowstat, counts, starts, vals_out);

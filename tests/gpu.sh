@@ -165,8 +165,9 @@ if [[ " $parts " == *" ifwd_ab "* ]]; then
   fi
 fi
 # The CUDA index backward (csrc/index_bwd.cu, issue 17): its tests, some under
-# compute-sanitizer memcheck, then its table with the variant bits' columns (34359738368:
-# the pipelined dQ pass, C74; 17179869184: the dK/dV pass on the CUDA cores, C78) and the
+# compute-sanitizer memcheck, then its table with the variant bits' columns (68719476736:
+# the dK/dV pass with shorter chains, C80; 17179869184: the dK/dV pass on the CUDA cores,
+# C78; 34359738368, the pipelined dQ pass, C74, by IBWD_ARGS) and the
 # per-kernel split. ibwdprof (a second call on the warm machine): ncu of both dK/dV
 # kernels and the variant kernels at hd128 under racecheck.
 if [[ " $parts " == *" ibwd "* ]]; then
@@ -175,14 +176,14 @@ if [[ " $parts " == *" ibwd "* ]]; then
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   sanitized_pytest memcheck "${T_IBWD_CSAN:-200}" ibwd_memcheck tests/gpu/test_cuda_index_bwd_gpu.py \
-    "(variant_kernels and 128) or (tensor_core and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 17179869184,34359738368} 2>&1 \
+    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,17179869184} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
 fi
 if [[ " $parts " == *" ibwdprof "* ]]; then
-  # What bounds the dK/dV pass (C77, C78): ncu's instruction and stall counts of both
-  # kernels, the default on the tensor cores and the FMA one, at 8K W=64 hd128.
-  for bits in 0 17179869184; do
+  # What bounds the dK/dV pass (C77, C78, C80): ncu's instruction and stall counts of the
+  # default on the tensor cores, its shorter-chains variant and the FMA one, 8K W=64 hd128.
+  for bits in 0 68719476736 17179869184; do
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_NCU:-90}" ncu --clock-control none -k regex:dkdv -c 1 \
       --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
       --section Occupancy --print-details all python3 -m benchmarks.index_bwd_once > "$OUT/ibwd_ncu_$bits.txt" 2>&1
