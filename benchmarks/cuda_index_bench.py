@@ -21,9 +21,9 @@ largest difference of dq, dk, dv from the Triton deterministic backward. With --
 the CUDA backward is timed again under each value (34359738368: the pipelined dQ pass
 the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on the CUDA
 cores, the default before C78; 68719476736: the tensor-core dK/dV pass with shorter
-dependency chains, C80). --split adds the CUDA backward's GPU time per kernel (prep, dQ
-pass, the transposed lists' count, scan and sort, dK/dV pass; benchmarks/kernel_split.py)
-after the table.
+dependency chains, C80; 137438953472: the preprocess with 16-byte loads, C81). --split
+adds the CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count,
+scan and sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 
 Random sorted lists (B=1, Hq=16, Hkv=4, hd 128, bf16). "gathered TB/s" counts the K and V
 rows each kv head's lists name (B*Hkv*L*W*(D+Dv)*2 bytes) over the forward's time: the G

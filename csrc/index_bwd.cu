@@ -117,6 +117,45 @@ __global__ void __launch_bounds__(256) prep_kernel(const IndexBackwardParams p, 
   }
 }
 
+// The same with 16-byte loads (FLEXSPARSE_CUDA_DEBUG bit 137438953472, perf-notes C81; not
+// yet run): D/8 lanes per row, 256/D rows per warp, the row's sum by shuffles within its
+// lane group. The warp-per-row kernel above reads 2 bytes per lane per load and reached
+// ~2 TB/s (33 us at 8K, 16 heads, hd128: C78's split). Not bitwise the kernel above
+// (another summation order of delta).
+template <typename T, int kD>
+__global__ void __launch_bounds__(256) prep_vec_kernel(const IndexBackwardParams p, float2* rowstat) {
+  constexpr int kLanes = kD / 8;            // lanes per row
+  constexpr int kRowsPerWarp = 32 / kLanes;
+  const IndexParams& f = p.fwd;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5)) * kRowsPerWarp +
+                      lane / kLanes;
+  const int sub = lane % kLanes;
+  const bool active = row < f.B * f.Hq * f.Lq;
+  float acc = 0.f;
+  if (active) {
+    const int64_t i = row % f.Lq;
+    const int64_t bh = row / f.Lq;
+    const int64_t hq = bh % f.Hq, b = bh / f.Hq;
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(f.out) + row * kD + sub * 8);
+    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + b * p.do_sb +
+                                                    hq * p.do_sh + i * p.do_sm + sub * 8);
+    const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 a = Mma<T>::unpack(ow[e]), c = Mma<T>::unpack(dw[e]);
+      acc += a.x * c.x + a.y * c.y;
+    }
+  }
+#pragma unroll
+  for (int s = kLanes / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (active && sub == 0) {
+    const float l = f.lse[row];
+    rowstat[row] = make_float2((l == -INFINITY ? 0.f : l) * kLog2e,
+                               acc - (p.grad_lse != nullptr ? p.grad_lse[row] : 0.f));
+  }
+}
+
 // ------------------------------------------------------------------ 2. dQ
 
 template <typename T, int kD, bool kOneStage>
@@ -907,7 +946,15 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
 
   // 1. delta, lse2
   if (L.rows > 0) {
-    prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
+    // bit 137438953472: 16-byte loads (C81), where out's rows are 16-byte aligned (dO's
+    // are: tma_ready); out is contiguous but may start at any element
+    if ((p.debug_high & 64) && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) {
+      constexpr int64_t kRowsPerCta = 8 * (256 / kD);
+      prep_vec_kernel<T, kD><<<static_cast<unsigned>((L.rows + kRowsPerCta - 1) / kRowsPerCta),
+                               256, 0, stream>>>(bp, rowstat);
+    } else {
+      prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
+    }
     CUDA_CHECK(cudaGetLastError());
   }
   // 2. dQ (bit 34359738368: the pipelined kernel)

@@ -257,6 +257,35 @@ def test_short_chains_dkdv_pass(D, dtype, monkeypatch):
     check(q, k, v, idx, bias=torch.randn(2, 8, 33, 257, device=DEV).to(dtype), softcap=5.0)
 
 
+VEC_PREP = "137438953472"   # the preprocess with 16-byte loads (C81)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_vector_prep(D, monkeypatch):
+    """Bit 137438953472: delta and lse2 from 16-byte loads, 256 / D rows per warp. The
+    float64 rule (G = 1, 3, 17; an odd number of rows, so a warp's last row group is cut
+    short; dlse given and not), and two runs bitwise equal. With an output that starts
+    off 16-byte alignment (a contiguous view at element 1) the op takes the warp-per-row
+    kernel: bitwise the default's gradients."""
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", VEC_PREP)
+    for G, W, seed, dlse in ((1, 7, 1, True), (3, 40, 2, False), (17, 16, 4, True)):
+        q, k, v, idx = TI._make(1, 2 * G, 2, 61, 203, D, D, W, torch.bfloat16, seed=seed + D)
+        check(q, k, v, idx, dlse=dlse)
+        fwd, first = run(q, k, v, idx)
+        second = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b), (G, W)
+    out, lse, do, gl = fwd
+    shifted = torch.empty(out.numel() + 1, device=DEV, dtype=out.dtype)[1:].view(out.shape)
+    shifted.copy_(out)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    got = cuda_backward(do, gl, q, k, v, shifted, lse, idx)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    want = cuda_backward(do, gl, q, k, v, out, lse, idx)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_tensor_core_dkdv_pass_bias_softcap_nan(softcap, monkeypatch):
     """The tensor-core dK/dV pass: a bias (read) and softcap; NaN in K and V at a key no
