@@ -48,8 +48,9 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // up, shifted down by 31, to the index kernels' `debug_high`: 2^31 the index forward's
 // pipelined kernel, 2^32 its one-row-per-warp kernel (index_fwd.cu), 2^33 the one-launch
 // document builds (build_ops.h), 2^34 the index backward's FMA dK/dV pass, 2^35 its
-// pipelined dQ pass, 2^36 its dK/dV pass with shorter dependency chains and 2^37 its
-// preprocess with 16-byte loads (index_bwd.cu).
+// pipelined dQ pass, 2^36 its dK/dV pass with shorter dependency chains, 2^37 its
+// preprocess with 16-byte loads and 2^38 its transposed lists' keys from a warp per row
+// (index_bwd.cu).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;
