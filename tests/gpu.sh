@@ -170,8 +170,8 @@ fi
 # loads, C81; 274877906944: the transposed lists' keys from a warp per row, C82;
 # 481036337152: all three; 17179869184: the dK/dV pass on the CUDA cores, C78;
 # 34359738368, the pipelined dQ pass, C74, by IBWD_ARGS) and the
-# per-kernel split. ibwdprof (a second call on the warm machine): ncu of both dK/dV
-# kernels and the variant kernels at hd128 under racecheck.
+# per-kernel split. ibwdprof (a second call on the warm machine): ncu of the dK/dV
+# kernels, then ibwdrace's racecheck.
 if [[ " $parts " == *" ibwd "* ]]; then
   timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_bwd_gpu.py \
     > "$OUT/ibwd_tests.log" 2>&1
@@ -202,7 +202,7 @@ fi
 if [[ " $parts " == *" ibwdprof "* || " $parts " == *" ibwdrace "* ]]; then
   for bits in 0 481036337152; do   # the defaults; C80, C81 and C82's variants
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_RACE:-120}" compute-sanitizer --tool racecheck \
-      --kernel-name kns=index_ --error-exitcode 9 python3 tests/gpu/race_index_kernels.py \
+      --kernel-name kns=index_ --error-exitcode 9 python3 tests/gpu/race_index_kernels.py ${RACE_DIMS:-128} \
       > "$OUT/index_racecheck_$bits.log" 2>&1
     rc=$?; echo "index kernels racecheck (debug $bits) rc=$rc"; [ $rc -eq 0 ] || status=1
     grep -E "RACECHECK SUMMARY|Internal|D=|Error" "$OUT/index_racecheck_$bits.log" | tail -6
