@@ -22,7 +22,8 @@ the CUDA backward is timed again under each value (34359738368: the pipelined dQ
 the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on the CUDA
 cores, the default before C78; 68719476736: the tensor-core dK/dV pass with shorter
 dependency chains, C80; 137438953472: the preprocess with 16-byte loads, C81;
-274877906944: the transposed lists' keys from a warp per list row, C82). --split
+274877906944: the transposed lists' keys from a warp per list row, C82; 549755813888:
+the transposed lists on a second stream beside the dQ pass, C83). --split
 adds the CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count,
 scan and sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 

@@ -38,6 +38,8 @@
 
 #include <cstdint>
 #include <cub/cub.cuh>
+#include <map>
+#include <mutex>
 
 #include "kernels.h"
 #include "warp_mma.cuh"
@@ -941,6 +943,24 @@ Layout layout(IndexBackwardParams const& bp) {
   return L;
 }
 
+// One non-blocking stream of the highest priority per device, made on first use, for the
+// transposed lists beside the dQ pass (bit 549755813888, C83).
+cudaStream_t side_stream() {
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> streams;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(device);
+  if (it != streams.end()) return it->second;
+  int lowest = 0, highest = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+  cudaStream_t s = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, highest));
+  streams[device] = s;
+  return s;
+}
+
 template <typename T, int kD, bool kOneStage>
 void launch_dq(IndexBackwardParams const& bp, const float2* rowstat, cudaStream_t stream) {
   const IndexParams& p = bp.fwd;
@@ -970,44 +990,68 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
   int32_t* vals_out = reinterpret_cast<int32_t*>(ws + L.vals_out);
   void* temp = ws + L.temp;
 
-  // 1. delta, lse2
-  if (L.rows > 0) {
-    // bit 137438953472: 16-byte loads (C81), where out's rows are 16-byte aligned (dO's
-    // are: tma_ready); out is contiguous but may start at any element
-    if ((p.debug_high & 64) && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) {
-      constexpr int64_t kRowsPerCta = 8 * (256 / kD);
-      prep_vec_kernel<T, kD><<<static_cast<unsigned>((L.rows + kRowsPerCta - 1) / kRowsPerCta),
-                               256, 0, stream>>>(bp, rowstat);
-    } else {
-      prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
-    }
-    CUDA_CHECK(cudaGetLastError());
-  }
-  // 2. dQ (bit 34359738368: the pipelined kernel)
-  if (p.debug_high & 16)
-    launch_dq<T, kD, false>(bp, rowstat, stream);
-  else
-    launch_dq<T, kD, true>(bp, rowstat, stream);
-  // 3. transposed lists
-  if (L.buckets > 0) {
-    CUDA_CHECK(cudaMemsetAsync(counts, 0, L.buckets * sizeof(int32_t), stream));
-    if (L.entries > 0) {
-      if (p.debug_high & 128) {   // bit 274877906944: a warp per list row (C82)
-        const int64_t rows = bp.Bi * bp.Hi * p.Lq;
-        csr_keys_rows_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
-            bp, keys_in, vals_in, counts);
+  auto rows_and_dq = [&] {
+    // 1. delta, lse2
+    if (L.rows > 0) {
+      // bit 137438953472: 16-byte loads (C81), where out's rows are 16-byte aligned (dO's
+      // are: tma_ready); out is contiguous but may start at any element
+      if ((p.debug_high & 64) && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) {
+        constexpr int64_t kRowsPerCta = 8 * (256 / kD);
+        prep_vec_kernel<T, kD><<<static_cast<unsigned>((L.rows + kRowsPerCta - 1) / kRowsPerCta),
+                                 256, 0, stream>>>(bp, rowstat);
       } else {
-        csr_keys_kernel<<<static_cast<unsigned>((L.entries + 255) / 256), 256, 0, stream>>>(
-            bp, keys_in, vals_in, counts);
+        prep_kernel<T><<<static_cast<unsigned>((L.rows + 7) / 8), 256, 0, stream>>>(bp, rowstat);
       }
       CUDA_CHECK(cudaGetLastError());
-      size_t temp_bytes = L.temp_bytes;
-      CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, vals_in, vals_out,
-                                                 static_cast<int>(L.entries), 0, L.end_bit, stream));
     }
-    size_t temp_bytes = L.temp_bytes;
-    CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, starts,
-                                             static_cast<int>(L.buckets), stream));
+    // 2. dQ (bit 34359738368: the pipelined kernel)
+    if (p.debug_high & 16)
+      launch_dq<T, kD, false>(bp, rowstat, stream);
+    else
+      launch_dq<T, kD, true>(bp, rowstat, stream);
+  };
+  auto transposed_lists = [&](cudaStream_t on) {
+    // 3. transposed lists
+    if (L.buckets > 0) {
+      CUDA_CHECK(cudaMemsetAsync(counts, 0, L.buckets * sizeof(int32_t), on));
+      if (L.entries > 0) {
+        if (p.debug_high & 128) {   // bit 274877906944: a warp per list row (C82)
+          const int64_t rows = bp.Bi * bp.Hi * p.Lq;
+          csr_keys_rows_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, on>>>(
+              bp, keys_in, vals_in, counts);
+        } else {
+          csr_keys_kernel<<<static_cast<unsigned>((L.entries + 255) / 256), 256, 0, on>>>(
+              bp, keys_in, vals_in, counts);
+        }
+        CUDA_CHECK(cudaGetLastError());
+        size_t temp_bytes = L.temp_bytes;
+        CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, vals_in, vals_out,
+                                                   static_cast<int>(L.entries), 0, L.end_bit, on));
+      }
+      size_t temp_bytes = L.temp_bytes;
+      CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, temp_bytes, counts, starts,
+                                               static_cast<int>(L.buckets), on));
+    }
+  };
+  // Bit 549755813888 (C83, opt-in until measured): step 3, which needs only the lists, on
+  // a second stream of high priority beside steps 1 and 2, joined before step 4 (events:
+  // the fork and the join are captured into a CUDA graph like any cross-stream edge).
+  if (p.debug_high & 256) {
+    cudaStream_t lists_stream = side_stream();
+    cudaEvent_t fork, join;
+    CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(fork, stream));
+    CUDA_CHECK(cudaStreamWaitEvent(lists_stream, fork, 0));
+    transposed_lists(lists_stream);
+    CUDA_CHECK(cudaEventRecord(join, lists_stream));
+    rows_and_dq();
+    CUDA_CHECK(cudaStreamWaitEvent(stream, join, 0));
+    CUDA_CHECK(cudaEventDestroy(fork));   // released once their work is done
+    CUDA_CHECK(cudaEventDestroy(join));
+  } else {
+    rows_and_dq();
+    transposed_lists(stream);
   }
   // 4. dK, dV
   {

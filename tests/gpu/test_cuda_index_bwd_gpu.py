@@ -307,6 +307,58 @@ def test_row_csr_keys_bitwise(monkeypatch):
     check(q, k, v, idx)
 
 
+SIDE_STREAM = "549755813888"   # the transposed lists on a second stream (C83)
+
+
+def test_side_stream_lists(monkeypatch):
+    """Bit 549755813888: the transposed lists built on a second stream beside the preprocess
+    and the dQ pass, joined before the dK/dV pass. The same kernels on the same data:
+    bitwise the default's gradients, on the default stream and on a side stream of the
+    caller's; and a CUDA graph that captured the backward replays it with the lists (and
+    dO) changed in place, equal to an eager run on the new values."""
+    q, k, v, idx = TI._make(2, 8, 2, 61, 203, 128, 128, 40, torch.bfloat16, seed=3)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    fwd, want = run(q, k, v, idx)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", SIDE_STREAM)
+    got = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        got = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
+    torch.cuda.current_stream().wait_stream(caller)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    # captured: the lists, dO, out and lse as static inputs, changed in place (out and lse
+    # to the new lists' forward) before the replay
+    lists, do, out, lse = idx.clone(), fwd[2].clone(), fwd[0].clone(), fwd[1].clone()
+    gl = fwd[3]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up outside the capture
+        cuda_backward(do, gl, q, k, v, out, lse, lists)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.flexsparse.cuda_attention_backward(
+            do, gl, q, k, v, out, lse, None, *MaskTensors(attn_indices=lists), 128, 128,
+            q.shape[-1] ** -0.5, 0.0, False, False)
+    new_lists = torch.randint(-1, 203, lists.shape, device=DEV, dtype=lists.dtype)
+    new_out, new_lse = cuda_forward(q, k, v, new_lists)
+    lists.copy_(new_lists)
+    out.copy_(new_out)
+    lse.copy_(new_lse)
+    do.copy_(torch.randn_like(do))
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    eager = cuda_backward(do, gl, q, k, v, new_out, new_lse, new_lists)
+    for name, a, b in zip(("dq", "dk", "dv"), captured[:3], eager):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_tensor_core_dkdv_pass_bias_softcap_nan(softcap, monkeypatch):
     """The tensor-core dK/dV pass: a bias (read) and softcap; NaN in K and V at a key no
