@@ -105,7 +105,7 @@ AUTO_DETERMINISTIC = False
 # 16/2, 32/2): 1.12-3.22x at hd128, 1.21-3.55x at hd64, and at hd256 (1, 2, 16 measured)
 # 1.08-1.77x. Without a bias or softcap: "auto" takes it at those group sizes. Gradients
 # keep their own route (index_backward_kernel below: Triton's atomic backward, or with
-# deterministic=True the CUDA one, 2.6-3.7x Triton's deterministic mode since its dK/dV
+# deterministic=True the CUDA one, 2.1-3.5x Triton's deterministic mode since its dK/dV
 # pass runs on the tensor cores, perf-notes C78), over the CUDA forward's out and lse.
 # Without deterministic=True Triton's atomic backward stays: the CUDA one is 0.63-1.04x
 # its speed at hd64 and hd128, 0.84-1.26x at hd256 (H200, 8K and 32K, W 16-256).
