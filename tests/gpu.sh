@@ -182,6 +182,8 @@ if [[ " $parts " == *" ibwd "* ]]; then
     "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or row_csr or side_stream or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
   timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,274877906944,549755813888,1030792151040,17179869184} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
+  # what a query-major backward's dK/dV atomics would cost (perf-notes, after C83)
+  timeout 60 python3 -m benchmarks.atomic_probe 2>&1 | grep -v Warning | tee "$OUT/atomic_probe.md"
 fi
 if [[ " $parts " == *" ibwdprof "* ]]; then
   # What bounds the dK/dV pass (C77, C78, C80): ncu's instruction and stall counts of the
