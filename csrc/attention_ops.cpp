@@ -49,8 +49,9 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // pipelined kernel, 2^32 its one-row-per-warp kernel (index_fwd.cu), 2^33 the one-launch
 // document builds (build_ops.h), 2^34 the index backward's FMA dK/dV pass, 2^35 its
 // pipelined dQ pass, 2^36 its dK/dV pass with shorter dependency chains, 2^37 its
-// preprocess with 16-byte loads, 2^38 its transposed lists' keys from a warp per row and
-// 2^39 those lists built on a second stream (index_bwd.cu).
+// preprocess with 16-byte loads, 2^38 its transposed lists' keys from a warp per row,
+// 2^39 those lists built on a second stream and 2^40 dK and dV by atomics in the dQ pass
+// (index_bwd.cu).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;

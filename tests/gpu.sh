@@ -169,7 +169,8 @@ fi
 # the dK/dV pass with shorter chains, C80; 137438953472: the preprocess with 16-byte
 # loads, C81; 274877906944: the transposed lists' keys from a warp per row, C82;
 # 549755813888: the transposed lists on a second stream, C83; 1030792151040: all four;
-# 17179869184: the dK/dV pass on the CUDA cores, C78;
+# 1236950581248: dK and dV by atomics in the dQ pass (C84, not deterministic) with C81;
+# 17179869184: the dK/dV pass on the CUDA cores, C78, by IBWD_ARGS;
 # 34359738368, the pipelined dQ pass, C74, by IBWD_ARGS) and the
 # per-kernel split. ibwdprof (a second call on the warm machine): ncu of the dK/dV
 # kernels, then ibwdrace's racecheck.
@@ -179,8 +180,8 @@ if [[ " $parts " == *" ibwd "* ]]; then
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   sanitized_pytest memcheck "${T_IBWD_CSAN:-200}" ibwd_memcheck tests/gpu/test_cuda_index_bwd_gpu.py \
-    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or row_csr or side_stream or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,274877906944,549755813888,1030792151040,17179869184} 2>&1 \
+    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or row_csr or side_stream or (atomic_dkdv and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,274877906944,549755813888,1030792151040,1236950581248} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
   # what a query-major backward's dK/dV atomics would cost (perf-notes, after C83)
   timeout 60 python3 -m benchmarks.atomic_probe 2>&1 | grep -v Warning | tee "$OUT/atomic_probe.md"
@@ -203,7 +204,7 @@ fi
 # stopped in the cuBLAS matmuls of its reference whichever of our kernels was
 # instrumented (perf-notes C78); this tells whether racecheck's presence alone does it.
 if [[ " $parts " == *" ibwdprof "* || " $parts " == *" ibwdrace "* ]]; then
-  for bits in 0 1030792151040; do   # the defaults; C80-C83's variants
+  for bits in 0 1030792151040 1099511627776; do   # the defaults; C80-C83; C84
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_RACE:-120}" compute-sanitizer --tool racecheck \
       --kernel-name kns=index_ --error-exitcode 9 python3 tests/gpu/race_index_kernels.py ${RACE_DIMS:-128} \
       > "$OUT/index_racecheck_$bits.log" 2>&1
