@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(256) prep_vec_kernel(const IndexBackwardParams
 // transposed lists and no key-major pass. The float atomics' order varies run to run.
 template <typename T, int kD, bool kOneStage, bool kAtomicKV = false>
 __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
-                                  kAtomicKV ? 2 : Config<kD, kOneStage>::kMinBlocks)
+                                  Config<kD, kOneStage>::kMinBlocks)
     dq_kernel(const IndexBackwardParams bp, const float2* rowstat) {
   const IndexParams& p = bp.fwd;
   constexpr int kStages = Config<kD, kOneStage>::kStages;
@@ -385,6 +385,9 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
       float* dv_lo = bp.dv_acc + (kv_rows + max(key_lo, 0)) * kD + 2 * quad;
       float* dk_hi = bp.dk_acc + (kv_rows + max(key_hi, 0)) * kD + 2 * quad;
       float* dv_hi = bp.dv_acc + (kv_rows + max(key_hi, 0)) * kD + 2 * quad;
+      // opaque to the compiler, so that each reduction's address is the row's pointer plus
+      // an immediate (else it hoists base + column out of the loop: 64 registers more)
+      asm("" : "+l"(dk_lo), "+l"(dv_lo), "+l"(dk_hi), "+l"(dv_hi));
 #pragma unroll
       for (int st = 0; st < kSteps; ++st) {
         uint32_t db[4], qb[4];   // dO and Q (heads x 16 columns) as B, as K in dQ += dS K
@@ -396,14 +399,10 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
           Mma<T>::run(cv, pta, db[2 * half], db[2 * half + 1]);
           Mma<T>::run(ck, dsta, qb[2 * half], qb[2 * half + 1]);
           const int col = 16 * st + 8 * half;
-          if (key_lo >= 0) {
-            red_add_v2(dv_lo + col, cv[0], cv[1]);
-            red_add_v2(dk_lo + col, ck[0], ck[1]);
-          }
-          if (key_hi >= 0) {
-            red_add_v2(dv_hi + col, cv[2], cv[3]);
-            red_add_v2(dk_hi + col, ck[2], ck[3]);
-          }
+          red_add_v2_if(dv_lo + col, cv[0], cv[1], key_lo >= 0);
+          red_add_v2_if(dk_lo + col, ck[0], ck[1], key_lo >= 0);
+          red_add_v2_if(dv_hi + col, cv[2], cv[3], key_hi >= 0);
+          red_add_v2_if(dk_hi + col, ck[2], ck[3], key_hi >= 0);
         }
       }
     }
