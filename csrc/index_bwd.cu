@@ -792,35 +792,23 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
       const uint32_t q_dst = smem_addr(q_tile(stage)) + gather_row;
       const ulonglong2* table = pointers(stage) + gr;
       constexpr int kIts = kPairs / kRowsPerIt;
-      if constexpr (kShortChains) {
-        // the pointers of up to 8 iterations (32 registers) read before their copies
-        constexpr int kGroup = kIts < 8 ? kIts : 8;
+      // kShortChains: the pointers of up to 8 iterations (32 registers) read before their
+      // copies; else each right before its own.
+      constexpr int kGroup = !kShortChains ? 1 : kIts < 8 ? kIts : 8;
 #pragma unroll
-        for (int it0 = 0; it0 < kIts; it0 += kGroup) {
-          ulonglong2 ptrs[kGroup];
+      for (int it0 = 0; it0 < kIts; it0 += kGroup) {
+        ulonglong2 ptrs[kGroup];
 #pragma unroll
-          for (int u = 0; u < kGroup; ++u) ptrs[u] = table[(it0 + u) * kRowsPerIt];
+        for (int u = 0; u < kGroup; ++u) ptrs[u] = table[(it0 + u) * kRowsPerIt];
 #pragma unroll
-          for (int u = 0; u < kGroup; ++u) {
-            const int it = it0 + u;
-            const int x = (it * kRowsPerIt) & 7;
-            const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
-            const bool none = ptrs[u].x == 0;
-            cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs[u].x) + gc * 8, none);
-            cp_async_16_or_zeros(swz + kPairs * kD * 2,
-                                 reinterpret_cast<const T*>(ptrs[u].y) + gc * 8, none);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int it = 0; it < kIts; ++it) {
+        for (int u = 0; u < kGroup; ++u) {
+          const int it = it0 + u;
           const int x = (it * kRowsPerIt) & 7;
           const uint32_t swz = q_dst + it * kRowsPerIt * kD * 2 + ((gather_chunk ^ x) << 4);
-          const ulonglong2 ptrs = table[it * kRowsPerIt];
-          const bool none = ptrs.x == 0;
-          cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs.x) + gc * 8, none);
-          cp_async_16_or_zeros(swz + kPairs * kD * 2, reinterpret_cast<const T*>(ptrs.y) + gc * 8,
-                               none);
+          const bool none = ptrs[u].x == 0;
+          cp_async_16_or_zeros(swz, reinterpret_cast<const T*>(ptrs[u].x) + gc * 8, none);
+          cp_async_16_or_zeros(swz + kPairs * kD * 2,
+                               reinterpret_cast<const T*>(ptrs[u].y) + gc * 8, none);
         }
       }
     }
@@ -859,30 +847,22 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
     const uint32_t qt = smem_addr(q_tile(stage));
 
     // [s dp]: row g and g + 8 of the 16 pairs, columns 2 quad, 2 quad + 1.
+    // kShortChains: four chains (Q even, dO even, Q odd, dO odd k-steps), summed after;
+    // else one chain, all into sd.
     float sd[4] = {0.f, 0.f, 0.f, 0.f};
-    if constexpr (kShortChains) {
-      float part[4][4] = {};   // chains: Q even, dO even, Q odd, dO odd k-steps
+    float part[4][4] = {};
 #pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        uint32_t qa[4], da[4];
-        const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
-        ldmatrix_x4(qa, at);
-        ldmatrix_x4(da, at + kDoTile);
-        Mma<T>::run(part[2 * (st & 1)], qa, kb[st][0], kb[st][1]);
-        Mma<T>::run(part[2 * (st & 1) + 1], da, vb[st][0], vb[st][1]);
-      }
+    for (int st = 0; st < kSteps; ++st) {
+      uint32_t qa[4], da[4];
+      const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
+      ldmatrix_x4(qa, at);
+      ldmatrix_x4(da, at + kDoTile);
+      Mma<T>::run(kShortChains ? part[2 * (st & 1)] : sd, qa, kb[st][0], kb[st][1]);
+      Mma<T>::run(kShortChains ? part[2 * (st & 1) + 1] : sd, da, vb[st][0], vb[st][1]);
+    }
+    if constexpr (kShortChains) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) sd[e] = (part[0][e] + part[2][e]) + (part[1][e] + part[3][e]);
-    } else {
-#pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        uint32_t qa[4], da[4];
-        const uint32_t at = qt + a_off[st & 3] + (st >> 2) * 128;
-        ldmatrix_x4(qa, at);
-        ldmatrix_x4(da, at + kDoTile);
-        Mma<T>::run(sd, qa, kb[st][0], kb[st][1]);
-        Mma<T>::run(sd, da, vb[st][0], vb[st][1]);
-      }
     }
     // P and dS of pairs g (sd[0], sd[1]) and g + 8 (sd[2], sd[3]); meaningful on quad 0.
     float pe[2], ds[2];

@@ -196,6 +196,20 @@ def test_variant_kernels_are_bitwise_the_same(D, monkeypatch):
 FMA_DKDV = "17179869184"   # the dK/dV pass on the CUDA cores, the default before C78
 
 
+def dkdv_cases(D, dtype):
+    """The dK/dV passes' test inputs: (G, W, q, k, v, idx) for G = 1, 3, 8, 17, 4 and W below,
+    at and above a 16-pair step (segments of every length mod 16) and 1000 (Lq = 9), with
+    padding, a fully padded row, out-of-range entries, duplicates of key 7 and keys
+    190-202 listed by nobody."""
+    for G, W, seed in ((1, 7, 1), (3, 40, 2), (8, 100, 3), (17, 16, 4), (4, 1000, 5)):
+        Lq = 61 if W < 1000 else 9
+        q, k, v, idx = TI._make(2, 2 * G, 2, Lq, 203, D, D, W, dtype, seed=seed + D)
+        idx[0, 1, 5 % Lq] = -1
+        idx[1, 0, 3, : min(W, 3)] = 7                     # duplicates of key 7
+        idx = torch.where(idx >= 190, -1, idx)           # keys 190-202 listed by nobody
+        yield G, W, q, k, v, idx
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
@@ -204,12 +218,7 @@ def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
     padding, out-of-range entries, duplicates and keys no list names (dk = dv = 0 there);
     dq is the FMA kernel's (bit 17179869184) bit for bit (the same dQ pass), and two runs
     agree bitwise."""
-    for G, W, seed in ((1, 7, 1), (3, 40, 2), (8, 100, 3), (17, 16, 4), (4, 1000, 5)):
-        Lq = 61 if W < 1000 else 9
-        q, k, v, idx = TI._make(2, 2 * G, 2, Lq, 203, D, D, W, dtype, seed=seed + D)
-        idx[0, 1, 5 % Lq] = -1
-        idx[1, 0, 3, : min(W, 3)] = 7                     # duplicates of key 7
-        idx = torch.where(idx >= 190, -1, idx)           # keys 190-202 listed by nobody
+    for G, W, q, k, v, idx in dkdv_cases(D, dtype):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", FMA_DKDV)
         fwd, want = run(q, k, v, idx)
         monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
@@ -235,11 +244,7 @@ def test_short_chains_dkdv_pass(D, dtype, monkeypatch):
     test_tensor_core_dkdv_pass and a bias with softcap; dq bitwise the default's (the same
     dQ pass), dk and dv within bf16/fp16 rounding of the default's (the [s dp] sums are
     added in another order), keys no list names zero, two runs bitwise equal."""
-    for G, W, seed in ((1, 7, 1), (3, 40, 2), (8, 100, 3), (17, 16, 4), (4, 1000, 5)):
-        Lq = 61 if W < 1000 else 9
-        q, k, v, idx = TI._make(2, 2 * G, 2, Lq, 203, D, D, W, dtype, seed=seed + D)
-        idx[1, 0, 3, : min(W, 3)] = 7
-        idx = torch.where(idx >= 190, -1, idx)
+    for G, W, q, k, v, idx in dkdv_cases(D, dtype):
         monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
         fwd, want = run(q, k, v, idx)
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", SHORT_CHAINS)
@@ -371,11 +376,7 @@ def test_atomic_dkdv(D, dtype, monkeypatch):
     (added once per occurrence) and keys no list names (dk = dv = 0); dq bitwise the
     default's (the same dQ arithmetic); a bias with softcap; NaN in K and V at a key no
     list names reaches no gradient; all-padded lists give zero gradients."""
-    for G, W, seed in ((1, 7, 1), (3, 40, 2), (8, 100, 3), (17, 16, 4), (4, 1000, 5)):
-        Lq = 61 if W < 1000 else 9
-        q, k, v, idx = TI._make(2, 2 * G, 2, Lq, 203, D, D, W, dtype, seed=seed + D)
-        idx[1, 0, 3, : min(W, 3)] = 7
-        idx = torch.where(idx >= 190, -1, idx)
+    for G, W, q, k, v, idx in dkdv_cases(D, dtype):
         monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
         _, want = run(q, k, v, idx)
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ATOMIC_KV)
