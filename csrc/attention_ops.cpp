@@ -48,10 +48,10 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // up, shifted down by 31, to the index kernels' `debug_high`: 2^31 the index forward's
 // pipelined kernel, 2^32 its one-row-per-warp kernel (index_fwd.cu), 2^33 the one-launch
 // document builds (build_ops.h), 2^34 the index backward's FMA dK/dV pass, 2^35 its
-// pipelined dQ pass, 2^36 its dK/dV pass with shorter dependency chains, 2^37 its
-// preprocess with 16-byte loads, 2^38 its transposed lists' keys from a warp per row,
-// 2^39 those lists built on a second stream and 2^40 dK and dV by atomics in the dQ pass
-// (index_bwd.cu).
+// pipelined dQ pass, 2^36 its dK/dV pass with one dependency chain (before C80), 2^37 its
+// preprocess with 2-byte loads (before C81), 2^38 its transposed lists' keys from a warp
+// per row, 2^39 those lists on the caller's stream only (before C83) and 2^40 dK and dV by
+// atomics in the dQ pass (index_bwd.cu).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;

@@ -120,11 +120,11 @@ __global__ void __launch_bounds__(256) prep_kernel(const IndexBackwardParams p, 
   }
 }
 
-// The same with 16-byte loads (FLEXSPARSE_CUDA_DEBUG bit 137438953472, perf-notes C81; not
-// yet run): D/8 lanes per row, 256/D rows per warp, the row's sum by shuffles within its
-// lane group. The warp-per-row kernel above reads 2 bytes per lane per load and reached
-// ~2 TB/s (33 us at 8K, 16 heads, hd128: C78's split). Not bitwise the kernel above
-// (another summation order of delta).
+// The same with 16-byte loads (the default where out is 16-byte aligned; perf-notes C81):
+// D/8 lanes per row, 256/D rows per warp, the row's sum by shuffles within its lane
+// group. The warp-per-row kernel above reads 2 bytes per lane per load (~2 TB/s). Not
+// bitwise the kernel above (another summation order of delta); FLEXSPARSE_CUDA_DEBUG bit
+// 137438953472 takes that one, for A/B runs.
 template <typename T, int kD>
 __global__ void __launch_bounds__(256) prep_vec_kernel(const IndexBackwardParams p, float2* rowstat) {
   constexpr int kLanes = kD / 8;            // lanes per row
@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(256) prep_vec_kernel(const IndexBackwardParams
 
 // ------------------------------------------------------------------ 2. dQ
 
-// kAtomicKV (FLEXSPARSE_CUDA_DEBUG bit 1099511627776, perf-notes C84; not yet run, not
-// deterministic): the same pass also computes each chunk's dV = P^T dO and dK = dS^T Q
+// kAtomicKV (FLEXSPARSE_CUDA_DEBUG bit 1099511627776, perf-notes C84; opt-in: faster than
+// the default only at W = 16 on the H200; not deterministic): the same pass also computes each chunk's dV = P^T dO and dK = dS^T Q
 // (16 keys x D, m16n8k16 with the keys as M and the 16 heads as K; P and dS go through
 // two 16 x 16 shared tiles to be read back transposed) and adds every C fragment into
 // fp32 sums (bp.dk_acc, bp.dv_acc) by red.global.add.v2.f32, Triton's atomic route: no
@@ -446,7 +446,7 @@ __global__ void __launch_bounds__(256) csr_keys_kernel(const IndexBackwardParams
 }
 
 // The same keys, values and counts from a warp per list row (FLEXSPARSE_CUDA_DEBUG bit
-// 274877906944, perf-notes C82; not yet run): the row's (b, head, row) decomposition once
+// 274877906944, perf-notes C82; opt-in: no faster on the H200): the row's (b, head, row) decomposition once
 // per warp, its W entries over the lanes. The thread-per-entry kernel above pays six
 // 64-bit divisions per entry (~50 us for 2M entries at 8K W=64). Outputs identical
 // (the sort below is stable; the counts are integer sums).
@@ -687,8 +687,8 @@ constexpr int kv_mma_stage_bytes() {
   return 2 * kPairs * kD * 2 + kPairs * 16 + kPairs * 16;
 }
 
-// kShortChains (FLEXSPARSE_CUDA_DEBUG bit 68719476736, perf-notes C80; not yet run): the
-// same arithmetic with shorter dependency chains. [s dp] in four accumulators (Q's and
+// kShortChains (the default; perf-notes C80; FLEXSPARSE_CUDA_DEBUG bit 68719476736 takes
+// the one-chain kernel, for A/B runs): the same arithmetic with shorter dependency chains. [s dp] in four accumulators (Q's and
 // dO's products, even and odd k-steps) summed at the end, instead of one chain of 2 D/16
 // dependent MMAs (16 at hd128, ~33 cycles each); and the gather's row pointers all read
 // from shared memory before its first cp.async (whose "memory" clobber otherwise keeps
@@ -1008,7 +1008,7 @@ __global__ void __launch_bounds__(256) sums_to_grad_kernel(const float* sums, T*
 }
 
 // One non-blocking stream of the highest priority per device, made on first use, for the
-// transposed lists beside the dQ pass (bit 549755813888, C83).
+// transposed lists beside the dQ pass (C83).
 cudaStream_t side_stream() {
   static std::mutex mu;
   static std::map<int, cudaStream_t> streams;
@@ -1057,9 +1057,9 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
   auto prep = [&] {
     // 1. delta, lse2
     if (L.rows > 0) {
-      // bit 137438953472: 16-byte loads (C81), where out's rows are 16-byte aligned (dO's
-      // are: tma_ready); out is contiguous but may start at any element
-      if ((p.debug_high & 64) && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) {
+      // 16-byte loads (C81) where out's rows are 16-byte aligned (dO's are: tma_ready); out
+      // is contiguous but may start at any element. Bit 137438953472: the warp-per-row kernel.
+      if (!(p.debug_high & 64) && reinterpret_cast<uintptr_t>(p.out) % 16 == 0) {
         constexpr int64_t kRowsPerCta = 8 * (256 / kD);
         prep_vec_kernel<T, kD><<<static_cast<unsigned>((L.rows + kRowsPerCta - 1) / kRowsPerCta),
                                  256, 0, stream>>>(bp, rowstat);
@@ -1069,7 +1069,7 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
       CUDA_CHECK(cudaGetLastError());
     }
   };
-  // Bit 1099511627776 (C84, opt-in until measured, not deterministic): dK and dV added by
+  // Bit 1099511627776 (C84, opt-in, not deterministic): dK and dV added by
   // atomics in the dQ pass into fp32 sums, then rounded into dk and dv; no steps 3 and 4.
   if (p.debug_high & 512) {
     IndexBackwardParams ab = bp;
@@ -1118,10 +1118,13 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
                                                static_cast<int>(L.buckets), on));
     }
   };
-  // Bit 549755813888 (C83, opt-in until measured): step 3, which needs only the lists, on
-  // a second stream of high priority beside steps 1 and 2, joined before step 4 (events:
-  // the fork and the join are captured into a CUDA graph like any cross-stream edge).
-  if (p.debug_high & 256) {
+  // Step 3, which needs only the lists, on a second stream of high priority beside steps 1
+  // and 2, joined before step 4 (events: the fork and the join are captured into a CUDA
+  // graph like any cross-stream edge), up to kSideStreamEntries list entries (C83: on the
+  // H200 -11% to -4% at up to 2M entries, +3% and +11% at 8M and 32M, where the lists'
+  // scatter and sort beside the dQ pass slowed both). Bit 549755813888: one stream always.
+  constexpr int64_t kSideStreamEntries = int64_t{1} << 21;
+  if (!(p.debug_high & 256) && L.entries <= kSideStreamEntries) {
     cudaStream_t lists_stream = side_stream();
     cudaEvent_t fork, join;
     CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
@@ -1147,8 +1150,8 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
       if (!(p.debug_high & 8)) {   // bit 17179869184 takes the CUDA-core FMA kernel (C78)
         constexpr int kWarps = KvMmaConfig<kD>::kWarps;
         constexpr int smem = kWarps * kKvStages * kv_mma_stage_bytes<kD>();
-        // bit 68719476736: shorter dependency chains (C80, opt-in until measured)
-        auto kernel = (p.debug_high & 32) ? dkdv_mma_kernel<T, kD, true> : dkdv_mma_kernel<T, kD>;
+        // shorter dependency chains (C80); bit 68719476736: the one-chain kernel
+        auto kernel = (p.debug_high & 32) ? dkdv_mma_kernel<T, kD> : dkdv_mma_kernel<T, kD, true>;
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
             bp, rowstat, counts, starts, vals_out);

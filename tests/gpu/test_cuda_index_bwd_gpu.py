@@ -233,21 +233,22 @@ def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
     check(q, k, v, idx)
 
 
-SHORT_CHAINS = "68719476736"   # the tensor-core dK/dV pass with shorter chains (C80)
+ONE_CHAIN = "68719476736"   # the tensor-core dK/dV pass with one [s dp] chain (before C80)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_short_chains_dkdv_pass(D, dtype, monkeypatch):
-    """Bit 68719476736: the tensor-core dK/dV pass with [s dp] in four accumulators and the
-    gather's pointers read first. The float64 rule over the configurations of
-    test_tensor_core_dkdv_pass and a bias with softcap; dq bitwise the default's (the same
-    dQ pass), dk and dv within bf16/fp16 rounding of the default's (the [s dp] sums are
-    added in another order), keys no list names zero, two runs bitwise equal."""
+    """The default tensor-core dK/dV pass (C80: [s dp] in four accumulators, the gather's
+    pointers read first) against the one-chain kernel of bit 68719476736. The float64 rule
+    over the configurations of test_tensor_core_dkdv_pass and a bias with softcap, both
+    kernels; dq bitwise the one-chain run's (the same dQ pass), dk and dv within bf16/fp16
+    rounding of its (the [s dp] sums are added in another order), keys no list names zero,
+    two runs bitwise equal."""
     for G, W, q, k, v, idx in dkdv_cases(D, dtype):
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_CHAIN)
         fwd, want = run(q, k, v, idx)
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", SHORT_CHAINS)
+        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
         dq, dk, dv = check(q, k, v, idx)
         assert torch.equal(dq, want[0]), (G, W)
         for got, ref in ((dk, want[1]), (dv, want[2])):   # 2% of the tensor's scale
@@ -259,20 +260,24 @@ def test_short_chains_dkdv_pass(D, dtype, monkeypatch):
         for a, b in zip(first, second):
             assert torch.equal(a, b), (G, W)
     q, k, v, idx = TI._make(2, 8, 2, 33, 257, D, D, 100, dtype, seed=6)
-    check(q, k, v, idx, bias=torch.randn(2, 8, 33, 257, device=DEV).to(dtype), softcap=5.0)
+    bias = torch.randn(2, 8, 33, 257, device=DEV).to(dtype)
+    check(q, k, v, idx, bias=bias, softcap=5.0)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_CHAIN)   # kept for A/Bs
+    check(q, k, v, idx, bias=bias, softcap=5.0)
 
 
-VEC_PREP = "137438953472"   # the preprocess with 16-byte loads (C81)
+SCALAR_PREP = "137438953472"   # the preprocess with 2-byte loads (before C81)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_vector_prep(D, monkeypatch):
-    """Bit 137438953472: delta and lse2 from 16-byte loads, 256 / D rows per warp. The
-    float64 rule (G = 1, 3, 17; an odd number of rows, so a warp's last row group is cut
-    short; dlse given and not), and two runs bitwise equal. With an output that starts
-    off 16-byte alignment (a contiguous view at element 1) the op takes the warp-per-row
-    kernel: bitwise the default's gradients."""
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", VEC_PREP)
+    """The default preprocess (C81): delta and lse2 from 16-byte loads, 256 / D rows per
+    warp. The float64 rule (G = 1, 3, 17; an odd number of rows, so a warp's last row group
+    is cut short; dlse given and not), and two runs bitwise equal. With an output that
+    starts off 16-byte alignment (a contiguous view at element 1) the op takes the
+    warp-per-row kernel: bitwise bit 137438953472's gradients (that kernel always), which
+    also meet the float64 rule."""
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
     for G, W, seed, dlse in ((1, 7, 1, True), (3, 40, 2, False), (17, 16, 4, True)):
         q, k, v, idx = TI._make(1, 2 * G, 2, 61, 203, D, D, W, torch.bfloat16, seed=seed + D)
         check(q, k, v, idx, dlse=dlse)
@@ -285,10 +290,11 @@ def test_vector_prep(D, monkeypatch):
     shifted.copy_(out)
     assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
     got = cuda_backward(do, gl, q, k, v, shifted, lse, idx)
-    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", SCALAR_PREP)
     want = cuda_backward(do, gl, q, k, v, out, lse, idx)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    check(q, k, v, idx, dlse=True)
 
 
 ROW_CSR = "274877906944"   # the transposed lists' keys from a warp per list row (C82)
@@ -312,19 +318,20 @@ def test_row_csr_keys_bitwise(monkeypatch):
     check(q, k, v, idx)
 
 
-SIDE_STREAM = "549755813888"   # the transposed lists on a second stream (C83)
+ONE_STREAM = "549755813888"   # the transposed lists on the caller's stream (before C83)
 
 
 def test_side_stream_lists(monkeypatch):
-    """Bit 549755813888: the transposed lists built on a second stream beside the preprocess
-    and the dQ pass, joined before the dK/dV pass. The same kernels on the same data:
-    bitwise the default's gradients, on the default stream and on a side stream of the
-    caller's; and a CUDA graph that captured the backward replays it with the lists (and
-    dO) changed in place, equal to an eager run on the new values."""
+    """The default (C83, up to 2^21 list entries): the transposed lists built on a second
+    stream beside the preprocess and the dQ pass, joined before the dK/dV pass. The same
+    kernels on the same data: bitwise bit 549755813888's gradients (one stream), on the
+    default stream and on a side stream of the caller's; and a CUDA graph that captured the
+    backward replays it with the lists (and dO) changed in place, equal to an eager run on
+    the new values."""
     q, k, v, idx = TI._make(2, 8, 2, 61, 203, 128, 128, 40, torch.bfloat16, seed=3)
-    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_STREAM)
     fwd, want = run(q, k, v, idx)
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", SIDE_STREAM)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
     got = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
@@ -358,7 +365,7 @@ def test_side_stream_lists(monkeypatch):
     do.copy_(torch.randn_like(do))
     graph.replay()
     torch.cuda.synchronize()
-    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_STREAM)
     eager = cuda_backward(do, gl, q, k, v, new_out, new_lse, new_lists)
     for name, a, b in zip(("dq", "dk", "dv"), captured[:3], eager):
         assert torch.equal(a, b), name
