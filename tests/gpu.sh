@@ -208,14 +208,14 @@ fi
 # stopped in the cuBLAS matmuls of its reference whichever of our kernels was
 # instrumented (perf-notes C78); this tells whether racecheck's presence alone does it.
 if [[ " $parts " == *" ibwdprof "* || " $parts " == *" ibwdrace "* ]]; then
-  for bits in 0 755914244096 1099511627776; do   # the default; before C80-C83; C84
+  for bits in ${RACE_BITS:-0 755914244096 1099511627776}; do   # the default; before C80-C83; C84
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_RACE:-120}" compute-sanitizer --tool racecheck \
       --kernel-name kns=index_ --error-exitcode 9 python3 tests/gpu/race_index_kernels.py ${RACE_DIMS:-128} \
       > "$OUT/index_racecheck_$bits.log" 2>&1
     rc=$?; echo "index kernels racecheck (debug $bits) rc=$rc"; [ $rc -eq 0 ] || status=1
     grep -E "RACECHECK SUMMARY|Internal|D=|Error" "$OUT/index_racecheck_$bits.log" | tail -6
   done
-  sanitized_pytest racecheck "${T_IBWD_RACE0:-60}" ibwd_racecheck_nofilter_match \
+  [ "${RACE_NOFILTER:-1}" = 0 ] || sanitized_pytest racecheck "${T_IBWD_RACE0:-60}" ibwd_racecheck_nofilter_match \
     tests/gpu/test_cuda_index_bwd_gpu.py "tensor_core_dkdv_pass and 128-bf16" --kernel-name kns=no_such_kernel
 fi
 # Same-build A/B of CUDA kernel variants (FLEXSPARSE_CUDA_DEBUG bits), not part of "all":
