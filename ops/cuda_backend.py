@@ -6,8 +6,9 @@ schemas and fake kernels in Python (schema.py) and their CUDA kernels in C++
 the C++ kernel through the dispatcher with no Python in between.
 
 Index masks (attn_indices): the forward runs csrc/index_fwd.cu; their gradients come from
-the Triton index kernels (ops/triton_indices.py, fp32 atomics), or, with
-deterministic=True, from csrc/index_bwd.cu (no float atomics; index_backward_kernel below).
+the Triton index kernels (ops/triton_indices.py, fp32 atomics) or from csrc/index_bwd.cu
+(no float atomics): the latter with deterministic=True and where it measured faster
+(index_backward_kernel below).
 """
 import os
 
@@ -104,11 +105,7 @@ AUTO_DETERMINISTIC = False
 # at hd128, 1.46-2.27x at hd64, 1.33-1.67x at hd256. At 1, 2, 8 and 16 (Hq/Hkv 16/16, 16/8,
 # 16/2, 32/2): 1.12-3.22x at hd128, 1.21-3.55x at hd64, and at hd256 (1, 2, 16 measured)
 # 1.08-1.77x. Without a bias or softcap: "auto" takes it at those group sizes. Gradients
-# keep their own route (index_backward_kernel below: Triton's atomic backward, or with
-# deterministic=True the CUDA one, 2.1-3.5x Triton's deterministic mode since its dK/dV
-# pass runs on the tensor cores, perf-notes C78), over the CUDA forward's out and lse.
-# Without deterministic=True Triton's atomic backward stays: the CUDA one is 0.63-1.04x
-# its speed at hd64 and hd128, 0.84-1.26x at hd256 (H200, 8K and 32K, W 16-256).
+# keep their own route (index_backward_kernel below), over the CUDA forward's out and lse.
 AUTO_INDEX_HEAD_DIMS = (64, 128, 256)
 AUTO_INDEX_GROUPS = (1, 2, 4, 8, 16)
 
@@ -168,25 +165,34 @@ def backward_not_supported_reasons(query, block_q: int, block_k: int, determinis
 
 # The index backward: the Triton index kernels (ops/triton_indices.py) or csrc/index_bwd.cu
 # (through flexsparse::cuda_attention_backward: no float atomics, bitwise deterministic).
-# Measured on the H100 (B=1, Hq=16, Hkv=4, D=128, L=8K, W=16/64/256; docs/perf-notes.md):
-# the CUDA one takes 0.60-0.70x the time of Triton's deterministic mode and 1.9-2.0x that
-# of Triton's atomic mode, so deterministic calls take CUDA and the others Triton. The
-# environment variable FLEXSPARSE_CUDA_INDEX_BWD ("1"/"cuda" or "0"/"triton"), read at
+# Measured on the H200 (benchmarks.cuda_index_bench --backward: B=1, bf16, Hq=16, Hkv=4,
+# L 8K and 32K, W 16/64/256; docs/benchmarks.md, 2026-11-29, the 39th session): the CUDA
+# one is 2.4-4.4x faster than Triton's deterministic mode at hd 64/128/256, so
+# deterministic calls take it. Against Triton's atomic mode it is 1.08-1.34x faster at
+# hd256 on every row (INDEX_BWD_OVER_ATOMIC below: those calls take it too), 0.91-1.08x at
+# hd128 and 0.76-0.79x at hd64 (those stay on Triton). Only 4 query heads per kv head
+# were measured, so only they move. The environment variable FLEXSPARSE_CUDA_INDEX_BWD ("1"/"cuda" or "0"/"triton"), read at
 # each backward call, overrides that for A/B runs: an environment switch like
 # FLEXSPARSE_CUDA_DEBUG, as backend="cuda" calls the CUDA op, whose schema carries no
 # options string.
 _INDEX_BWD_HEAD_DIMS = (64, 128, 256)
 _INDEX_BWD_DTYPES = (torch.float16, torch.bfloat16)
+# (head dim, query heads per kv head) where the CUDA backward beat Triton's atomic one on
+# every measured row
+INDEX_BWD_OVER_ATOMIC = ((256, 4),)
 
 
 def index_backward_kernel(query, bias, bias_requires_grad: bool,
-                          deterministic: bool = False) -> str:
+                          deterministic: bool = False, key=None) -> str:
     """Which kernel computes the gradients of an index-mask call: "cuda" when preferred
-    (deterministic, or FLEXSPARSE_CUDA_INDEX_BWD, above) and able to (the C++ op is
+    (deterministic; or head dim and heads per kv head (query's heads over `key`'s) in
+    INDEX_BWD_OVER_ATOMIC; or FLEXSPARSE_CUDA_INDEX_BWD, above) and able to (the C++ op is
     registered, head dim 64/128/256, fp16/bf16, no bias gradient wanted: index_bwd.cu
     computes no dbias), else "triton"."""
     env = os.environ.get("FLEXSPARSE_CUDA_INDEX_BWD", "").strip().lower()
-    prefer = env in ("1", "cuda") or (deterministic and env not in ("0", "triton"))
+    faster = key is not None and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0 and \
+        (query.shape[-1], query.shape[1] // key.shape[1]) in INDEX_BWD_OVER_ATOMIC
+    prefer = env in ("1", "cuda") or ((deterministic or faster) and env not in ("0", "triton"))
     if not prefer or not has_backward():
         return "triton"
     if query.shape[-1] not in _INDEX_BWD_HEAD_DIMS or query.dtype not in _INDEX_BWD_DTYPES:
@@ -234,7 +240,7 @@ def forward(query, key, value, bias, mask, block_q, block_k, scale, softcap, det
 def backward(grad_out, grad_lse, query, key, value, out, lse, bias, mask, block_q, block_k,
              scale, softcap, deterministic, bias_requires_grad, options=None):
     if mask.attn_indices is not None:
-        if index_backward_kernel(query, bias, bias_requires_grad, deterministic) == "cuda":
+        if index_backward_kernel(query, bias, bias_requires_grad, deterministic, key) == "cuda":
             # csrc/index_bwd.cu (C++ op: index_attention_backward); dbias: empty (not wanted)
             return torch.ops.flexsparse.cuda_attention_backward(
                 grad_out, grad_lse, query, key, value, out, lse, bias, *mask, block_q, block_k,

@@ -119,9 +119,9 @@ def test_index_backward_needs_the_triton_index_kernels(calls, monkeypatch):
 # tests/gpu/test_cuda_index_bwd_gpu.py): which kernel cuda_backend.backward calls.
 
 def test_index_backward_kernel_choice(monkeypatch):
-    """Triton by default, CUDA for deterministic calls; FLEXSPARSE_CUDA_INDEX_BWD=1 picks
-    the CUDA kernel, =0 the Triton one; CUDA only where it can run (fp16/bf16, head dims
-    64/128/256, no dbias wanted)."""
+    """Triton by default, CUDA for deterministic calls and at hd256 with 4 query heads per
+    kv head; FLEXSPARSE_CUDA_INDEX_BWD=1 picks the CUDA kernel, =0 the Triton one; CUDA
+    only where it can run (fp16/bf16, head dims 64/128/256, no dbias wanted)."""
     monkeypatch.setattr(cuda_backend, "has_backward", lambda: True)
     monkeypatch.delenv("FLEXSPARSE_CUDA_INDEX_BWD", raising=False)
     q = torch.empty(1, 2, 3, 64, dtype=torch.float16)
@@ -142,6 +142,19 @@ def test_index_backward_kernel_choice(monkeypatch):
         monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", value)
         assert pick(q, None, False) == "triton"
         assert pick(q, None, False, deterministic=True) == ("cuda" if value == "" else "triton")
+    # where the CUDA backward measured faster than Triton's atomic one (hd256, 4 query heads
+    # per kv head): CUDA without deterministic=True too, unless the variable says Triton
+    q256 = torch.empty(1, 8, 3, 256, dtype=torch.bfloat16)
+    k256 = torch.empty(1, 2, 5, 256, dtype=torch.bfloat16)
+    for value, want in (("", "cuda"), ("0", "triton"), ("triton", "triton"), ("1", "cuda")):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", value)
+        assert pick(q256, None, False, key=k256) == want, value
+    monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "")
+    assert pick(q256, None, False) == "triton"                        # no key given
+    assert pick(q256, None, False, key=k256[:, :1]) == "triton"       # 8 per kv head
+    assert pick(q256, bias, True, key=k256) == "triton"               # dbias: Triton only
+    assert pick(q256.float(), None, False, key=k256.float()) == "triton"
+    assert pick(q, None, False, key=torch.empty(1, 1, 5, 64)) == "triton"   # hd64: Triton
     monkeypatch.setenv("FLEXSPARSE_CUDA_INDEX_BWD", "1")
     monkeypatch.setattr(cuda_backend, "has_backward", lambda: False)
     assert pick(q, None, False) == "triton"

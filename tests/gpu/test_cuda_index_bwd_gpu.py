@@ -554,3 +554,26 @@ def test_deterministic_calls_take_the_cuda_backward(monkeypatch):
     _, _, g64 = TI._grads(q, k, v, idx, None, 128 ** -0.5, 0.0, torch.float64, do, None)
     _, _, glp = TI._grads(q, k, v, idx, None, 128 ** -0.5, 0.0, torch.bfloat16, do, None)
     TI._rule(list(zip(("dq", "dk", "dv"), runs[0], g64, glp)), torch.bfloat16)
+
+
+def test_hd256_group4_takes_the_cuda_backward(monkeypatch):
+    """Head dim 256 with 4 query heads per kv head, no switch, not deterministic: the CUDA
+    index backward (faster than Triton's atomic one on every row measured there,
+    cuda_backend.INDEX_BWD_OVER_ATOMIC); the Triton one is never called; within the
+    FlashAttention rule of float64. At 8 per kv head the Triton one still runs."""
+    monkeypatch.delenv("FLEXSPARSE_CUDA_INDEX_BWD", raising=False)
+    q, k, v, idx = TI._make(1, 8, 2, 97, 300, 256, 256, 40, torch.bfloat16, seed=23, oob=False)
+    torch.manual_seed(24)
+    do = torch.randn(1, 8, 97, 256, device=DEV, dtype=torch.bfloat16)
+    seen = spy_on_triton_backward(monkeypatch)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flexsparse.attention(*leaves, M.indices(idx), backend="cuda")
+    grads = torch.autograd.grad(out, leaves, do)
+    assert seen == []
+    _, _, g64 = TI._grads(q, k, v, idx, None, 256 ** -0.5, 0.0, torch.float64, do, None)
+    _, _, glp = TI._grads(q, k, v, idx, None, 256 ** -0.5, 0.0, torch.bfloat16, do, None)
+    TI._rule(list(zip(("dq", "dk", "dv"), grads, g64, glp)), torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k[:, :1], v[:, :1])]
+    out = flexsparse.attention(*leaves, M.indices(idx[:, :1]), backend="cuda")
+    torch.autograd.grad(out, leaves, do)
+    assert seen == ["triton"]
