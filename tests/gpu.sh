@@ -149,10 +149,11 @@ if [[ " $parts " == *" ifwd "* ]]; then
   rc=$?; echo "ifwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
   sanitized_pytest memcheck "${T_IFWD_CSAN:-200}" ifwd_memcheck tests/gpu/test_cuda_index_gpu.py \
-    "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows"
+    "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows or four_rows"
   sanitized_pytest racecheck "${T_IFWD_RACE:-120}" ifwd_racecheck tests/gpu/test_cuda_index_gpu.py \
-    "two_rows and 128-3"
-  timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---variants 4294967296} 2>&1 \
+    "(two_rows and 128-3) or (four_rows and 128-4)"
+  # columns: one row per warp (before C79), four rows per warp (C85, G <= 4)
+  timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---rounds 3 --variants 4294967296,4398046511104} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bench.md"
 fi
 # The index forward's table from the second build (AB_CSRC, e.g. an older csrc/), after
