@@ -1,5 +1,7 @@
 """The benchmark scripts: the row syntax (benchmarks.bench.parse_rows), and the whole-step
 rows of benchmarks.step_bench on a tiny CPU problem."""
+import math
+
 from benchmarks.bench import parse_rows
 
 
@@ -20,6 +22,8 @@ def test_step_bench_rows_on_cpu():
         assert r["max_abs_diff"] == 0.0, r
         assert r["once_ms"] > 0 and r["every_step_ms"] > 0, r
         assert r["pipelined_once_ms"] > 0 and r["pipelined_every_step_ms"] > 0, r
+        # the compiled-once step timed a second time in the same turns: a positive time
+        assert math.isfinite(r["pipelined_aa_pct"]) and r["pipelined_aa_pct"] > -100.0, r
         assert len(r["variant_pipelined_ms"]) == 1 and r["variant_pipelined_ms"][0] > 0, r
 
 
