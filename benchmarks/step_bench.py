@@ -6,6 +6,7 @@ backward through autograd, as a training step runs it).
 
     python -m benchmarks.step_bench [--L 8192] [--B 2] [--H 16] [--D 128] [--device cuda]
                                     [--reps 30] [--no-compile] [--variants 8589934592]
+                                    [--cudagraphs] [--masks document]
 
 Masks: benchmarks.build_bench's cases (document(lengths tensor), prefix_lm(tensor),
 column_ranges(tensor), block_sparse(layout)). Times: median ms per step over `reps` steps
@@ -17,6 +18,14 @@ prefix-LM builds, perf-notes "One launch per document build"). The pipelined tur
 time the compiled-once step a second time ("A/A"): the difference between two timings of
 the same step is the noise that a pipelined overhead is read against (the 2026-11-29
 table moved rows by up to 8 points between columns that ran the same code).
+--cudagraphs adds the mode "cudagraphs": the compiled forward with mode="reduce-overhead"
+(CUDA graphs through Inductor's cudagraph trees; the backward through autograd is
+compiled and graphed with it), where a step's host time no longer scales with its
+launches, so the mask build should cost its GPU time only. q, k, v and the gradient are
+marked static inputs (torch._dynamo.mark_static_address) so that the graphs do not copy
+them each step, as a model's activations would not be; the mask's tensors are copied in,
+as a data loader's would be. The row says whether Inductor skipped the graphs
+(`cudagraph_skips`: e.g. on CPU, or for an op it will not capture).
 """
 import argparse
 import statistics
@@ -39,13 +48,27 @@ def attend(q, k, v, mask):
     return flexsparse.attention(q, k, v, mask)
 
 
-def stepper(forward):
+def stepper(forward, graphed=False):
     """One forward (eager, or a compiled function: the mask is built inside it) and its
-    backward; returns the output and the gradients."""
+    backward; returns the output and the gradients. `graphed` (mode="reduce-overhead"):
+    each step starts a new cudagraph-tree step, so that the previous step's outputs may be
+    overwritten (they are dropped; the rows' comparison clones them)."""
     def step(q, k, v, mask, grad_out):
+        if graphed:
+            torch.compiler.cudagraph_mark_step_begin()
         out = forward(q, k, v, mask)
         return (out,) + torch.autograd.grad(out, (q, k, v), grad_out)
     return step
+
+
+def cudagraph_skips():
+    """Inductor's count of graphs it did not capture (None where this torch has no such
+    counter)."""
+    try:
+        from torch._dynamo.utils import counters
+        return int(counters["inductor"]["cudagraph_skips"])
+    except Exception:   # a private counter: absent or renamed in another torch
+        return None
 
 
 def median_ms(fns, reps, device, steps_per_sync=1):
@@ -70,11 +93,13 @@ def median_ms(fns, reps, device, steps_per_sync=1):
 
 
 def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtype=None,
-        variants=()):
+        variants=(), cudagraphs=False, masks=None):
     """The table's rows as dicts: mask, mode, compiled-once ms, built-every-step ms, overhead
     %, max abs difference between the two outputs and gradients; with `variants`
     (FLEXSPARSE_CUDA_DEBUG values), `variant_pipelined_ms`: the pipelined built-every-step
-    time under each."""
+    time under each. `cudagraphs`: the mode "cudagraphs" too (its rows' `graph_skips`:
+    graphs Inductor did not capture during that mode's calls, None if not counted).
+    `masks`: names (prefixes) of build_bench's cases to run, default all."""
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(0)
@@ -84,14 +109,21 @@ def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtyp
     modes = [("eager", stepper(attend))]
     if compile_too:
         modes.append(("compiled", stepper(torch.compile(attend, fullgraph=True, dynamic=True))))
+    if cudagraphs:
+        for t in (q, k, v, grad_out):   # activations a model would hold in its graph
+            torch._dynamo.mark_static_address(t)
+        modes.append(("cudagraphs", stepper(torch.compile(
+            attend, fullgraph=True, dynamic=True, mode="reduce-overhead"), graphed=True)))
     rows = []
     for name, make in tensor_masks(H, L, device).items():
+        if masks and not any(name.startswith(m) for m in masks):
+            continue
         desc = make().compile(B, H, H, L, L, device=device)
         for mode, fn in modes:
-            once = fn(q, k, v, desc, grad_out)
-            fresh = fn(q, k, v, make(), grad_out)
-            diff = max(float((a.detach().float() - b.detach().float()).abs().max())
-                       for a, b in zip(once, fresh))
+            skips_before = cudagraph_skips()
+            once = [t.detach().clone() for t in fn(q, k, v, desc, grad_out)]
+            fresh = [t.detach().clone() for t in fn(q, k, v, make(), grad_out)]
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(once, fresh))
             both = [lambda: fn(q, k, v, desc, grad_out),  # noqa: B023
                     lambda: fn(q, k, v, make(), grad_out)]  # noqa: B023
             t_once, t_fresh = median_ms(both, reps, device)
@@ -103,7 +135,9 @@ def run(L=8192, B=2, H=16, D=128, device="cuda", reps=30, compile_too=True, dtyp
                              pipelined_once_ms=p_once, pipelined_every_step_ms=p_fresh,
                              pipelined_overhead_pct=100.0 * (p_fresh / p_once - 1.0),
                              pipelined_aa_pct=100.0 * (p_again / p_once - 1.0),
-                             variant_pipelined_ms=p_variants, max_abs_diff=diff))
+                             variant_pipelined_ms=p_variants, max_abs_diff=diff,
+                             graph_skips=(None if skips_before is None or mode != "cudagraphs"
+                                          else cudagraph_skips() - skips_before)))
     return rows
 
 
@@ -118,6 +152,10 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--variants", default="",
                     help="FLEXSPARSE_CUDA_DEBUG values to time the built-every-step way under")
+    ap.add_argument("--cudagraphs", action="store_true",
+                    help='also the compiled forward with mode="reduce-overhead" (CUDA graphs)')
+    ap.add_argument("--masks", default="",
+                    help="comma-separated names (prefixes) of the masks to run, default all")
     a = ap.parse_args(argv)
     variants = [int(x) for x in a.variants.split(",") if x]
     name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
@@ -129,10 +167,12 @@ def main(argv=None):
           "| pipelined every step ms | pipelined overhead | pipelined A/A (noise) | max abs diff |"
           + extra)
     print("|---" * (10 + len(variants)) + "|")
-    for r in run(a.L, a.B, a.H, a.D, a.device, a.reps, not a.no_compile, variants=variants):
+    for r in run(a.L, a.B, a.H, a.D, a.device, a.reps, not a.no_compile, variants=variants,
+                 cudagraphs=a.cudagraphs, masks=[m for m in a.masks.split(",") if m]):
         cells = "".join(f" {ms:.3f} ({100.0 * (ms / r['pipelined_once_ms'] - 1.0):+.1f}%) |"
                         for ms in r["variant_pipelined_ms"])
-        print(f"| {r['mask']} | {r['mode']} | {r['once_ms']:.3f} | {r['every_step_ms']:.3f} "
+        mode = r["mode"] + ("" if r["graph_skips"] is None else f" ({r['graph_skips']} skipped)")
+        print(f"| {r['mask']} | {mode} | {r['once_ms']:.3f} | {r['every_step_ms']:.3f} "
               f"| {r['overhead_pct']:+.1f}% | {r['pipelined_once_ms']:.3f} "
               f"| {r['pipelined_every_step_ms']:.3f} | {r['pipelined_overhead_pct']:+.1f}% "
               f"| {r['pipelined_aa_pct']:+.1f}% | {r['max_abs_diff']:.1e} |" + cells, flush=True)

@@ -27,6 +27,22 @@ def test_step_bench_rows_on_cpu():
         assert len(r["variant_pipelined_ms"]) == 1 and r["variant_pipelined_ms"][0] > 0, r
 
 
+def test_step_bench_cudagraph_mode_rows_on_cpu():
+    """step_bench --cudagraphs: the mode "cudagraphs" (the forward compiled with
+    mode="reduce-overhead") gives the compiled-once output and gradients exactly, and its
+    row counts the graphs Inductor skipped: on CPU it captures none, and says so."""
+    from benchmarks import step_bench
+    rows = step_bench.run(L=128, B=1, H=2, D=16, device="cpu", reps=1, compile_too=False,
+                          cudagraphs=True, masks=["document"])
+    assert [(r["mask"], r["mode"]) for r in rows] == [
+        ("document(lengths tensor)", "eager"), ("document(lengths tensor)", "cudagraphs")]
+    eager, graphed = rows
+    assert graphed["max_abs_diff"] == 0.0 and graphed["every_step_ms"] > 0, graphed
+    assert eager["graph_skips"] is None
+    if step_bench.cudagraph_skips() is not None:   # Inductor's counter exists here
+        assert graphed["graph_skips"] >= 1, graphed
+
+
 def test_cuda_bench_backends_take_turns():
     """cuda_bench --rounds: the backends are timed in turns, each column the median of its
     rounds; one that raises is reported once and takes no more turns."""
