@@ -5,10 +5,15 @@
 //
 // Included once, at the end of attention_ops.cpp: a translation unit of its own would
 // compile the torch headers a second time (~45 s of CI's csrc compile on 2 cores).
+// With FLEXSPARSE_CPU_ONLY the CPU kernels alone (no CUDA headers or kernels): the
+// CPU-only library that the CPU tests build (tests/cpu_build_ops.py), so that CI runs
+// tests/test_build_op.py on a machine without CUDA torch.
 #pragma once
 #include <ATen/ATen.h>
+#ifndef FLEXSPARSE_CPU_ONLY
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#endif
 #include <torch/library.h>
 
 #include <tuple>
@@ -224,6 +229,7 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
   } else {
     p.prefix = data.data_ptr<int64_t>();
   }
+#ifndef FLEXSPARSE_CPU_ONLY
   if (data.is_cuda()) {
     c10::cuda::CUDAGuard guard(data.device());
     p.fused = (debug_bits() >> 33) & 1;
@@ -233,7 +239,9 @@ Outputs build(int kind, const Tensor& data_in, int64_t Lq, int64_t Lk, int64_t b
       p.ends = ends.data_ptr<int64_t>();
     }
     build_column_ranges_cuda(p, at::cuda::getCurrentCUDAStream().stream());
-  } else {
+  } else
+#endif
+  {
     FLEXSPARSE_CHECK(data.device().is_cpu(), "flexsparse build: CPU or CUDA tensors, got ", data.device());
     std::vector<int64_t> ends;
     if (docs) {
@@ -292,10 +300,13 @@ ListOutputs build_block_lists(const Tensor& layout_in) {
   p.kv_full_count = kvf_c.data_ptr<int32_t>(); p.kv_full_index = kvf_i.data_ptr<int32_t>();
   p.q_count = q_c.data_ptr<int32_t>(); p.q_index = q_i.data_ptr<int32_t>();
   p.q_full_count = qf_c.data_ptr<int32_t>(); p.q_full_index = qf_i.data_ptr<int32_t>();
+#ifndef FLEXSPARSE_CPU_ONLY
   if (layout.is_cuda()) {
     c10::cuda::CUDAGuard guard(layout.device());
     build_block_lists_cuda(p, at::cuda::getCurrentCUDAStream().stream());
-  } else {
+  } else
+#endif
+  {
     FLEXSPARSE_CHECK(layout.device().is_cpu(), "flexsparse build: CPU or CUDA tensors, got ", layout.device());
     for (int64_t b = 0; b < p.Bl; ++b) padded_lists_cpu(p, b);
   }
@@ -311,12 +322,14 @@ TORCH_LIBRARY_IMPL(flexsparse, CPU, m) {
   m.impl("build_block_lists", &build_block_lists);
 }
 
+#ifndef FLEXSPARSE_CPU_ONLY
 TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
   m.impl("build_document", &build_document);
   m.impl("build_prefix_lm", &build_prefix_lm);
   m.impl("build_column_ranges", &build_column_ranges);
   m.impl("build_block_lists", &build_block_lists);
 }
+#endif
 
 }  // namespace build
 }  // namespace flexsparse
