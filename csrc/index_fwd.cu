@@ -70,23 +70,25 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // run; one stage, G <= 4, D <= 128): four query rows per warp, four heads each: D=64:
 // 18.25 KB/warp, 2 x 4 warps per SM by the launch bound (3 fit the shared memory); D=128:
 // 36.25 KB/warp, 3 x 2 warps: 32 and 24 rows in flight per SM against the two-row
-// kernel's 24 and 16.
-template <int kD, bool kOneStage = false, bool kTwoRows = false, bool kFourRows = false>
+// kernel's 24 and 16. kFourRows = 2 (D=64 only, bit 8796093022208): 3 x 4 warps, 48 rows
+// in flight, at 168 registers with spills (for the A/B of rows in flight against spills).
+template <int kD, bool kOneStage = false, bool kTwoRows = false, int kFourRows = 0>
 struct Config {
   static_assert(kD == 64 || kD == 128 || kD == 256, "head dim 64, 128 or 256");
   static_assert(!kTwoRows || kOneStage, "two rows per warp: one stage");
   static_assert(!kFourRows || (kOneStage && !kTwoRows && kD <= 128), "four rows: one stage, D <= 128");
+  static_assert(kFourRows != 2 || kD == 64, "four rows at three CTAs per SM: D = 64");
   static constexpr int kStages = kOneStage ? 1 : (kD == 64 ? 4 : kD == 128 ? 3 : 2);
   static constexpr int kRows = kFourRows ? 4 : kTwoRows ? 2 : 1;   // query rows per warp
   static constexpr int kWarps = kFourRows ? (kD == 64 ? 4 : 2)
                                 : kTwoRows ? (kD == 256 ? 2 : 4) : kOneStage && kD <= 128 ? 8 : 4;
   // __launch_bounds__' minimum CTAs per SM (0: none, the default kernels' bound)
   static constexpr int kMinBlocks =
-      kFourRows ? (kD == 64 ? 2 : 3)
+      kFourRows ? (kD == 64 ? (kFourRows == 2 ? 3 : 2) : 3)
       : kTwoRows ? (kD == 64 ? 3 : 2) : !kOneStage ? 0 : (kD == 64 ? 3 : 2);
 };
 
-template <int kD, bool kOneStage, bool kTwoRows = false, bool kFourRows = false>
+template <int kD, bool kOneStage, bool kTwoRows = false, int kFourRows = 0>
 constexpr int warp_smem_bytes() {
   // query tile + K and V stages of each row (2-byte elements) + the keys of each stage
   using C = Config<kD, kOneStage, kTwoRows, kFourRows>;
@@ -94,7 +96,7 @@ constexpr int warp_smem_bytes() {
          C::kStages * C::kRows * kKeys * 4;
 }
 
-template <int kD, bool kOneStage, bool kTwoRows = false, bool kFourRows = false>
+template <int kD, bool kOneStage, bool kTwoRows = false, int kFourRows = 0>
 constexpr int cta_smem_bytes() {
   return Config<kD, kOneStage, kTwoRows, kFourRows>::kWarps *
          warp_smem_bytes<kD, kOneStage, kTwoRows, kFourRows>();
@@ -111,13 +113,14 @@ constexpr int cta_smem_bytes() {
 // every output element is the one-row kernel's arithmetic in its order, and the decode,
 // the query tile and the set-up are paid once per two rows.
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
-          bool kTwoRows = false, bool kFourRows = false>
+          bool kTwoRows = false, int kFourRows = 0>
 __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kWarps * 32,
                                   Config<kD, kOneStage, kTwoRows, kFourRows>::kMinBlocks)
     index_fwd_kernel(const IndexParams p) {
   static_assert(!kTwoRows || (kHalfRows && kNarrowAddr), "two rows: G <= 8, 32-bit rows");
   static_assert(!kFourRows || (kHalfRows && kNarrowAddr), "four rows: G <= 4, 32-bit rows");
-  constexpr bool kMultiRow = kTwoRows || kFourRows;
+  constexpr bool kFour = kFourRows != 0;
+  constexpr bool kMultiRow = kTwoRows || kFour;
   // accumulator row halves that hold heads (two rows: A's and B's)
   constexpr int kHalves = kHalfRows && !kMultiRow ? 1 : 2;
   constexpr float kRescaleMargin = 8.f;
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
       b * p.idx_sb + h * p.idx_sh + (kMultiRow ? i + (lane >= kKeys ? 1 : 0) : i) * p.idx_sq;
   const int32_t* idx32 = static_cast<const int32_t*>(p.idx) + idx_off;
   const int64_t* idx64 = static_cast<const int64_t*>(p.idx) + idx_off;
-  const bool has_hi = kFourRows && i + 2 + (lane >= kKeys ? 1 : 0) < p.Lq;
+  const bool has_hi = kFour && i + 2 + (lane >= kKeys ? 1 : 0) < p.Lq;
 
   // The key of list slot w, or -1 when the slot is past W or its entry is inactive.
   auto load_key = [&](int64_t w) -> int {
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   };
   // Four rows: the same for this lane's second row (two rows further on).
   auto load_key_hi = [&](int64_t w) -> int {
-    if (!kFourRows || w >= p.W || !has_hi) return -1;
+    if (!kFour || w >= p.W || !has_hi) return -1;
     const int64_t at = 2 * p.idx_sq + w * p.idx_sw;
     const int64_t x = p.idx_int64 ? idx64[at] : static_cast<int64_t>(idx32[at]);
     return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   for (int t = 0; t < kHeads * kChunks / 32; ++t) {
     const int e = t * 32 + lane;
     const int r = e / kChunks, c = e % kChunks;
-    if constexpr (kFourRows) {   // row i + x's heads in rows 4x to 4x + 3
+    if constexpr (kFour) {   // row i + x's heads in rows 4x to 4x + 3
       const int head = r & 3, x = r >> 2;
       const bool ok = head < heads && i + x < p.Lq;
       cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)),
@@ -237,7 +240,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   // (the third and fourth tiles); the stage's keys are [row][slot].
   auto issue = [&](int key_of_lane, int key_hi, int stage) {
     if (kMultiRow || lane < kKeys) s_keys[stage * kRows * kKeys + lane] = key_of_lane;
-    if constexpr (kFourRows) s_keys[stage * kRows * kKeys + 32 + lane] = key_hi;
+    if constexpr (kFour) s_keys[stage * kRows * kKeys + 32 + lane] = key_hi;
 #pragma unroll
     for (int which = 0; which < kRows; ++which) {
     T* dk = s_k + (stage * kRows + which) * kTile;
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     for (int t = 0; t < kKeys * kChunks / 32; ++t) {
       const int e = t * 32 + lane;
       const int r = e / kChunks, c = e % kChunks;
-      const int key = kFourRows ? __shfl_sync(0xffffffffu, which >= 2 ? key_hi : key_of_lane,
+      const int key = kFour ? __shfl_sync(0xffffffffu, which >= 2 ? key_hi : key_of_lane,
                                               (which & 1) * kKeys + r)
                                 : __shfl_sync(0xffffffffu, key_of_lane, which * kKeys + r);
       const int off = swizzle<kD>(r, c);
@@ -290,12 +293,12 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   // This lane's accumulator rows r and r + 8 are query heads r and r + 8 of row i, or
   // (two rows) head r of rows i and i + 1, or (four rows) head r % 4 of rows i + r / 4
   // and i + r / 4 + 2: row_lo and row_lo + 2 (the tile's rows 4x to 4x + 3 are row i + x).
-  const int row_lo = kFourRows ? r >> 2 : 0;
+  const int row_lo = kFour ? r >> 2 : 0;
   const T* bias_rows[2] = {nullptr, nullptr};
   if (has_bias) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      if constexpr (kFourRows) {
+      if constexpr (kFour) {
         const int head = r & 3;
         const int64_t row = i + row_lo + 2 * rr;
         if (head < heads && row < p.Lq)
@@ -348,14 +351,14 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     }
     // The keys of this lane's four score columns (-1: inactive).
     const int* stage_keys = s_keys + stage * kRows * kKeys;
-    const int* keys_a = stage_keys + (kFourRows ? row_lo * kKeys : 0);
+    const int* keys_a = stage_keys + (kFour ? row_lo * kKeys : 0);
     const int2 keys_lo = *reinterpret_cast<const int2*>(keys_a + 2 * quad);
     const int2 keys_hi = *reinterpret_cast<const int2*>(keys_a + 8 + 2 * quad);
     const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
     // two rows: row B's keys, for the accumulator rows 8-15 (four rows: row row_lo + 2's)
     int col_key_b[2][2] = {{-1, -1}, {-1, -1}};
     if constexpr (kMultiRow) {
-      const int* keys_b = stage_keys + (kFourRows ? (row_lo + 2) * kKeys : kKeys);
+      const int* keys_b = stage_keys + (kFour ? (row_lo + 2) * kKeys : kKeys);
       const int2 lo = *reinterpret_cast<const int2*>(keys_b + 2 * quad);
       const int2 hi = *reinterpret_cast<const int2*>(keys_b + 8 + 2 * quad);
       col_key_b[0][0] = lo.x;
@@ -379,7 +382,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     // S = Q K^T over 16 keys: two m16n8 tiles (keys 0-7, 8-15).
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     float s_acc_b[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // two rows: S_B
-    if constexpr (kFourRows) {
+    if constexpr (kFour) {
       // S_x = Q K_x^T for each row x, one after the other (8 accumulators live, not 32);
       // this lane keeps S_x's rows 0-7 where x = row_lo and rows 8-15 where x = row_lo + 2.
 #pragma unroll
@@ -402,7 +405,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
       }
     }
 #pragma unroll
-    for (int st = 0; st < (kFourRows ? 0 : kSteps); ++st) {
+    for (int st = 0; st < (kFour ? 0 : kSteps); ++st) {
       uint32_t a[4];
       if constexpr (kQInRegisters) {
 #pragma unroll
@@ -496,7 +499,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     for (int st = 0; st < kSteps; ++st) {
       uint32_t vb[4];
       ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
-      if constexpr (kFourRows) {
+      if constexpr (kFour) {
         // O_x += P V_x for each row x: the C fragments' rows 0-7 where x < 2, rows 8-15
         // where x >= 2, kept where x is this lane's row there (x = row_lo, or row_lo + 2);
         // the other rows' sums (their P times keys they do not list) are dropped.
@@ -553,9 +556,9 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     float l = l_run[rr];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = kFourRows ? r & 3 : kTwoRows ? r : r + 8 * rr;   // the query head
-    const int64_t q_i = kFourRows ? i + row_lo + 2 * rr : kTwoRows ? i + rr : i;
-    if (row >= heads || (kTwoRows && rr == 1 && !has_b) || (kFourRows && q_i >= p.Lq)) continue;
+    const int row = kFour ? r & 3 : kTwoRows ? r : r + 8 * rr;   // the query head
+    const int64_t q_i = kFour ? i + row_lo + 2 * rr : kTwoRows ? i + rr : i;
+    if (row >= heads || (kTwoRows && rr == 1 && !has_b) || (kFour && q_i >= p.Lq)) continue;
     const bool has = l > 0.f;
     const float inv = has ? 1.f / l : 0.f;
     const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + q_i);
@@ -570,7 +573,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
 }
 
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
-          bool kTwoRows = false, bool kFourRows = false>
+          bool kTwoRows = false, int kFourRows = 0>
 void launch(IndexParams const& p, cudaStream_t stream) {
   using C = Config<kD, kOneStage, kTwoRows, kFourRows>;
   constexpr int kWarps = C::kWarps;
@@ -594,13 +597,16 @@ void launch(IndexParams const& p, cudaStream_t stream) {
 // 256 its O registers spill): 1-12% faster than one row per warp at 8K and 32K, W = 16-256
 // (C79, H200). Bit 4294967296 (debug_high bit 1) takes the one-row kernel, for A/B runs.
 // Four query rows per warp (C85, opt-in until measured: bit 4398046511104, debug_high bit
-// 11) where G <= 4 with 32-bit row addressing, at D = 64 and 128.
+// 11) where G <= 4 with 32-bit row addressing, at D = 64 and 128; at D = 64 with three
+// CTAs per SM, bit 8796093022208 (debug_high bit 12).
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch_stages(IndexParams const& p, cudaStream_t stream) {
   constexpr bool kFourRowsFit = kHalfRows && kNarrowAddr && kD <= 128;
   if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
+  else if (kFourRowsFit && kD == 64 && p.G <= 4 && (p.debug_high & 4096))
+    launch<T, kD, kHalfRows, kNarrowAddr, true, false, kFourRowsFit && kD == 64 ? 2 : 0>(p, stream);
   else if (kFourRowsFit && p.G <= 4 && (p.debug_high & 2048))
-    launch<T, kD, kHalfRows, kNarrowAddr, true, false, kFourRowsFit>(p, stream);
+    launch<T, kD, kHalfRows, kNarrowAddr, true, false, kFourRowsFit ? 1 : 0>(p, stream);
   else if (kHalfRows && kNarrowAddr && kD <= 128 && !(p.debug_high & 2))
     launch<T, kD, kHalfRows, kNarrowAddr, true, kHalfRows && kNarrowAddr && kD <= 128>(p, stream);
   else launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);

@@ -148,9 +148,12 @@ if [[ " $parts " == *" ifwd "* ]]; then
     > "$OUT/ifwd_tests.log" 2>&1
   rc=$?; echo "ifwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
-  # columns: one row per warp (before C79), four rows per warp (C85, G <= 4)
+  # columns: one row per warp (before C79), four rows per warp (C85, G <= 4); then hd64
+  # with four rows per warp at two and at three CTAs per SM (C85's two hd64 builds)
   timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---rounds 3 --variants 4294967296,4398046511104} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bench.md"
+  [ -n "${IFWD_ARGS:-}" ] || timeout "${T_IFWDBENCH64:-150}" python3 -m benchmarks.cuda_index_bench --head-dim 64 \
+    --rounds 3 --variants 4398046511104,8796093022208 2>&1 | grep -v Warning | tee -a "$OUT/cuda_index_bench.md"
 fi
 # The index forward's tests under compute-sanitizer: with ifwd unless IFWD_SAN=0, or alone
 # as ifwdsan (a second call on the warm machine after "IFWD_SAN=0 ... ifwd").
