@@ -51,8 +51,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // pipelined dQ pass, 2^36 its dK/dV pass with one dependency chain (before C80), 2^37 its
 // preprocess with 2-byte loads (before C81), 2^38 its transposed lists' keys from a warp
 // per row, 2^39 those lists on the caller's stream only (before C83) and 2^40 dK and dV by
-// atomics in the dQ pass (index_bwd.cu); 2^42 the index forward's four rows per warp
-// (index_fwd.cu).
+// atomics in the dQ pass (index_bwd.cu); 2^42 the index forward's four rows per warp and
+// 2^43 the same at hd64 with three CTAs per SM (index_fwd.cu).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;
