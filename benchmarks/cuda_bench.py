@@ -22,6 +22,7 @@ import triton.testing
 
 import flexsparse
 from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case, parse_rows
+from benchmarks.debug_bits import rotated
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 BWD = "--no-bwd" not in sys.argv
@@ -47,12 +48,17 @@ def bench(fn):
 
 def interleaved(fns, rounds, timer=bench, report=print):
     """{name: median ms} of the callables in `fns` ({name: fn}), each timed `rounds` times,
-    taking turns within a round. A callable that raises is reported and takes no more
-    turns (FlexAttention's compile failing on a mask, for instance)."""
+    taking turns within a round, in an order rotated every round (debug_bits.rotated: no
+    callable holds one place in every round). A callable that raises is reported and
+    takes no more turns (FlexAttention's compile failing on a mask, for instance)."""
     times = {name: [] for name in fns}
     live = dict(fns)
-    for _ in range(rounds):
-        for name, fn in list(live.items()):
+    for r in range(rounds):
+        names = list(fns)
+        for name in (names[i] for i in rotated(len(names), r)):
+            if name not in live:
+                continue
+            fn = live[name]
             try:
                 times[name].append(timer(fn))
             except Exception as e:  # report, keep going

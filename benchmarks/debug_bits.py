@@ -18,13 +18,24 @@ def with_debug(bits, fn):
             os.environ["FLEXSPARSE_CUDA_DEBUG"] = old
 
 
+def rotated(n, round_index):
+    """The order of n settings in round `round_index`: 0..n-1 rotated by the round, so that
+    no setting holds one place in every round. (An H200 A/B of 2026-11-29 read the setting
+    in the fifth place ~13% slow in every round, the same setting in places 1-4 not:
+    with a fixed order, a place's effect becomes a column's; perf-notes, "The A/B's last
+    columns".)"""
+    return [(round_index + k) % n for k in range(n)] if n else []
+
+
 def in_turns(measure, variants, rounds):
     """[default, *one per value in `variants`]: the median of `rounds` calls of measure()
     (a time) by default and under each FLEXSPARSE_CUDA_DEBUG value, the settings taking
-    turns, so that a drift of the machine reaches all of them alike."""
-    times = [[] for _ in range(1 + len(variants))]
-    for _ in range(rounds):
-        times[0].append(measure())
-        for i, bits in enumerate(variants):
-            times[1 + i].append(with_debug(bits, measure))
+    turns (in an order rotated every round), so that a drift of the machine, or an effect
+    of the place in the round, reaches all of them alike."""
+    settings = [None, *variants]
+    times = [[] for _ in settings]
+    for r in range(rounds):
+        for i in rotated(len(settings), r):
+            bits = settings[i]
+            times[i].append(measure() if bits is None else with_debug(bits, measure))
     return [statistics.median(t) for t in times]

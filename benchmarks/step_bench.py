@@ -35,7 +35,7 @@ import torch
 
 import flexsparse
 from benchmarks import build_bench
-from benchmarks.debug_bits import with_debug
+from benchmarks.debug_bits import rotated, with_debug
 
 
 def tensor_masks(H, L, device):
@@ -82,13 +82,13 @@ def median_ms(fns, reps, device, steps_per_sync=1):
             fn()
     sync()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, out in zip(fns, times):
+    for rep in range(reps):
+        for i in rotated(len(fns), rep):   # no function holds one place in every rep
             t0 = time.perf_counter()
             for _ in range(steps_per_sync):
-                fn()
+                fns[i]()
             sync()
-            out.append((time.perf_counter() - t0) * 1e3 / steps_per_sync)
+            times[i].append((time.perf_counter() - t0) * 1e3 / steps_per_sync)
     return [statistics.median(t) for t in times]
 
 

@@ -44,8 +44,9 @@ def test_step_bench_cudagraph_mode_rows_on_cpu():
 
 
 def test_cuda_bench_backends_take_turns():
-    """cuda_bench --rounds: the backends are timed in turns, each column the median of its
-    rounds; one that raises is reported once and takes no more turns."""
+    """cuda_bench --rounds: the backends are timed in turns, in an order rotated every
+    round, each column the median of its rounds; one that raises is reported once and
+    takes no more turns."""
     from benchmarks.cuda_bench import interleaved
     order, reports = [], []
     times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 9.0])}
@@ -62,9 +63,32 @@ def test_cuda_bench_backends_take_turns():
         return fn
 
     got = interleaved({n: run(n) for n in ("a", "bad", "b")}, 3, timer=timer, report=reports.append)
-    assert order == ["a", "bad", "b", "a", "b", "a", "b"]
+    # round 0 in order, then rotated by one and by two places ("bad" left after round 0)
+    assert order == ["a", "bad", "b", "b", "a", "b", "a"]
     assert got == {"a": 2.0, "b": 5.0}
     assert reports == ["bad: RuntimeError: no kernel"]
+
+
+def test_in_turns_rotates_the_settings(monkeypatch):
+    """debug_bits.in_turns: every setting (the default, then each FLEXSPARSE_CUDA_DEBUG
+    value) measured once per round under its own value, the order rotated every round so
+    that no setting holds one place throughout; each result the median of its rounds."""
+    import os
+    from benchmarks.debug_bits import in_turns, rotated
+    assert rotated(3, 0) == [0, 1, 2] and rotated(3, 1) == [1, 2, 0] and rotated(3, 4) == [1, 2, 0]
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    seen = []
+    place_cost = iter([0.0, 10.0, 20.0] * 3)     # a slow third place in every round
+
+    def measure():
+        bits = os.environ.get("FLEXSPARSE_CUDA_DEBUG", "default")
+        seen.append(bits)
+        return {"default": 1.0, "4": 2.0, "8": 3.0}[bits] + next(place_cost)
+    got = in_turns(measure, [4, 8], 3)
+    assert seen == ["default", "4", "8", "4", "8", "default", "8", "default", "4"]
+    assert "FLEXSPARSE_CUDA_DEBUG" not in os.environ
+    # each setting sat once in each place: its median is its own cost plus the middle place's
+    assert got == [11.0, 12.0, 13.0]
 
 
 def test_cuda_bench_row_spec_skips_option_values():
@@ -116,7 +140,8 @@ def test_cuda_index_bench_variants_set_and_restore_the_debug_bits(monkeypatch):
 
 def test_build_bench_variants_take_turns_with_the_default(monkeypatch):
     """build_bench --variants: the default and each FLEXSPARSE_CUDA_DEBUG value are timed in
-    turns, three rounds, each under its own setting, and the medians come back in order."""
+    turns (the order rotated each round), three rounds, each under its own setting, and
+    the medians come back in order."""
     import os
 
     import benchmarks.build_bench as bb
@@ -131,7 +156,8 @@ def test_build_bench_variants_take_turns_with_the_default(monkeypatch):
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
     monkeypatch.setattr(bb, "time_us", fake_time_us)
     default, variants = bb.turns(lambda: None, [8589934592], reps=1)
-    assert seen == [None, "8589934592"] * 3
+    # rounds in rotated order (debug_bits.in_turns)
+    assert seen == [None, "8589934592", "8589934592", None, None, "8589934592"]
     assert default == 3.0 and variants == [20.0]
     assert "FLEXSPARSE_CUDA_DEBUG" not in os.environ
     seen.clear()
