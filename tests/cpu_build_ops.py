@@ -26,8 +26,10 @@ def load():
         if not cpp_extension.is_ninja_available():
             return "ninja is not installed (pip install ninja), so the CPU build ops cannot be built"
         try:
+            # the torch version in the name: a library cached for another torch is not reused
+            tag = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
             cpp_extension.load(
-                name="flexsparse_build_ops_cpu",
+                name=f"flexsparse_build_ops_cpu_{tag}",
                 sources=[os.path.join(HERE, "cpu_ops", "build_ops_cpu.cpp")],
                 extra_include_paths=[CSRC], extra_cflags=["-O1"], is_python_module=False,
                 verbose=False)
