@@ -128,6 +128,14 @@ def info(args):
               f"for training only when not deterministic; with a bias ({with_bias}; no softcap, "
               f"keys contiguous, Lk % 8 == 0); triton otherwise (measured table: "
               f"docs/benchmarks.md)")
+        idx_dims = "/".join(map(str, C.AUTO_INDEX_HEAD_DIMS))
+        groups = "/".join(map(str, C.AUTO_INDEX_GROUPS))
+        faster = ", ".join(f"hd {d} with {g} query heads per kv head"
+                           for d, g in C.INDEX_BWD_OVER_ATOMIC)
+        print(f'"auto" takes cuda for index masks at hd {idx_dims} with {groups} query heads '
+              f"per kv head, no bias or softcap; their gradients: the CUDA index backward "
+              f"(deterministic) when deterministic=True or at {faster}, Triton's atomic "
+              f"backward otherwise (FLEXSPARSE_CUDA_INDEX_BWD=1/0 forces either)")
     else:
         print('"auto": triton on a GPU, the reference on CPU')
     return 0

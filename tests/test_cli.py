@@ -20,6 +20,21 @@ def test_env_lists_usable_backends(capsys, monkeypatch):
         assert "usable on cpu: ['reference']" in out
 
 
+def test_env_says_where_auto_sends_each_mask_kind(capsys, monkeypatch):
+    """With the CUDA backend registered (faked here on CPU), `env` says what "auto" takes
+    for block masks and for index masks, and where index gradients go, from the same
+    tables that route the calls (ops/cuda_backend.py)."""
+    from flexsparse.ops import cuda_backend
+    monkeypatch.setattr(cli.backends, "available", lambda: ["triton", "reference", "cuda"])
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert '"auto" takes cuda for: block masks' in out
+    dims = "/".join(map(str, cuda_backend.AUTO_INDEX_HEAD_DIMS))
+    assert f'"auto" takes cuda for index masks at hd {dims}' in out
+    for d, g in cuda_backend.INDEX_BWD_OVER_ATOMIC:
+        assert f"hd {d} with {g} query heads per kv head" in out
+
+
 def test_demo_block_sparse_is_about_half_dense():
     masks = dict(cli._demo_masks(1024, 1, torch.device("cpu")))
     desc = masks["block_sparse(50%)"].compile(1, 1, 1, 1024, 1024, device="cpu")
