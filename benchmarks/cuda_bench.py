@@ -53,8 +53,8 @@ def interleaved(fns, rounds, timer=bench, report=print):
     takes no more turns (FlexAttention's compile failing on a mask, for instance)."""
     times = {name: [] for name in fns}
     live = dict(fns)
+    names = list(fns)
     for r in range(rounds):
-        names = list(fns)
         for name in (names[i] for i in rotated(len(names), r)):
             if name not in live:
                 continue

@@ -210,6 +210,23 @@ def dkdv_cases(D, dtype):
         yield G, W, q, k, v, idx
 
 
+def check_default_beside(bits, G, W, q, k, v, idx, monkeypatch):
+    """The default backward (the float64 rule, dk = dv = 0 at keys 190-202 that no list
+    names, two runs bitwise equal) beside a run under FLEXSPARSE_CUDA_DEBUG `bits`, which
+    shares its dQ pass (dq bitwise); returns the default's (dq, dk, dv) and the bit's."""
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", bits)
+    fwd, want = run(q, k, v, idx)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
+    dq, dk, dv = check(q, k, v, idx)
+    assert torch.equal(dq, want[0]), (G, W)
+    assert torch.all(dk[:, :, 190:] == 0) and torch.all(dv[:, :, 190:] == 0)
+    first = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
+    second = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), (G, W)
+    return (dq, dk, dv), want
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
@@ -219,16 +236,7 @@ def test_tensor_core_dkdv_pass(D, dtype, monkeypatch):
     dq is the FMA kernel's (bit 17179869184) bit for bit (the same dQ pass), and two runs
     agree bitwise."""
     for G, W, q, k, v, idx in dkdv_cases(D, dtype):
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", FMA_DKDV)
-        fwd, want = run(q, k, v, idx)
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
-        dq, dk, dv = check(q, k, v, idx)
-        assert torch.equal(dq, want[0]), (G, W)
-        assert torch.all(dk[:, :, 190:] == 0) and torch.all(dv[:, :, 190:] == 0)
-        first = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
-        second = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
-        for a, b in zip(first, second):
-            assert torch.equal(a, b), (G, W)
+        check_default_beside(FMA_DKDV, G, W, q, k, v, idx, monkeypatch)
     monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", FMA_DKDV)   # the FMA kernel, kept for A/Bs
     check(q, k, v, idx)
 
@@ -246,19 +254,10 @@ def test_short_chains_dkdv_pass(D, dtype, monkeypatch):
     rounding of its (the [s dp] sums are added in another order), keys no list names zero,
     two runs bitwise equal."""
     for G, W, q, k, v, idx in dkdv_cases(D, dtype):
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_CHAIN)
-        fwd, want = run(q, k, v, idx)
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
-        dq, dk, dv = check(q, k, v, idx)
-        assert torch.equal(dq, want[0]), (G, W)
+        (_, dk, dv), want = check_default_beside(ONE_CHAIN, G, W, q, k, v, idx, monkeypatch)
         for got, ref in ((dk, want[1]), (dv, want[2])):   # 2% of the tensor's scale
             err = (got.float() - ref.float()).abs().max().item()
             assert err <= 2e-2 * ref.float().abs().max().item() + 1e-3, (G, W, err)
-        assert torch.all(dk[:, :, 190:] == 0) and torch.all(dv[:, :, 190:] == 0)
-        first = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
-        second = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], idx)
-        for a, b in zip(first, second):
-            assert torch.equal(a, b), (G, W)
     q, k, v, idx = TI._make(2, 8, 2, 33, 257, D, D, 100, dtype, seed=6)
     bias = torch.randn(2, 8, 33, 257, device=DEV).to(dtype)
     check(q, k, v, idx, bias=bias, softcap=5.0)
