@@ -20,11 +20,11 @@ lse, with the CUDA backward's time over the CUDA forward's (issue 17 asks <= 2) 
 largest difference of dq, dk, dv from the Triton deterministic backward. With --variants
 the CUDA backward is timed again under each value (34359738368: the pipelined dQ pass
 the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on the CUDA
-cores, the default before C78; 68719476736: the tensor-core dK/dV pass with shorter
-dependency chains, C80; 137438953472: the preprocess with 16-byte loads, C81;
-274877906944: the transposed lists' keys from a warp per list row, C82; 549755813888:
-the transposed lists on a second stream beside the dQ pass, C83; 1099511627776: dK and dV
-by fp32 atomics in the dQ pass, not deterministic, C84). --split
+cores, the default before C78; 68719476736: the tensor-core dK/dV pass with one
+dependency chain, the default before C80; 137438953472: the preprocess with 2-byte loads,
+the default before C81; 549755813888: the transposed lists on the caller's stream, the
+default before C83; 1099511627776: dK and dV by fp32 atomics in the dQ pass, not
+deterministic, C84). --split
 adds the CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count,
 scan and sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 

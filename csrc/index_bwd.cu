@@ -445,32 +445,6 @@ __global__ void __launch_bounds__(256) csr_keys_kernel(const IndexBackwardParams
   atomicAdd(counts + bucket, 1);
 }
 
-// The same keys, values and counts from a warp per list row (FLEXSPARSE_CUDA_DEBUG bit
-// 274877906944, perf-notes C82; opt-in: no faster on the H200): the row's (b, head, row) decomposition once
-// per warp, its W entries over the lanes. The thread-per-entry kernel above pays six
-// 64-bit divisions per entry (~50 us for 2M entries at 8K W=64). Outputs identical
-// (the sort below is stable; the counts are integer sums).
-__global__ void __launch_bounds__(256) csr_keys_rows_kernel(const IndexBackwardParams bp,
-                                                            uint32_t* keys, int32_t* vals,
-                                                            int32_t* counts) {
-  const IndexParams& p = bp.fwd;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  if (row >= bp.Bi * bp.Hi * p.Lq) return;
-  const int lane = threadIdx.x & 31;
-  const int64_t i = row % p.Lq, rest = row / p.Lq;
-  const int64_t hi = rest % bp.Hi, bi = rest / bp.Hi;
-  const int64_t idx_off = bi * p.idx_sb + hi * p.idx_sh + i * p.idx_sq;
-  const int64_t base = rest * (p.Lk + 1);
-  for (int64_t w = lane; w < p.W; w += 32) {
-    const int key = load_key(p, idx_off, w);
-    const int64_t bucket = base + (key >= 0 ? key : p.Lk);
-    const int64_t e = row * p.W + w;
-    keys[e] = static_cast<uint32_t>(bucket);
-    vals[e] = static_cast<int32_t>(i);
-    atomicAdd(counts + bucket, 1);
-  }
-}
-
 // ------------------------------------------------------------------ 4. dK, dV
 
 template <int kD>
@@ -1100,14 +1074,8 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
     if (L.buckets > 0) {
       CUDA_CHECK(cudaMemsetAsync(counts, 0, L.buckets * sizeof(int32_t), on));
       if (L.entries > 0) {
-        if (p.debug_high & 128) {   // bit 274877906944: a warp per list row (C82)
-          const int64_t rows = bp.Bi * bp.Hi * p.Lq;
-          csr_keys_rows_kernel<<<static_cast<unsigned>((rows + 7) / 8), 256, 0, on>>>(
-              bp, keys_in, vals_in, counts);
-        } else {
-          csr_keys_kernel<<<static_cast<unsigned>((L.entries + 255) / 256), 256, 0, on>>>(
-              bp, keys_in, vals_in, counts);
-        }
+        csr_keys_kernel<<<static_cast<unsigned>((L.entries + 255) / 256), 256, 0, on>>>(
+            bp, keys_in, vals_in, counts);
         CUDA_CHECK(cudaGetLastError());
         size_t temp_bytes = L.temp_bytes;
         CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, vals_in, vals_out,

@@ -176,8 +176,8 @@ fi
 # compute-sanitizer memcheck, then its table with the variant bits' columns (68719476736:
 # the dK/dV pass with one chain, before C80; 137438953472: the preprocess with 2-byte
 # loads, before C81; 549755813888: the transposed lists on the caller's stream only,
-# before C83; 755914244096: all three, the default before C80-C83; 274877906944: the
-# transposed lists' keys from a warp per row, C82; 1099511627776: dK and dV by atomics in
+# before C83; 755914244096: all three, the default before C80-C83; 1099511627776: dK and
+# dV by atomics in
 # the dQ pass, C84, not deterministic; 17179869184: the dK/dV pass on the CUDA cores, C78,
 # and 34359738368, the pipelined dQ pass, C74, by IBWD_ARGS) and the per-kernel split;
 # then hd64 and hd256 against the default before C80-C83. ibwdprof (a second call on the warm machine): ncu of the dK/dV
@@ -188,8 +188,8 @@ if [[ " $parts " == *" ibwd "* ]]; then
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   sanitized_pytest memcheck "${T_IBWD_CSAN:-200}" ibwd_memcheck tests/gpu/test_cuda_index_bwd_gpu.py \
-    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or row_csr or side_stream or (atomic_dkdv and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,549755813888,755914244096,274877906944,1099511627776} 2>&1 \
+    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or side_stream or (atomic_dkdv and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,549755813888,755914244096,1099511627776} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
   for d in 64 256; do
     timeout "${T_IBWDBENCH_D:-120}" python3 -m benchmarks.cuda_index_bench --backward --head-dim $d \

@@ -296,27 +296,6 @@ def test_vector_prep(D, monkeypatch):
     check(q, k, v, idx, dlse=True)
 
 
-ROW_CSR = "274877906944"   # the transposed lists' keys from a warp per list row (C82)
-
-
-def test_row_csr_keys_bitwise(monkeypatch):
-    """Bit 274877906944: the transposed lists' keys, values and counts from a warp per list
-    row give bitwise the default's dq, dk, dv: W below, at and above 32 (the lanes' loop),
-    int32 and int64 lists, a strided view, lists broadcast over batch and kv heads, -1 and
-    out-of-range entries."""
-    for W, seed in ((7, 1), (32, 2), (100, 3)):
-        q, k, v, idx = TI._make(2, 8, 2, 61, 203, 128, 128, W, torch.bfloat16, seed=seed)
-        wide = torch.randint(-1, 210, (1, 1, 61, 2 * W), device=DEV)
-        for lists in (idx, idx.long(), wide[..., ::2], wide[..., ::2].to(torch.int32)):
-            monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
-            fwd, want = run(q, k, v, lists)
-            monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ROW_CSR)
-            got = cuda_backward(fwd[2], fwd[3], q, k, v, fwd[0], fwd[1], lists)
-            for name, a, b in zip(("dq", "dk", "dv"), got, want):
-                assert torch.equal(a, b), (name, W, lists.dtype, lists.stride())
-    check(q, k, v, idx)
-
-
 ONE_STREAM = "549755813888"   # the transposed lists on the caller's stream (before C83)
 
 
