@@ -23,8 +23,7 @@ the one-stage default replaced, perf-notes C74; 17179869184: the dK/dV pass on t
 cores, the default before C78; 68719476736: the tensor-core dK/dV pass with one
 dependency chain, the default before C80; 137438953472: the preprocess with 2-byte loads,
 the default before C81; 549755813888: the transposed lists on the caller's stream, the
-default before C83; 1099511627776: dK and dV by fp32 atomics in the dQ pass, not
-deterministic, C84). --split
+default before C83). --split
 adds the CUDA backward's GPU time per kernel (prep, dQ pass, the transposed lists' count,
 scan and sort, dK/dV pass; benchmarks/kernel_split.py) after the table.
 

@@ -49,10 +49,9 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // pipelined kernel, 2^32 its one-row-per-warp kernel (index_fwd.cu), 2^33 the one-launch
 // document builds (build_ops.h), 2^34 the index backward's FMA dK/dV pass, 2^35 its
 // pipelined dQ pass, 2^36 its dK/dV pass with one dependency chain (before C80), 2^37 its
-// preprocess with 2-byte loads (before C81), 2^39 its transposed lists on the caller's
-// stream only (before C83) and 2^40 dK and dV by
-// atomics in the dQ pass (index_bwd.cu); 2^42 the index forward's four rows per warp and
-// 2^43 the same at hd64 with three CTAs per SM (index_fwd.cu).
+// preprocess with 2-byte loads (before C81) and 2^39 its transposed lists on the
+// caller's stream only (before C83) (index_bwd.cu); 2^42 the index forward's four rows
+// per warp and 2^43 the same at hd64 with three CTAs per SM (index_fwd.cu).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;

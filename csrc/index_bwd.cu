@@ -77,11 +77,10 @@ struct Config<256, kOneStage> {
   static constexpr int kMinBlocks = 0;
 };
 
-// kAtomicKV (C84): two more 16 x 16 tiles of 16-bit P and dS.
-template <int kD, bool kOneStage, bool kAtomicKV = false>
+template <int kD, bool kOneStage>
 constexpr int warp_smem_bytes() {
   return (2 * kHeads * kD + 2 * Config<kD, kOneStage>::kStages * kKeys * kD) * 2 +
-         Config<kD, kOneStage>::kStages * kKeys * 4 + (kAtomicKV ? 2 * kHeads * kKeys * 2 : 0);
+         Config<kD, kOneStage>::kStages * kKeys * 4;
 }
 
 using namespace warp_mma;   // cp.async, ldmatrix, Mma<T>, swizzle (warp_mma.cuh)
@@ -161,13 +160,7 @@ __global__ void __launch_bounds__(256) prep_vec_kernel(const IndexBackwardParams
 
 // ------------------------------------------------------------------ 2. dQ
 
-// kAtomicKV (FLEXSPARSE_CUDA_DEBUG bit 1099511627776, perf-notes C84; opt-in: faster than
-// the default only at W = 16 on the H200; not deterministic): the same pass also computes each chunk's dV = P^T dO and dK = dS^T Q
-// (16 keys x D, m16n8k16 with the keys as M and the 16 heads as K; P and dS go through
-// two 16 x 16 shared tiles to be read back transposed) and adds every C fragment into
-// fp32 sums (bp.dk_acc, bp.dv_acc) by red.global.add.v2.f32, Triton's atomic route: no
-// transposed lists and no key-major pass. The float atomics' order varies run to run.
-template <typename T, int kD, bool kOneStage, bool kAtomicKV = false>
+template <typename T, int kD, bool kOneStage>
 __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
                                   Config<kD, kOneStage>::kMinBlocks)
     dq_kernel(const IndexBackwardParams bp, const float2* rowstat) {
@@ -182,14 +175,11 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage, kAtomicKV>());
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage>());
   T* s_do = s_q + kHeads * kD;
   T* s_k = s_do + kHeads * kD;
   T* s_v = s_k + kStages * kTile;
   int* s_keys = reinterpret_cast<int*>(s_v + kStages * kTile);
-  // kAtomicKV: P then dS, [head][key], 32-byte rows whose two 16-byte halves swap on rows
-  // 4-7 and 12-15 (so that the 8 rows of one ldmatrix phase hit distinct banks)
-  unsigned char* s_pds = reinterpret_cast<unsigned char*>(s_keys + kStages * kKeys);
 
   const int n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -321,7 +311,6 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
     }
 
     // dS (scaled, the gradient of the raw product q.k); inactive keys 0.
-    float p_keep[2][4];   // kAtomicKV: P (dead code otherwise)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -339,7 +328,6 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
         float ds = pe * (dp_acc[j][e] - row_delta[e >> 1]);
         if (has_softcap) ds *= 1.f - t * t;
         s_acc[j][e] = ds * p.scale;
-        p_keep[j][e] = pe;
       }
 
     // dQ += dS K: dS as the A operand (keys 0-7 then 8-15), K rows through ldmatrix.trans.
@@ -354,57 +342,6 @@ __global__ void __launch_bounds__(Config<kD, kOneStage>::kWarps * 32,
       ldmatrix_x4_trans(kb, smem_addr(k_s + swizzle<kD>(a_ld_row, 2 * st + a_ld_chunk)));
       Mma<T>::run(dq_acc[2 * st], dsa, kb[0], kb[1]);
       Mma<T>::run(dq_acc[2 * st + 1], dsa, kb[2], kb[3]);
-    }
-    if constexpr (kAtomicKV) {
-      // P and dS into their tiles (rows past `heads` as zeros: those rows' P is 1 over a
-      // zero query, and a zero dO row does not cancel an Inf or NaN key's P).
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int row = r + 8 * rr, col = 8 * j + 2 * quad;
-          const int byte = row * 32 + ((j ^ ((row >> 2) & 1)) << 4) + (col & 7) * 2;
-          const bool live = row < heads;
-          *reinterpret_cast<uint32_t*>(s_pds + byte) =
-              Mma<T>::pack(live ? p_keep[j][2 * rr] : 0.f, live ? p_keep[j][2 * rr + 1] : 0.f);
-          *reinterpret_cast<uint32_t*>(s_pds + 512 + byte) =
-              Mma<T>::pack(live ? s_acc[j][2 * rr] : 0.f, live ? s_acc[j][2 * rr + 1] : 0.f);
-        }
-      __syncwarp();
-      // P^T and dS^T (16 keys x 16 heads) as A operands: ldmatrix.trans of the [head][key]
-      // tiles, the matrices (heads 0-7 | 8-15) x (keys 0-7 | 8-15) as the dK/dV pass's Q^T.
-      const int t_row = (lane >> 4) * 8 + (lane & 7), t_half = (lane >> 3) & 1;
-      const uint32_t t_at = smem_addr(s_pds) + t_row * 32 + ((t_half ^ ((t_row >> 2) & 1)) << 4);
-      uint32_t pta[4], dsta[4];
-      ldmatrix_x4_trans(pta, t_at);
-      ldmatrix_x4_trans(dsta, t_at + 512);
-      // the C fragments' rows: keys r and r + 8 of this chunk
-      const int key_lo = s_keys[stage * kKeys + r], key_hi = s_keys[stage * kKeys + r + 8];
-      const int64_t kv_rows = (b * p.Hkv + h) * p.Lk;
-      float* dk_lo = bp.dk_acc + (kv_rows + max(key_lo, 0)) * kD + 2 * quad;
-      float* dv_lo = bp.dv_acc + (kv_rows + max(key_lo, 0)) * kD + 2 * quad;
-      float* dk_hi = bp.dk_acc + (kv_rows + max(key_hi, 0)) * kD + 2 * quad;
-      float* dv_hi = bp.dv_acc + (kv_rows + max(key_hi, 0)) * kD + 2 * quad;
-      // opaque to the compiler, so that each reduction's address is the row's pointer plus
-      // an immediate (else it hoists base + column out of the loop: 64 registers more)
-      asm("" : "+l"(dk_lo), "+l"(dv_lo), "+l"(dk_hi), "+l"(dv_hi));
-#pragma unroll
-      for (int st = 0; st < kSteps; ++st) {
-        uint32_t db[4], qb[4];   // dO and Q (heads x 16 columns) as B, as K in dQ += dS K
-        ldmatrix_x4_trans(db, smem_addr(s_do + swizzle<kD>(a_ld_row, 2 * st + a_ld_chunk)));
-        ldmatrix_x4_trans(qb, smem_addr(s_q + swizzle<kD>(a_ld_row, 2 * st + a_ld_chunk)));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float cv[4] = {0.f, 0.f, 0.f, 0.f}, ck[4] = {0.f, 0.f, 0.f, 0.f};
-          Mma<T>::run(cv, pta, db[2 * half], db[2 * half + 1]);
-          Mma<T>::run(ck, dsta, qb[2 * half], qb[2 * half + 1]);
-          const int col = 16 * st + 8 * half;
-          red_add_v2_if(dv_lo + col, cv[0], cv[1], key_lo >= 0);
-          red_add_v2_if(dk_lo + col, ck[0], ck[1], key_lo >= 0);
-          red_add_v2_if(dv_hi + col, cv[2], cv[3], key_hi >= 0);
-          red_add_v2_if(dk_hi + col, ck[2], ck[3], key_hi >= 0);
-        }
-      }
     }
     __syncwarp();
   }
@@ -919,7 +856,6 @@ __global__ void __launch_bounds__(KvMmaConfig<kD>::kWarps * 32, KvMmaConfig<kD>:
 struct Layout {
   size_t rowstat = 0, counts = 0, starts = 0, keys_in = 0, keys_out = 0, vals_in = 0,
          vals_out = 0, temp = 0, temp_bytes = 0, total = 0;
-  size_t acc = 0;   // the atomic variant's fp32 dK and dV sums (bit 1099511627776, C84)
   int64_t rows = 0, buckets = 0, entries = 0;
   int end_bit = 1;
 };
@@ -949,11 +885,6 @@ Layout layout(IndexBackwardParams const& bp) {
     return at;
   };
   L.rowstat = take(L.rows * sizeof(float2));
-  if (p.debug_high & 512) {   // the atomic variant (C84): no transposed lists
-    L.acc = take(2 * static_cast<size_t>(p.B * p.Hkv * p.Lk) * p.D * sizeof(float));
-    L.total = off;
-    return L;
-  }
   L.counts = take(L.buckets * sizeof(int32_t));
   L.starts = take(L.buckets * sizeof(int32_t));
   L.keys_in = take(L.entries * sizeof(uint32_t));
@@ -964,21 +895,6 @@ Layout layout(IndexBackwardParams const& bp) {
   L.temp = take(L.temp_bytes);
   L.total = off;
   return L;
-}
-
-// The atomic variant's fp32 sums (C84) rounded into the gradient's dtype, 8 per thread.
-template <typename T>
-__global__ void __launch_bounds__(256) sums_to_grad_kernel(const float* sums, T* out, int64_t n8) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
-  if (i >= n8) return;
-  const float4 a = reinterpret_cast<const float4*>(sums)[2 * i];
-  const float4 c = reinterpret_cast<const float4*>(sums)[2 * i + 1];
-  uint4 w;
-  w.x = Mma<T>::pack(a.x, a.y);
-  w.y = Mma<T>::pack(a.z, a.w);
-  w.z = Mma<T>::pack(c.x, c.y);
-  w.w = Mma<T>::pack(c.z, c.w);
-  reinterpret_cast<uint4*>(out)[i] = w;
 }
 
 // One non-blocking stream of the highest priority per device, made on first use, for the
@@ -999,15 +915,15 @@ cudaStream_t side_stream() {
   return s;
 }
 
-template <typename T, int kD, bool kOneStage, bool kAtomicKV = false>
+template <typename T, int kD, bool kOneStage>
 void launch_dq(IndexBackwardParams const& bp, const float2* rowstat, cudaStream_t stream) {
   const IndexParams& p = bp.fwd;
   constexpr int kWarps = Config<kD, kOneStage>::kWarps;
-  constexpr int smem = kWarps * warp_smem_bytes<kD, kOneStage, kAtomicKV>();
+  constexpr int smem = kWarps * warp_smem_bytes<kD, kOneStage>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t items = p.B * p.Hkv * n_groups * p.Lq;
   if (items == 0) return;
-  auto kernel = dq_kernel<T, kD, kOneStage, kAtomicKV>;
+  auto kernel = dq_kernel<T, kD, kOneStage>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>((items + kWarps - 1) / kWarps), kWarps * 32, smem, stream>>>(
       bp, rowstat);
@@ -1028,7 +944,7 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
   int32_t* vals_out = reinterpret_cast<int32_t*>(ws + L.vals_out);
   void* temp = ws + L.temp;
 
-  auto prep = [&] {
+  auto rows_and_dq = [&] {
     // 1. delta, lse2
     if (L.rows > 0) {
       // 16-byte loads (C81) where out's rows are 16-byte aligned (dO's are: tma_ready); out
@@ -1042,27 +958,6 @@ void launch(IndexBackwardParams const& bp, cudaStream_t stream) {
       }
       CUDA_CHECK(cudaGetLastError());
     }
-  };
-  // Bit 1099511627776 (C84, opt-in, not deterministic): dK and dV added by
-  // atomics in the dQ pass into fp32 sums, then rounded into dk and dv; no steps 3 and 4.
-  if (p.debug_high & 512) {
-    IndexBackwardParams ab = bp;
-    const int64_t n = p.B * p.Hkv * p.Lk * p.D;
-    ab.dk_acc = reinterpret_cast<float*>(ws + L.acc);
-    ab.dv_acc = ab.dk_acc + n;
-    CUDA_CHECK(cudaMemsetAsync(ab.dk_acc, 0, 2 * n * sizeof(float), stream));
-    prep();
-    launch_dq<T, kD, true, true>(ab, rowstat, stream);
-    if (n > 0) {
-      const unsigned blocks = static_cast<unsigned>((n / 8 + 255) / 256);
-      sums_to_grad_kernel<T><<<blocks, 256, 0, stream>>>(ab.dk_acc, static_cast<T*>(bp.dk), n / 8);
-      sums_to_grad_kernel<T><<<blocks, 256, 0, stream>>>(ab.dv_acc, static_cast<T*>(bp.dv), n / 8);
-      CUDA_CHECK(cudaGetLastError());
-    }
-    return;
-  }
-  auto rows_and_dq = [&] {
-    prep();
     // 2. dQ (bit 34359738368: the pipelined kernel)
     if (p.debug_high & 16)
       launch_dq<T, kD, false>(bp, rowstat, stream);

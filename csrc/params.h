@@ -151,10 +151,6 @@ struct IndexBackwardParams {
   void* dv = nullptr;           // (B, Hkv, Lk, D) contiguous
   int64_t Bi = 1, Hi = 1;       // attn_indices' batch and head extents (1 or B, 1 or Hkv)
   void* workspace = nullptr;    // index_bwd_workspace_bytes(...) bytes, uninitialised
-  // Set by index_bwd.cu itself (in the workspace) for its atomic dK/dV variant
-  // (FLEXSPARSE_CUDA_DEBUG bit 1099511627776): fp32 (B, Hkv, Lk, D) sums of dK and dV.
-  float* dk_acc = nullptr;
-  float* dv_acc = nullptr;
 };
 
 // flexsparse::topk_rows (topk.cu): per row of scores, the positions of its k largest

@@ -38,19 +38,6 @@ __device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// Two fp32 values added to global memory (8-byte aligned) by one vector reduction (sm_90),
-// predicated inside the asm (a branch around it costs a BSSY/BSYNC pair per call).
-__device__ __forceinline__ void red_add_v2_if(float* addr, float a, float b, bool on) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %3, 0;\n"
-      "@p red.global.add.v2.f32 [%0], {%1, %2};\n"
-      "}\n" ::"l"(addr),
-      "f"(a), "f"(b), "r"(static_cast<int>(on))
-      : "memory");
-}
-
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

@@ -176,27 +176,24 @@ fi
 # compute-sanitizer memcheck, then its table with the variant bits' columns (68719476736:
 # the dK/dV pass with one chain, before C80; 137438953472: the preprocess with 2-byte
 # loads, before C81; 549755813888: the transposed lists on the caller's stream only,
-# before C83; 755914244096: all three, the default before C80-C83; 1099511627776: dK and
-# dV by atomics in
-# the dQ pass, C84, not deterministic; 17179869184: the dK/dV pass on the CUDA cores, C78,
-# and 34359738368, the pipelined dQ pass, C74, by IBWD_ARGS) and the per-kernel split;
-# then hd64 and hd256 against the default before C80-C83. ibwdprof (a second call on the warm machine): ncu of the dK/dV
-# kernels, then ibwdrace's racecheck.
+# before C83; 755914244096: all three, the default before C80-C83; 17179869184: the dK/dV
+# pass on the CUDA cores, C78, and 34359738368, the pipelined dQ pass, C74, by IBWD_ARGS)
+# and the per-kernel split; then hd64 and hd256 against the default before C80-C83.
+# ibwdprof (a second call on the warm machine): ncu of the dK/dV kernels, then ibwdrace's
+# racecheck.
 if [[ " $parts " == *" ibwd "* ]]; then
   timeout "${T_IBWD:-400}" python3 -m pytest -p no:cacheprovider tests/gpu/test_cuda_index_bwd_gpu.py \
     > "$OUT/ibwd_tests.log" 2>&1
   rc=$?; echo "ibwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ibwd_tests.log" | cut -c1-300 | tail -25
   sanitized_pytest memcheck "${T_IBWD_CSAN:-200}" ibwd_memcheck tests/gpu/test_cuda_index_bwd_gpu.py \
-    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or side_stream or (atomic_dkdv and 128) or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
-  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,549755813888,755914244096,1099511627776} 2>&1 \
+    "(variant_kernels and 128) or (tensor_core and 128) or (short_chains and 128) or (vector_prep and 128) or side_stream or tensor_core_dkdv_pass_bias or fully_padded or duplicates"
+  timeout "${T_IBWDBENCH:-300}" python3 -m benchmarks.cuda_index_bench --backward ${IBWD_ARGS:---split --rounds 3 --variants 68719476736,137438953472,549755813888,755914244096} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bwd_bench.md"
   for d in 64 256; do
     timeout "${T_IBWDBENCH_D:-120}" python3 -m benchmarks.cuda_index_bench --backward --head-dim $d \
       --rounds 2 --variants 755914244096 2>&1 | grep -v Warning | tee -a "$OUT/cuda_index_bwd_bench.md"
   done
-  # what a query-major backward's dK/dV atomics would cost (perf-notes, after C83)
-  timeout 60 python3 -m benchmarks.atomic_probe 2>&1 | grep -v Warning | tee "$OUT/atomic_probe.md"
 fi
 if [[ " $parts " == *" ibwdprof "* ]]; then
   # What bounds the dK/dV pass (C77, C78, C80): ncu's instruction and stall counts of the
@@ -216,7 +213,7 @@ fi
 # stopped in the cuBLAS matmuls of its reference whichever of our kernels was
 # instrumented (perf-notes C78); this tells whether racecheck's presence alone does it.
 if [[ " $parts " == *" ibwdprof "* || " $parts " == *" ibwdrace "* ]]; then
-  for bits in ${RACE_BITS:-0 755914244096 1099511627776}; do   # the default; before C80-C83; C84
+  for bits in ${RACE_BITS:-0 755914244096}; do   # the default; before C80-C83
     FLEXSPARSE_CUDA_DEBUG=$bits timeout "${T_IBWD_RACE:-120}" compute-sanitizer --tool racecheck \
       --kernel-name kns=index_ --error-exitcode 9 python3 tests/gpu/race_index_kernels.py ${RACE_DIMS:-128} \
       > "$OUT/index_racecheck_$bits.log" 2>&1

@@ -2,7 +2,7 @@
 compute-sanitizer racecheck: the configurations of the GPU tests of the tensor-core dK/dV
 pass and the two-rows forward (G = 1, 3, 8, 17, 4; W = 7 to 1000; hd 64, 128, 256; fp16
 and bf16; -1, out-of-range and duplicate entries; keys no list names; a bias and softcap),
-each run twice (under the atomic variant's bit 2^40 the runs are not compared bitwise).
+each run twice.
 No reference computation, so no cuBLAS kernel runs: under racecheck the
 GPU tests stopped inside cuBLAS's matmuls of their float64 rule (perf-notes C78), whose
 kernels racecheck also reports on. Checks what it can without a reference: the
@@ -10,7 +10,6 @@ gradients finite, two runs bitwise equal, keys no list names get dk = dv = 0.
 
     compute-sanitizer --tool racecheck --kernel-name kns=index_ python3 tests/gpu/race_index_kernels.py [D ...]
 """
-import os
 import sys
 
 import torch
@@ -18,8 +17,6 @@ import torch
 from flexsparse.ops import MaskTensors
 
 DEV = "cuda"
-# bit 2^40 (C84): dK and dV by float atomics, so two runs may differ in the last bits
-ATOMIC = bool(int(os.environ.get("FLEXSPARSE_CUDA_DEBUG", "0") or 0) >> 40 & 1)
 
 
 def lists(B, Hkv, Lq, Lk, W, seed):
@@ -48,7 +45,7 @@ def one(B, G, Hkv, Lq, Lk, D, W, dtype, seed, bias=False, softcap=0.0):
                                                          128, scale, softcap, False, False)[:3]
             for _ in range(2)]
     for name, x, y in zip(("dq", "dk", "dv"), *runs):
-        assert ATOMIC or torch.equal(x, y), (name, "two runs differ", G, W, D)
+        assert torch.equal(x, y), (name, "two runs differ", G, W, D)
         assert bool(x.isfinite().all()), (name, "not finite", G, W, D)
     _, dk, dv = runs[0]
     assert torch.all(dk[:, :, Lk - 13:] == 0) and torch.all(dv[:, :, Lk - 13:] == 0), (G, W, D)

@@ -349,40 +349,6 @@ def test_side_stream_lists(monkeypatch):
         assert torch.equal(a, b), name
 
 
-ATOMIC_KV = "1099511627776"   # dK and dV by fp32 atomics in the dQ pass (C84)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", [64, 128, 256])
-def test_atomic_dkdv(D, dtype, monkeypatch):
-    """Bit 1099511627776: dK = dS^T Q and dV = P^T dO per 16-key chunk in the dQ pass,
-    added by fp32 atomics (not deterministic). The float64 rule over G = 1, 3, 8, 17 and 4
-    (two head groups at 17), W = 7 to 1000, padding, out-of-range entries, duplicates
-    (added once per occurrence) and keys no list names (dk = dv = 0); dq bitwise the
-    default's (the same dQ arithmetic); a bias with softcap; NaN in K and V at a key no
-    list names reaches no gradient; all-padded lists give zero gradients."""
-    for G, W, q, k, v, idx in dkdv_cases(D, dtype):
-        monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
-        _, want = run(q, k, v, idx)
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ATOMIC_KV)
-        dq, dk, dv = check(q, k, v, idx)
-        assert torch.equal(dq, want[0]), (G, W)
-        assert torch.all(dk[:, :, 190:] == 0) and torch.all(dv[:, :, 190:] == 0)
-    q, k, v, idx = TI._make(2, 8, 2, 33, 257, D, D, 100, dtype, seed=6)
-    check(q, k, v, idx, bias=torch.randn(2, 8, 33, 257, device=DEV).to(dtype), softcap=5.0)
-    torch.manual_seed(7)
-    q, k, v = (torch.randn(1, 4, 65, D, device=DEV, dtype=dtype) for _ in range(3))
-    k[:, :, 0] = math.nan
-    v[:, :, 0] = math.nan
-    idx = torch.randint(1, 65, (1, 4, 65, 9), device=DEV, dtype=torch.int32)
-    idx[..., -2:] = -1
-    _, (dq, dk, dv) = run(q, k, v, idx)
-    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
-    assert torch.all(dk[:, :, 0] == 0) and torch.all(dv[:, :, 0] == 0)
-    _, (dq, dk, dv) = run(q, k, v, torch.full_like(idx, -1))
-    assert all(torch.all(t == 0) for t in (dq, dk, dv))
-
-
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_tensor_core_dkdv_pass_bias_softcap_nan(softcap, monkeypatch):
     """The tensor-core dK/dV pass: a bias (read) and softcap; NaN in K and V at a key no
