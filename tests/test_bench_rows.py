@@ -30,17 +30,22 @@ def test_step_bench_rows_on_cpu():
 def test_step_bench_cudagraph_mode_rows_on_cpu():
     """step_bench --cudagraphs: the mode "cudagraphs" (the forward compiled with
     mode="reduce-overhead") gives the compiled-once output and gradients exactly, and its
-    row counts the graphs Inductor skipped: on CPU it captures none, and says so."""
+    row counts the graphs Inductor skipped: on CPU it captures none, and says so. All four
+    masks beside the compiled mode: on the 2026-11-29 H200 visit the two compiled modes
+    shared one code object and passed Dynamo's recompile limit (a hard failure under
+    fullgraph=True)."""
     from benchmarks import step_bench
-    rows = step_bench.run(L=128, B=1, H=2, D=16, device="cpu", reps=1, compile_too=False,
-                          cudagraphs=True, masks=["document"])
+    rows = step_bench.run(L=128, B=1, H=2, D=16, device="cpu", reps=1, compile_too=True,
+                          cudagraphs=True)
+    masks = list(step_bench.tensor_masks(2, 128, "cpu"))
     assert [(r["mask"], r["mode"]) for r in rows] == [
-        ("document(lengths tensor)", "eager"), ("document(lengths tensor)", "cudagraphs")]
-    eager, graphed = rows
-    assert graphed["max_abs_diff"] == 0.0 and graphed["every_step_ms"] > 0, graphed
-    assert eager["graph_skips"] is None
-    if step_bench.cudagraph_skips() is not None:   # Inductor's counter exists here
-        assert graphed["graph_skips"] >= 1, graphed
+        (m, mode) for m in masks for mode in ("eager", "compiled", "cudagraphs")]
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0 and r["every_step_ms"] > 0, r
+        if r["mode"] != "cudagraphs":
+            assert r["graph_skips"] is None, r
+        elif step_bench.cudagraph_skips() is not None:   # Inductor's counter exists here
+            assert r["graph_skips"] >= 1 or r["mask"] != masks[0], r
 
 
 def test_cuda_bench_backends_take_turns():
