@@ -50,8 +50,7 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // document builds (build_ops.h), 2^34 the index backward's FMA dK/dV pass, 2^35 its
 // pipelined dQ pass, 2^36 its dK/dV pass with one dependency chain (before C80), 2^37 its
 // preprocess with 2-byte loads (before C81) and 2^39 its transposed lists on the
-// caller's stream only (before C83) (index_bwd.cu); 2^42 the index forward's four rows
-// per warp and 2^43 the same at hd64 with three CTAs per SM (index_fwd.cu).
+// caller's stream only (before C83) (index_bwd.cu).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;

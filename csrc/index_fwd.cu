@@ -66,40 +66,29 @@ constexpr int kHeads = 16;   // query heads per warp (the MMA's M); more heads: 
 // shared memory: D=64: 10 KB/warp, 3 x 4 warps per SM; D=128: 20 KB/warp, 2 x 4 warps
 // (the rows in flight per SM of the one-row kernel, with half the warps). (D=256:
 // 40 KB/warp, 2 x 2 warps; not launched.)
-// kFourRows (perf-notes C85; opt-in under FLEXSPARSE_CUDA_DEBUG bit 4398046511104, not yet
-// run; one stage, G <= 4, D <= 128): four query rows per warp, four heads each: D=64:
-// 18.25 KB/warp, 2 x 4 warps per SM by the launch bound (3 fit the shared memory); D=128:
-// 36.25 KB/warp, 3 x 2 warps: 32 and 24 rows in flight per SM against the two-row
-// kernel's 24 and 16. kFourRows = 2 (D=64 only, bit 8796093022208): 3 x 4 warps, 48 rows
-// in flight, at 168 registers with spills (for the A/B of rows in flight against spills).
-template <int kD, bool kOneStage = false, bool kTwoRows = false, int kFourRows = 0>
+template <int kD, bool kOneStage = false, bool kTwoRows = false>
 struct Config {
   static_assert(kD == 64 || kD == 128 || kD == 256, "head dim 64, 128 or 256");
   static_assert(!kTwoRows || kOneStage, "two rows per warp: one stage");
-  static_assert(!kFourRows || (kOneStage && !kTwoRows && kD <= 128), "four rows: one stage, D <= 128");
-  static_assert(kFourRows != 2 || kD == 64, "four rows at three CTAs per SM: D = 64");
   static constexpr int kStages = kOneStage ? 1 : (kD == 64 ? 4 : kD == 128 ? 3 : 2);
-  static constexpr int kRows = kFourRows ? 4 : kTwoRows ? 2 : 1;   // query rows per warp
-  static constexpr int kWarps = kFourRows ? (kD == 64 ? 4 : 2)
-                                : kTwoRows ? (kD == 256 ? 2 : 4) : kOneStage && kD <= 128 ? 8 : 4;
+  static constexpr int kRows = kTwoRows ? 2 : 1;   // query rows per warp
+  static constexpr int kWarps = kTwoRows ? (kD == 256 ? 2 : 4) : kOneStage && kD <= 128 ? 8 : 4;
   // __launch_bounds__' minimum CTAs per SM (0: none, the default kernels' bound)
   static constexpr int kMinBlocks =
-      kFourRows ? (kD == 64 ? (kFourRows == 2 ? 3 : 2) : 3)
-      : kTwoRows ? (kD == 64 ? 3 : 2) : !kOneStage ? 0 : (kD == 64 ? 3 : 2);
+      kTwoRows ? (kD == 64 ? 3 : 2) : !kOneStage ? 0 : (kD == 64 ? 3 : 2);
 };
 
-template <int kD, bool kOneStage, bool kTwoRows = false, int kFourRows = 0>
+template <int kD, bool kOneStage, bool kTwoRows = false>
 constexpr int warp_smem_bytes() {
   // query tile + K and V stages of each row (2-byte elements) + the keys of each stage
-  using C = Config<kD, kOneStage, kTwoRows, kFourRows>;
+  using C = Config<kD, kOneStage, kTwoRows>;
   return (kHeads * kD + 2 * C::kStages * C::kRows * kKeys * kD) * 2 +
          C::kStages * C::kRows * kKeys * 4;
 }
 
-template <int kD, bool kOneStage, bool kTwoRows = false, int kFourRows = 0>
+template <int kD, bool kOneStage, bool kTwoRows = false>
 constexpr int cta_smem_bytes() {
-  return Config<kD, kOneStage, kTwoRows, kFourRows>::kWarps *
-         warp_smem_bytes<kD, kOneStage, kTwoRows, kFourRows>();
+  return Config<kD, kOneStage, kTwoRows>::kWarps * warp_smem_bytes<kD, kOneStage, kTwoRows>();
 }
 
 // ------------------------------------------------------------------ the kernel
@@ -113,22 +102,19 @@ constexpr int cta_smem_bytes() {
 // every output element is the one-row kernel's arithmetic in its order, and the decode,
 // the query tile and the set-up are paid once per two rows.
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
-          bool kTwoRows = false, int kFourRows = 0>
-__global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kWarps * 32,
-                                  Config<kD, kOneStage, kTwoRows, kFourRows>::kMinBlocks)
+          bool kTwoRows = false>
+__global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows>::kWarps * 32,
+                                  Config<kD, kOneStage, kTwoRows>::kMinBlocks)
     index_fwd_kernel(const IndexParams p) {
   static_assert(!kTwoRows || (kHalfRows && kNarrowAddr), "two rows: G <= 8, 32-bit rows");
-  static_assert(!kFourRows || (kHalfRows && kNarrowAddr), "four rows: G <= 4, 32-bit rows");
-  constexpr bool kFour = kFourRows != 0;
-  constexpr bool kMultiRow = kTwoRows || kFour;
   // accumulator row halves that hold heads (two rows: A's and B's)
-  constexpr int kHalves = kHalfRows && !kMultiRow ? 1 : 2;
+  constexpr int kHalves = kHalfRows && !kTwoRows ? 1 : 2;
   constexpr float kRescaleMargin = 8.f;
   const bool eager_rescale = p.debug & 536870912;
   const float rescale_margin = eager_rescale ? 0.f : kRescaleMargin;
-  constexpr int kStages = Config<kD, kOneStage, kTwoRows, kFourRows>::kStages;
-  constexpr int kWarps = Config<kD, kOneStage, kTwoRows, kFourRows>::kWarps;
-  constexpr int kRows = Config<kD, kOneStage, kTwoRows, kFourRows>::kRows;
+  constexpr int kStages = Config<kD, kOneStage, kTwoRows>::kStages;
+  constexpr int kWarps = Config<kD, kOneStage, kTwoRows>::kWarps;
+  constexpr int kRows = Config<kD, kOneStage, kTwoRows>::kRows;
   constexpr int kChunks = kD / 8;           // 16-byte chunks per row
   constexpr int kTile = kKeys * kD;         // elements of one K (or V) stage
   constexpr int kSteps = kD / 16;           // k-steps of Q K^T, n-tile pairs of P V
@@ -141,7 +127,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage, kTwoRows, kFourRows>());
+  T* s_q = reinterpret_cast<T*>(smem + warp * warp_smem_bytes<kD, kOneStage, kTwoRows>());
   T* s_k = s_q + kHeads * kD;               // [kStages][kRows][kKeys][kD], swizzled rows
   T* s_v = s_k + kStages * kRows * kTile;
   int* s_keys = reinterpret_cast<int*>(s_v + kStages * kRows * kTile);   // [kStages][kRows * kKeys]
@@ -149,15 +135,14 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   // This warp's work item: (batch, kv head, head group, query row), query row fastest.
   const int n_groups = (p.G + kHeads - 1) / kHeads;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  // An item is a query row i, or with two (four) rows the rows i to i + 1 (i + 3), i a
-  // multiple of kRows.
-  if constexpr (kMultiRow) {
-    if (item >= p.B * p.Hkv * n_groups * ((p.Lq + kRows - 1) / kRows)) return;
+  // An item is a query row i, or with two rows the rows i and i + 1 (i even).
+  if constexpr (kTwoRows) {
+    if (item >= p.B * p.Hkv * n_groups * ((p.Lq + 1) / 2)) return;
   } else {
     if (item >= p.B * p.Hkv * n_groups * p.Lq) return;   // the whole warp leaves
   }
-  const int64_t i = kMultiRow ? item % ((p.Lq + kRows - 1) / kRows) * kRows : item % p.Lq;
-  int64_t rest = kMultiRow ? item / ((p.Lq + kRows - 1) / kRows) : item / p.Lq;
+  const int64_t i = kTwoRows ? item % ((p.Lq + 1) / 2) * 2 : item % p.Lq;
+  int64_t rest = kTwoRows ? item / ((p.Lq + 1) / 2) : item / p.Lq;
   const int group = static_cast<int>(rest % n_groups);
   rest /= n_groups;
   const int64_t h = rest % p.Hkv;
@@ -169,30 +154,20 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   const T* k_head = static_cast<const T*>(p.k) + b * p.k_sb + h * p.k_sh;
   const T* v_head = static_cast<const T*>(p.v) + b * p.v_sb + h * p.v_sh;
   // Two rows: row B exists unless it would be row Lq; lanes 16-31 read row B's list.
-  // Four rows: lanes 0-15 hold rows i and i + 2, lanes 16-31 rows i + 1 and i + 3 (a
-  // lane's second key, key_hi, is the row two further on); rows past Lq - 1 list nothing.
-  const bool has_b = kMultiRow && i + 1 < p.Lq;
+  const bool has_b = kTwoRows && i + 1 < p.Lq;
   const int64_t idx_off =
-      b * p.idx_sb + h * p.idx_sh + (kMultiRow ? i + (lane >= kKeys ? 1 : 0) : i) * p.idx_sq;
+      b * p.idx_sb + h * p.idx_sh + (kTwoRows ? i + (lane >= kKeys ? 1 : 0) : i) * p.idx_sq;
   const int32_t* idx32 = static_cast<const int32_t*>(p.idx) + idx_off;
   const int64_t* idx64 = static_cast<const int64_t*>(p.idx) + idx_off;
-  const bool has_hi = kFour && i + 2 + (lane >= kKeys ? 1 : 0) < p.Lq;
 
   // The key of list slot w, or -1 when the slot is past W or its entry is inactive.
   auto load_key = [&](int64_t w) -> int {
     if (w >= p.W) return -1;
-    if constexpr (kMultiRow) {
+    if constexpr (kTwoRows) {
       if (lane >= kKeys && !has_b) return -1;
     }
     const int64_t x =
         p.idx_int64 ? idx64[w * p.idx_sw] : static_cast<int64_t>(idx32[w * p.idx_sw]);
-    return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
-  };
-  // Four rows: the same for this lane's second row (two rows further on).
-  auto load_key_hi = [&](int64_t w) -> int {
-    if (!kFour || w >= p.W || !has_hi) return -1;
-    const int64_t at = 2 * p.idx_sq + w * p.idx_sw;
-    const int64_t x = p.idx_int64 ? idx64[at] : static_cast<int64_t>(idx32[at]);
     return (x >= 0 && x < p.Lk) ? static_cast<int>(x) : -1;
   };
 
@@ -201,12 +176,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   for (int t = 0; t < kHeads * kChunks / 32; ++t) {
     const int e = t * 32 + lane;
     const int r = e / kChunks, c = e % kChunks;
-    if constexpr (kFour) {   // row i + x's heads in rows 4x to 4x + 3
-      const int head = r & 3, x = r >> 2;
-      const bool ok = head < heads && i + x < p.Lq;
-      cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)),
-                  ok ? q_row + head * p.q_sh + x * p.q_sm + c * 8 : q_row, ok ? 16 : 0);
-    } else if constexpr (kTwoRows) {   // row A's heads in rows 0-7, row B's in rows 8-15
+    if constexpr (kTwoRows) {   // row A's heads in rows 0-7, row B's in rows 8-15
       const int head = r & 7;
       const bool ok = head < heads && (r < 8 || has_b);
       cp_async_16(smem_addr(s_q + swizzle<kD>(r, c)),
@@ -236,11 +206,9 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   const uint32_t k_row_bytes = static_cast<uint32_t>(p.k_sn * 2);
   const uint32_t v_row_bytes = static_cast<uint32_t>(p.v_sn * 2);
   // Two rows: lanes 0-15 hold row A's keys (copied into the stage's first K and V tiles),
-  // lanes 16-31 row B's (into the second). Four rows: key_hi holds rows i + 2 and i + 3
-  // (the third and fourth tiles); the stage's keys are [row][slot].
-  auto issue = [&](int key_of_lane, int key_hi, int stage) {
-    if (kMultiRow || lane < kKeys) s_keys[stage * kRows * kKeys + lane] = key_of_lane;
-    if constexpr (kFour) s_keys[stage * kRows * kKeys + 32 + lane] = key_hi;
+  // lanes 16-31 row B's (into the second).
+  auto issue = [&](int key_of_lane, int stage) {
+    if (kTwoRows || lane < kKeys) s_keys[stage * kRows * kKeys + lane] = key_of_lane;
 #pragma unroll
     for (int which = 0; which < kRows; ++which) {
     T* dk = s_k + (stage * kRows + which) * kTile;
@@ -249,9 +217,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     for (int t = 0; t < kKeys * kChunks / 32; ++t) {
       const int e = t * 32 + lane;
       const int r = e / kChunks, c = e % kChunks;
-      const int key = kFour ? __shfl_sync(0xffffffffu, which >= 2 ? key_hi : key_of_lane,
-                                              (which & 1) * kKeys + r)
-                                : __shfl_sync(0xffffffffu, key_of_lane, which * kKeys + r);
+      const int key = __shfl_sync(0xffffffffu, key_of_lane, which * kKeys + r);
       const int off = swizzle<kD>(r, c);
       if constexpr (kNarrowAddr) {
         const uint64_t row = static_cast<uint32_t>(max(key, 0));
@@ -272,13 +238,11 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   // Prologue: chunks 0 .. kStages-2, one commit group each (the query tile rides with
   // chunk 0), then the key of the next chunk to issue.
   int next_key = load_key(slot);
-  int next_key_hi = load_key_hi(slot);   // four rows only (else -1, unused)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_chunks) issue(next_key, next_key_hi, s);
+    if (s < n_chunks) issue(next_key, s);
     cp_async_commit();
     next_key = load_key(static_cast<int64_t>(s + 1) * kKeys + slot);
-    next_key_hi = load_key_hi(static_cast<int64_t>(s + 1) * kKeys + slot);
   }
 
   const float LOG2E = 1.4426950408889634f;
@@ -291,21 +255,11 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   // 2 * quad + {0, 1} of each 8-key half (m16n8 C fragment).
   const int r = lane >> 2, quad = lane & 3;
   // This lane's accumulator rows r and r + 8 are query heads r and r + 8 of row i, or
-  // (two rows) head r of rows i and i + 1, or (four rows) head r % 4 of rows i + r / 4
-  // and i + r / 4 + 2: row_lo and row_lo + 2 (the tile's rows 4x to 4x + 3 are row i + x).
-  const int row_lo = kFour ? r >> 2 : 0;
+  // (two rows) head r of rows i and i + 1.
   const T* bias_rows[2] = {nullptr, nullptr};
   if (has_bias) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      if constexpr (kFour) {
-        const int head = r & 3;
-        const int64_t row = i + row_lo + 2 * rr;
-        if (head < heads && row < p.Lq)
-          bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
-                          ((hq0 + head) / p.bias_head_div) * p.bias_sh + row * p.bias_sq;
-        continue;
-      }
       const int row = kTwoRows ? r : r + 8 * rr;
       if (row < heads && (!kTwoRows || rr == 0 || has_b))
         bias_rows[rr] = static_cast<const T*>(p.bias) + b * p.bias_sb +
@@ -332,10 +286,9 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
   for (int chunk = 0; chunk < n_chunks; ++chunk) {
     // Refill the stage that the previous iteration finished with.
     const int ahead = chunk + kStages - 1;
-    if (ahead < n_chunks) issue(next_key, next_key_hi, ahead % kStages);
+    if (ahead < n_chunks) issue(next_key, ahead % kStages);
     cp_async_commit();
     next_key = load_key(static_cast<int64_t>(ahead + 1) * kKeys + slot);
-    next_key_hi = load_key_hi(static_cast<int64_t>(ahead + 1) * kKeys + slot);
     cp_async_wait<kStages - 1>();
     __syncwarp();
 
@@ -351,14 +304,13 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     }
     // The keys of this lane's four score columns (-1: inactive).
     const int* stage_keys = s_keys + stage * kRows * kKeys;
-    const int* keys_a = stage_keys + (kFour ? row_lo * kKeys : 0);
-    const int2 keys_lo = *reinterpret_cast<const int2*>(keys_a + 2 * quad);
-    const int2 keys_hi = *reinterpret_cast<const int2*>(keys_a + 8 + 2 * quad);
+    const int2 keys_lo = *reinterpret_cast<const int2*>(stage_keys + 2 * quad);
+    const int2 keys_hi = *reinterpret_cast<const int2*>(stage_keys + 8 + 2 * quad);
     const int col_key[2][2] = {{keys_lo.x, keys_lo.y}, {keys_hi.x, keys_hi.y}};
-    // two rows: row B's keys, for the accumulator rows 8-15 (four rows: row row_lo + 2's)
+    // two rows: row B's keys, for the accumulator rows 8-15
     int col_key_b[2][2] = {{-1, -1}, {-1, -1}};
-    if constexpr (kMultiRow) {
-      const int* keys_b = stage_keys + (kFour ? (row_lo + 2) * kKeys : kKeys);
+    if constexpr (kTwoRows) {
+      const int* keys_b = stage_keys + kKeys;
       const int2 lo = *reinterpret_cast<const int2*>(keys_b + 2 * quad);
       const int2 hi = *reinterpret_cast<const int2*>(keys_b + 8 + 2 * quad);
       col_key_b[0][0] = lo.x;
@@ -373,7 +325,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = kMultiRow && (e >> 1) ? col_key_b[j][e & 1] : col_key[j][e & 1];
+          const int key = kTwoRows && (e >> 1) ? col_key_b[j][e & 1] : col_key[j][e & 1];
           const T* row = bias_rows[e >> 1];
           bias_val[j][e] = (row != nullptr && key >= 0) ? to_float(row[key * p.bias_sk]) : 0.f;
         }
@@ -382,30 +334,8 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     // S = Q K^T over 16 keys: two m16n8 tiles (keys 0-7, 8-15).
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     float s_acc_b[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // two rows: S_B
-    if constexpr (kFour) {
-      // S_x = Q K_x^T for each row x, one after the other (8 accumulators live, not 32);
-      // this lane keeps S_x's rows 0-7 where x = row_lo and rows 8-15 where x = row_lo + 2.
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        float sx[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int st = 0; st < kSteps; ++st) {
-          uint32_t a[4], kb[4];
-          ldmatrix_x4(a, smem_addr(s_q + swizzle<kD>(q_ld_row, 2 * st + q_ld_chunk)));
-          ldmatrix_x4(kb, smem_addr(k_s + x * kTile + swizzle<kD>(k_ld_row, 2 * st + k_ld_chunk)));
-          Mma<T>::run(sx[0], a, kb[0], kb[1]);
-          Mma<T>::run(sx[1], a, kb[2], kb[3]);
-        }
-        const bool mine = (x & 1) == row_lo;
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = (x < 2 ? 0 : 2); e < (x < 2 ? 2 : 4); ++e)
-            s_acc[j][e] = mine ? sx[j][e] : s_acc[j][e];
-      }
-    }
-#pragma unroll
-    for (int st = 0; st < (kFour ? 0 : kSteps); ++st) {
+    for (int st = 0; st < kSteps; ++st) {
       uint32_t a[4];
       if constexpr (kQInRegisters) {
 #pragma unroll
@@ -441,7 +371,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
         float s = s_acc[j][e];
         s = has_softcap ? score_mul * tanhf(s * tanh_mul) : score_mul * s;
         if (has_bias) s += LOG2E * bias_val[j][e];
-        if ((kMultiRow && (e >> 1) ? col_key_b[j][e & 1] : col_key[j][e & 1]) < 0) s = -INFINITY;
+        if ((kTwoRows && (e >> 1) ? col_key_b[j][e & 1] : col_key[j][e & 1]) < 0) s = -INFINITY;
         s_acc[j][e] = s;
         row_max[e >> 1] = fmaxf(row_max[e >> 1], s);
       }
@@ -499,29 +429,7 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     for (int st = 0; st < kSteps; ++st) {
       uint32_t vb[4];
       ldmatrix_x4_trans(vb, smem_addr(v_s + swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
-      if constexpr (kFour) {
-        // O_x += P V_x for each row x: the C fragments' rows 0-7 where x < 2, rows 8-15
-        // where x >= 2, kept where x is this lane's row there (x = row_lo, or row_lo + 2);
-        // the other rows' sums (their P times keys they do not list) are dropped.
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          if (x > 0)
-            ldmatrix_x4_trans(vb, smem_addr(v_s + x * kTile +
-                                            swizzle<kD>(v_ld_row, 2 * st + v_ld_chunk)));
-          const bool mine = (x & 1) == row_lo;
-          const int h0 = x < 2 ? 0 : 2;   // the C fragment's half this x writes
-#pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            float* o = o_acc[2 * st + n];
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
-            c[h0] = o[h0];
-            c[h0 + 1] = o[h0 + 1];
-            Mma<T>::run(c, pa, vb[2 * n], vb[2 * n + 1]);
-            o[h0] = mine ? c[h0] : o[h0];
-            o[h0 + 1] = mine ? c[h0 + 1] : o[h0 + 1];
-          }
-        }
-      } else if constexpr (!kTwoRows) {
+      if constexpr (!kTwoRows) {
         Mma<T>::run(o_acc[2 * st], pa, vb[0], vb[1]);
         Mma<T>::run(o_acc[2 * st + 1], pa, vb[2], vb[3]);
       } else {
@@ -556,12 +464,11 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
     float l = l_run[rr];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = kFour ? r & 3 : kTwoRows ? r : r + 8 * rr;   // the query head
-    const int64_t q_i = kFour ? i + row_lo + 2 * rr : kTwoRows ? i + rr : i;
-    if (row >= heads || (kTwoRows && rr == 1 && !has_b) || (kFour && q_i >= p.Lq)) continue;
+    const int row = kTwoRows ? r : r + 8 * rr;
+    if (row >= heads || (kTwoRows && rr == 1 && !has_b)) continue;
     const bool has = l > 0.f;
     const float inv = has ? 1.f / l : 0.f;
-    const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + q_i);
+    const int64_t out_row = ((b * p.Hq + hq0 + row) * p.Lq + (kTwoRows ? i + rr : i));
     T* o = out + out_row * kD + 2 * quad;
 #pragma unroll
     for (int t = 0; t < kD / 8; ++t)
@@ -573,18 +480,17 @@ __global__ void __launch_bounds__(Config<kD, kOneStage, kTwoRows, kFourRows>::kW
 }
 
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr, bool kOneStage,
-          bool kTwoRows = false, int kFourRows = 0>
+          bool kTwoRows = false>
 void launch(IndexParams const& p, cudaStream_t stream) {
-  using C = Config<kD, kOneStage, kTwoRows, kFourRows>;
-  constexpr int kWarps = C::kWarps;
-  constexpr int smem = cta_smem_bytes<kD, kOneStage, kTwoRows, kFourRows>();
+  constexpr int kWarps = Config<kD, kOneStage, kTwoRows>::kWarps;
+  constexpr int smem = cta_smem_bytes<kD, kOneStage, kTwoRows>();
   const int64_t n_groups = (p.G + kHeads - 1) / kHeads;
-  const int64_t items = p.B * p.Hkv * n_groups * ((p.Lq + C::kRows - 1) / C::kRows);
+  const int64_t items = p.B * p.Hkv * n_groups * (kTwoRows ? (p.Lq + 1) / 2 : p.Lq);
   if (items == 0) return;
   const int64_t blocks = (items + kWarps - 1) / kWarps;
   if (blocks > 0x7fffffff)
     throw std::invalid_argument("flexsparse CUDA index forward: too many query rows for one grid");
-  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kOneStage, kTwoRows, kFourRows>;
+  auto kernel = index_fwd_kernel<T, kD, kHalfRows, kNarrowAddr, kOneStage, kTwoRows>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p);
   CUDA_CHECK(cudaGetLastError());
@@ -596,17 +502,9 @@ void launch(IndexParams const& p, cudaStream_t stream) {
 // Two query rows per warp where G <= 8 with 32-bit row addressing, at D = 64 and 128 (at
 // 256 its O registers spill): 1-12% faster than one row per warp at 8K and 32K, W = 16-256
 // (C79, H200). Bit 4294967296 (debug_high bit 1) takes the one-row kernel, for A/B runs.
-// Four query rows per warp (C85, opt-in until measured: bit 4398046511104, debug_high bit
-// 11) where G <= 4 with 32-bit row addressing, at D = 64 and 128; at D = 64 with three
-// CTAs per SM, bit 8796093022208 (debug_high bit 12).
 template <typename T, int kD, bool kHalfRows, bool kNarrowAddr>
 void launch_stages(IndexParams const& p, cudaStream_t stream) {
-  constexpr bool kFourRowsFit = kHalfRows && kNarrowAddr && kD <= 128;
   if (p.debug_high & 1) launch<T, kD, kHalfRows, kNarrowAddr, false>(p, stream);
-  else if (kFourRowsFit && kD == 64 && p.G <= 4 && (p.debug_high & 4096))
-    launch<T, kD, kHalfRows, kNarrowAddr, true, false, kFourRowsFit && kD == 64 ? 2 : 0>(p, stream);
-  else if (kFourRowsFit && p.G <= 4 && (p.debug_high & 2048))
-    launch<T, kD, kHalfRows, kNarrowAddr, true, false, kFourRowsFit ? 1 : 0>(p, stream);
   else if (kHalfRows && kNarrowAddr && kD <= 128 && !(p.debug_high & 2))
     launch<T, kD, kHalfRows, kNarrowAddr, true, kHalfRows && kNarrowAddr && kD <= 128>(p, stream);
   else launch<T, kD, kHalfRows, kNarrowAddr, true>(p, stream);

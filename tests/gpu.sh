@@ -148,20 +148,17 @@ if [[ " $parts " == *" ifwd "* ]]; then
     > "$OUT/ifwd_tests.log" 2>&1
   rc=$?; echo "ifwd tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/ifwd_tests.log" | cut -c1-300 | tail -25
-  # columns: one row per warp (before C79), four rows per warp (C85, G <= 4); then hd64
-  # with four rows per warp at two and at three CTAs per SM (C85's two hd64 builds)
-  timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---rounds 3 --variants 4294967296,4398046511104} 2>&1 \
+  # columns: the default (two rows per warp where G <= 8) and one row per warp
+  timeout "${T_IFWDBENCH:-240}" python3 -m benchmarks.cuda_index_bench ${IFWD_ARGS:---rounds 3 --variants 4294967296} 2>&1 \
     | grep -v Warning | tee "$OUT/cuda_index_bench.md"
-  [ -n "${IFWD_ARGS:-}" ] || timeout "${T_IFWDBENCH64:-150}" python3 -m benchmarks.cuda_index_bench --head-dim 64 \
-    --rounds 3 --variants 4398046511104,8796093022208 2>&1 | grep -v Warning | tee -a "$OUT/cuda_index_bench.md"
 fi
 # The index forward's tests under compute-sanitizer: with ifwd unless IFWD_SAN=0, or alone
 # as ifwdsan (a second call on the warm machine after "IFWD_SAN=0 ... ifwd").
 if [[ ( " $parts " == *" ifwd "* && "${IFWD_SAN:-1}" != 0 ) || " $parts " == *" ifwdsan "* ]]; then
   sanitized_pytest memcheck "${T_IFWD_CSAN:-200}" ifwd_memcheck tests/gpu/test_cuda_index_gpu.py \
-    "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows or four_rows"
+    "half_rows or narrow_addressing or one_stage or fully_padded or gqa or out_of_range or nan_in or two_rows"
   sanitized_pytest racecheck "${T_IFWD_RACE:-120}" ifwd_racecheck tests/gpu/test_cuda_index_gpu.py \
-    "(two_rows and 128-3) or (four_rows and 128-4)"
+    "(two_rows and 128-3)"
 fi
 # The index forward's table from the second build (AB_CSRC, e.g. an older csrc/), after
 # this build's (ifwd): IFWD_ARGS="--variants ''" AB_CSRC=.ab_base/csrc bash tests/gpu.sh ifwd ifwd_ab

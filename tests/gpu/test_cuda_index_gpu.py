@@ -279,48 +279,6 @@ def test_two_rows_per_warp_is_bitwise_the_same(D, G, monkeypatch):
     assert_nan_key_stays_in_its_row(q, k, v, 11)   # rows 10 and 11 share a warp
 
 
-FOUR_ROWS = "4398046511104"   # four query rows per warp at G <= 4 (C85, opt-in)
-FOUR_ROWS_3CTA = "8796093022208"   # the same at hd64 with three CTAs per SM (168 registers)
-
-
-@pytest.mark.parametrize("G", [1, 3, 4])
-@pytest.mark.parametrize("D", [64, 128])
-def test_four_rows_per_warp_is_bitwise_the_same(D, G, monkeypatch):
-    """Bit 4398046511104: four query rows per warp (G <= 4), each with its own keys, every
-    output element computed as the one-row kernel (bit 4294967296) does: bitwise the
-    same out and lse, on strided inputs with -1, out-of-range entries, a fully padded row
-    among full ones, Lq = 73, 74 and 75 (the last group of four has 1, 2 and 3 rows), W
-    below, at and above one chunk; with a bias and softcap too; and the float64 rule
-    holds. A NaN in K and V at a key only one row of a warp lists stays in that row. At
-    hd64 bit 8796093022208 (three CTAs per SM) too."""
-    variants = (FOUR_ROWS,) + ((FOUR_ROWS_3CTA,) if D == 64 else ())
-    torch.manual_seed(17 + D + G)
-    B, Hkv = 2, 2
-    for L in (73, 74, 75):
-        q, k, v = strided_qkv(B, L, Hkv, G, D)
-        for W in (1, 7, 16, 17, 100):
-            idx = torch.randint(-1, L + 3, (B, Hkv, L, W), device=DEV, dtype=torch.int32)
-            idx[1, 0, 6] = -1                                   # row 6 (third of its warp) empty
-            monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_ROW)
-            want = cuda_forward(q, k, v, idx)
-            for bits in variants:
-                monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", bits)
-                got = cuda_forward(q, k, v, idx)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (L, W, bits)
-                assert torch.all(got[0][1, :G, 6] == 0) and torch.all(got[1][1, :G, 6] == -math.inf)
-    bias = torch.randn(B, Hkv * G, L, L, device=DEV, dtype=torch.bfloat16)
-    for softcap in (0.0, 5.0):
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", ONE_ROW)
-        want = cuda_forward(q, k, v, idx, bias, softcap=softcap)
-        for bits in variants:
-            monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", bits)
-            got = cuda_forward(q, k, v, idx, bias, softcap=softcap)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (softcap, bits)
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", FOUR_ROWS)
-    check_forward(q, k, v, idx[..., :16].contiguous())
-    assert_nan_key_stays_in_its_row(q, k, v, 10)   # rows 8-11 share a warp
-
-
 BIAS_SHAPES = {"full": (2, 8, 33, 257), "hkv_batch1": (1, 2, 33, 257), "keys": (2, 1, 1, 257),
                "rows_per_head": (1, 8, 33, 1)}
 
