@@ -2,11 +2,13 @@
 optionally backward) effective TFLOP/s per row, the variants interleaved, several rounds,
 medians reported. Also checks each variant's output against the serial one.
 
-    python -m benchmarks.cuda_ab [rows] [--variants 0,32] [--rounds 3] [--bwd]
+    python -m benchmarks.cuda_ab [rows] [--variants 0,32] [--rounds 3] [--bwd] [--bwd-only]
 
 rows: kind@L[@D],... as in benchmarks.cuda_bench. A variant "bits/bq" (e.g. 0/384) runs
 with the mask compiled at query blocks of bq rows (key blocks 128) instead of the mask's
-own block size.
+own block size. The variants take turns in an order rotated every round (no variant holds
+one place in every round). --bwd-only: the backward's columns only (the forward still runs
+once per variant for the error column).
 """
 import os
 import statistics
@@ -18,6 +20,7 @@ import triton.testing
 import flexsparse
 from flexsparse import masks
 from benchmarks.bench import make_case, parse_rows
+from benchmarks.debug_bits import rotated
 
 H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 DEFAULT = "full@8192,causal@16384,prefix_lm@16384,document@16384,sliding@8192,full@8192@64,full@8192@256"
@@ -32,14 +35,13 @@ def main():
     spec = rows[0] if rows else DEFAULT
     variants = arg("--variants", "0,32").split(",")
     rounds = int(arg("--rounds", "3"))
-    bwd = "--bwd" in sys.argv
+    bwd = "--bwd" in sys.argv or "--bwd-only" in sys.argv
+    fwd = "--bwd-only" not in sys.argv
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K; "
           f"FLEXSPARSE_CUDA_DEBUG variants {variants}, {rounds} rounds, medians")
-    head = " | ".join(f"fwd {v}" for v in variants)
-    if bwd:
-        head += " | " + " | ".join(f"bwd {v}" for v in variants)
+    head = " | ".join([f"fwd {v}" for v in variants if fwd] + [f"bwd {v}" for v in variants if bwd])
     print(f"| row | {head} | max rel err vs first (out, grads) |")
-    print("|---" * (1 + len(variants) * (2 if bwd else 1) + 1) + "|")
+    print("|---" * (1 + len(variants) * (int(fwd) + int(bwd)) + 1) + "|")
     for kind, L, D in parse_rows(spec):
         item = f"{kind}@{L}" + (f"@{D}" if D != 128 else "")
         B = max(1, TOKENS // L)
@@ -54,13 +56,14 @@ def main():
         flops = 4.0 * D * descs[variants[0]].num_visible(batch=B)
         times = {(v, p): [] for v in variants for p in ("fwd", "bwd")}
         outs, grads = {}, {}
-        for _ in range(rounds):
-            for var in variants:
+        for r in range(rounds):
+            for var in (variants[i] for i in rotated(len(variants), r)):
                 os.environ["FLEXSPARSE_CUDA_DEBUG"] = var.split("/")[0]
                 desc = descs[var]
                 fn = lambda: flexsparse.attention(q, k, v, desc, bias=bias, backend="cuda")  # noqa: E731
                 outs[var] = fn().float()
-                times[(var, "fwd")].append(triton.testing.do_bench(fn, warmup=10, rep=60))
+                if fwd:
+                    times[(var, "fwd")].append(triton.testing.do_bench(fn, warmup=10, rep=60))
                 if bwd:
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
                     # a bias is trainable here (its gradient is part of the backward timed)
@@ -80,7 +83,7 @@ def main():
         for gs in grads.values():   # dq, dk, dv of each variant against the first's
             err = max([err] + [((g - g0).norm() / g0.norm()).item()
                                for g, g0 in zip(gs, grads[variants[0]])])
-        cells = [f"{flops / statistics.median(times[(v, 'fwd')]) * 1e-9:.0f}" for v in variants]
+        cells = [f"{flops / statistics.median(times[(v, 'fwd')]) * 1e-9:.0f}" for v in variants if fwd]
         if bwd:
             cells += [f"{2.5 * flops / statistics.median(times[(v, 'bwd')]) * 1e-9:.0f}"
                       if times[(v, "bwd")] else "-" for v in variants]

@@ -50,7 +50,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // document builds (build_ops.h), 2^34 the index backward's FMA dK/dV pass, 2^35 its
 // pipelined dQ pass, 2^36 its dK/dV pass with one dependency chain (before C80), 2^37 its
 // preprocess with 2-byte loads (before C81) and 2^39 its transposed lists on the
-// caller's stream only (before C83) (index_bwd.cu).
+// caller's stream only (before C83) (index_bwd.cu); to the block kernels' `debug_high`:
+// 2^40 the backward's dS^T stores through CuTe's partition (before C86, bwd_sm90.cuh).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;
@@ -341,6 +342,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
   p.debug = debug_low(debug_bits());
+  p.debug_high = static_cast<int>(debug_bits() >> 31);
   if (p.B * p.Hq * p.Lq == 0) return {out, lse};
   auto stream = at::cuda::getCurrentCUDAStream();
   // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);
@@ -448,6 +450,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
                        partial_bits, block_q, block_k, scale, softcap, /*need_q_lists=*/true);
   AttentionParams& p = bp.fwd;
   p.debug = debug_low(debug_bits());
+  p.debug_high = static_cast<int>(debug_bits() >> 31);
   Tensor o = out.contiguous();
   Tensor l = lse.to(at::kFloat).contiguous();
   Tensor dout = tma_ready(grad_out);

@@ -132,6 +132,9 @@ struct BwdTraits {
   static_assert(kStages % 2 == 0 || (kSplitQueries && kStages == 1), "stages: even, or 1 at head dim 256");
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
+  // 64-row steps over 128 keys with dS^T stored queries contiguous (no bias tiles, no
+  // 80-row steps): the layout whose stmatrix addresses ds_store_offset gives (below).
+  static constexpr bool kDsStoreByHand = kBlockM == 64 && !kSplitQueries && !kBiasTiles && !kRowSteps;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
@@ -306,9 +309,16 @@ struct BwdTraits {
 };
 
 // Where entry x of consumer thread t's dQ fragment sits within its warpgroup's half of a
-// step (128 threads): pairs of adjacent head-dim entries, thread-major, so that the
-// stores to shared memory are conflict-free and the postprocess reads coalesced.
-__device__ __forceinline__ int dq_slot(int x, int t) { return (x >> 1) * 256 + 2 * (t % 128) + (x & 1); }
+// step (128 threads): runs of four fragment entries (two pairs of adjacent head-dim
+// entries), thread-major, so that a thread stores its dQ in 16-byte pieces (8 stores per
+// 64 x 64 step, as FlashAttention-3/4), without bank conflicts, and the postprocess reads
+// them coalesced. kPairs: runs of two (8-byte stores, twice as many; before C87,
+// FLEXSPARSE_CUDA_DEBUG bit 2^41).
+template <bool kPairs>
+__device__ __forceinline__ int dq_slot(int x, int t) {
+  if constexpr (kPairs) return (x >> 1) * 256 + 2 * (t % 128) + (x & 1);
+  else return (x >> 2) * 512 + 4 * (t % 128) + (x & 3);
+}
 
 // Deterministic dQ: a CTA's turn for the query step at query block qb is the number of
 // key tiles before its own that the descriptor lists for qb (the CTAs that add before it,
@@ -370,6 +380,33 @@ __device__ __forceinline__ int opaque_zero() {
   int z;
   asm volatile("mov.b32 %0, 0;" : "=r"(z));
   return __shfl_sync(0xffffffff, z, 0);
+}
+
+// threadIdx.x read where it is used: held across the step loop, what the consumers
+// derive from it (the lse/delta column, the dS^T addresses) was spilled and reloaded from
+// local memory every step, the first use waiting on the load (docs/perf-notes.md C86).
+__device__ __forceinline__ uint32_t thread_index_here() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
+// Byte offset of consumer thread `t`'s first stmatrix row in one dS^T buffer of the
+// kDsStoreByHand layout, (64 queries, 128 keys), queries contiguous, 128-byte swizzle:
+// stmatrix x4 matrix lane / 8 holds keys 8 ((lane / 8) % 2) + 0..7 of the warp's 16 and
+// queries 8 (lane / 16) + 0..7; the swizzle XORs the 16-byte chunk index with key % 8.
+// The thread's k-th of its four stores (queries + 16 k) is at this offset XOR 32 k, and
+// the second buffer 16 KB on (both beyond the swizzle's bits). Checked against CuTe's
+// partition for every thread (tests/cpu_ops/ds_store_layout.cu).
+__host__ __device__ __forceinline__ uint32_t ds_store_offset(uint32_t t) {
+  const uint32_t lane = t & 31;
+  const uint32_t key = 16 * (t >> 5) + 8 * ((lane >> 3) & 1) + (lane & 7);
+  return (16 * (lane >> 4) + 128 * key) ^ ((key & 7) << 4);
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
 // Spin until *flag == value (bounded: a descriptor whose q and kv lists disagree would
@@ -463,7 +500,10 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
   }
 }
 
-template <class T>
+// kCuteDsStore: the dS^T stores and the lse/delta columns through CuTe's partitions even
+// where T::kDsStoreByHand (the code before C86; FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
+// kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
+template <class T, bool kCuteDsStore = false, bool kDqPairs = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -864,8 +904,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 
         // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
         // padding past Lq holds +inf and 0, so those columns get P = 0.
-        const float* lse2 = ss.lse2[read.index()] + col_base;
-        const float* delta = ss.delta[read.index()] + col_base;
+        constexpr bool kByHand = T::kDsStoreByHand && !kCuteDsStore;
+        const int cols = kByHand ? 2 * (thread_index_here() & 3) : col_base;   // == col_base
+        const float* lse2 = ss.lse2[read.index()] + cols;
+        const float* delta = ss.delta[read.index()] + cols;
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         BWD_TRACE(3);
@@ -1052,7 +1094,20 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
           gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
           Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
-          copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
+          if constexpr (kByHand) {
+            // CuTe's copy computed the four swizzled addresses on a 64-bit pointer every
+            // step (~35 instructions and a spilled offset, C86): one 32-bit base instead.
+            const uint32_t at = cute::cast_smem_ptr_to_uint(ss.ds.data()) + buf * (kBlockM * kBlockN * sizeof(Element)) +
+                                ds_store_offset(thread_index_here() - 128);
+            Tensor src = thr_copy_ds.retile_S(tdKrdS_);   // ((8, 4), 1, 1): 8 values per store
+            CUTLASS_PRAGMA_UNROLL
+            for (int k = 0; k < 4; ++k) {
+              Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
+              stmatrix_x4(at ^ (32 * k), r(0), r(1), r(2), r(3));
+            }
+          } else {
+            copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
+          }
           cutlass::arch::fence_view_async_shared();
           BWD_TRACE(6);
           // kBiasTiles: the last step's dbias store has read its dS buffer before anyone
@@ -1095,9 +1150,17 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         warpgroup_fence_operand(tdQrdQ);
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
         cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
-        CUTLASS_PRAGMA_UNROLL
-        for (int x = 0; x < size(tdQrdQ); x += 2)
-          *reinterpret_cast<float2*>(sdQ + dq_slot(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+        if constexpr (kDqPairs) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int x = 0; x < size(tdQrdQ); x += 2)
+            *reinterpret_cast<float2*>(sdQ + dq_slot<true>(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+        } else {
+          static_assert(decltype(size(tdQrdQ))::value % 4 == 0, "dQ in runs of four entries");
+          CUTLASS_PRAGMA_UNROLL
+          for (int x = 0; x < size(tdQrdQ); x += 4)
+            *reinterpret_cast<float4*>(sdQ + dq_slot<false>(x, tid)) =
+                make_float4(tdQrdQ(x), tdQrdQ(x + 1), tdQrdQ(x + 2), tdQrdQ(x + 3));
+        }
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
         BWD_TRACE(10);
@@ -1278,7 +1341,7 @@ bwd_preprocess_wide(BackwardParams const bp, float* dq_accum, float* lse2, float
 // that dq is written in 16-byte pieces of whole rows. (Stored from the fragments directly,
 // each warp store covered 8 rows x 16 bytes, and the kernel moved 1 TB/s: 207 us of a
 // 1.1 ms sliding-window backward; docs/perf-notes.md C28.)
-template <class T>
+template <class T, bool kDqPairs = false>
 __global__ void __launch_bounds__(256)
 bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
   using Element = typename T::Element;
@@ -1296,19 +1359,32 @@ bwd_postprocess(BackwardParams const bp, const float* dq_accum, int Lq_pad) {
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(typename T::DqShape{}));
   const float* acc = dq_accum + (((int64_t)b * p.Hq + h) * Lq_pad + m * kBlockM) * kHeadDim +
                      (tid / 128) * (kBlockM * kHeadDim / 2);
-  CUTLASS_PRAGMA_UNROLL
-  for (int x = 0; x < size(tdQcdQ); x += 2) {
-    const float2 v = *reinterpret_cast<const float2*>(acc + dq_slot(x, tid));
+  // entries x, x + 1 (a pair of adjacent head-dim entries) into the tile
+  auto put = [&](int x, float a, float c) {
     if constexpr (T::kDqSwapAB) {
       // entries x, x + 1: (d, i) and (d, i + 1)
       const int d = get<0>(tdQcdQ(x)), i = get<1>(tdQcdQ(x));
-      tile[i * kRowStride + d] = static_cast<Element>(v.x * p.scale);
-      tile[(i + 1) * kRowStride + d] = static_cast<Element>(v.y * p.scale);
+      tile[i * kRowStride + d] = static_cast<Element>(a * p.scale);
+      tile[(i + 1) * kRowStride + d] = static_cast<Element>(c * p.scale);
     } else {
       const int i = get<0>(tdQcdQ(x)), d = get<1>(tdQcdQ(x));
       cutlass::NumericArrayConverter<Element, float, 2> cvt;
       *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + i * kRowStride + d) =
-          cvt(cutlass::Array<float, 2>{{v.x * p.scale, v.y * p.scale}});
+          cvt(cutlass::Array<float, 2>{{a * p.scale, c * p.scale}});
+    }
+  };
+  if constexpr (kDqPairs) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int x = 0; x < size(tdQcdQ); x += 2) {
+      const float2 v = *reinterpret_cast<const float2*>(acc + dq_slot<true>(x, tid));
+      put(x, v.x, v.y);
+    }
+  } else {
+    CUTLASS_PRAGMA_UNROLL
+    for (int x = 0; x < size(tdQcdQ); x += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(acc + dq_slot<false>(x, tid));
+      put(x, v.x, v.y);
+      put(x + 2, v.z, v.w);
     }
   }
   __syncthreads();
@@ -1377,7 +1453,13 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       kp.tma_dbias = make_tma_copy(SM90_TMA_STORE{}, dbias, typename T::SmemLayoutBias{}, tile_b, _1{});
     }
   }
-  auto kernel = bwd_kernel<T>;
+  // FLEXSPARSE_CUDA_DEBUG bit 2^40: CuTe's dS^T stores (before C86); 2^41: dQ staged in
+  // 8-byte pieces (before C87). A/Bs.
+  const bool dq_pairs = p.debug_high & 1024;
+  auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
+  if constexpr (T::kDsStoreByHand) {
+    if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
+  }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -1385,7 +1467,8 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 
-  bwd_postprocess<T><<<dim3(Lq_pad / T::kBlockM, p.Hq, p.B), 256, 0, stream>>>(bp, dq_accum, Lq_pad);
+  auto postprocess = dq_pairs ? bwd_postprocess<T, true> : bwd_postprocess<T>;
+  postprocess<<<dim3(Lq_pad / T::kBlockM, p.Hq, p.B), 256, 0, stream>>>(bp, dq_accum, Lq_pad);
   CUDA_CHECK(cudaGetLastError());
 }
 

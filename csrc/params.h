@@ -78,7 +78,8 @@ struct AttentionParams : AttentionTensors {
   // Persistent forward: a zeroed int that the CTAs take work tiles from (atomicAdd), in
   // work-tile order; nullptr: a static round-robin over the grid.
   int* tile_counter = nullptr;
-  int debug = 0;                      // FLEXSPARSE_CUDA_DEBUG bits (probes, see fwd_sm90.cuh)
+  int debug = 0;                      // FLEXSPARSE_CUDA_DEBUG bits 0-30 (probes, see fwd_sm90.cuh)
+  int debug_high = 0;                 // its bits 31 and up, shifted down by 31
   // The forward's redo queue (FwdTraits::kBiasMma kernels): work tiles whose scores came
   // out NaN, to be run again by the serial kernel. redo[0]: how many are queued;
   // redo[1 .. 1 + redo_words(...)]: one bit per work tile (queued once); the list of work

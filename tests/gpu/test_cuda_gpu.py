@@ -663,3 +663,85 @@ def test_backward_without_kernels_says_so():
     out = flexsparse.attention(q, q, q, M.causal(), backend="cuda")
     with pytest.raises(NotImplementedError, match="forward kernels only"):
         out.sum().backward()
+
+
+# FLEXSPARSE_CUDA_DEBUG bits of the backward's older stores (csrc/bwd_sm90.cuh): 2^40 the
+# dS^T stores through CuTe's partition (before C86), 2^41 dQ staged in 8-byte pieces
+# (before C87).
+CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
+
+
+@pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
+@pytest.mark.parametrize("case", ["causal_hd128_gqa", "document_hd128_bias", "causal_hd64_block64",
+                                  "full_hd64", "causal_hd256"])
+def test_backward_store_variants_bitwise(case, monkeypatch):
+    """The backward's dS^T stores at hand-computed addresses (C86: hd128 and hd64 at 64-row
+    steps) and its dQ staged in 16-byte pieces (C87: every kernel, with the postprocess
+    reading that order) move the same values to the same places as the stores before them
+    (bits 2^40 and 2^41): with deterministic=True every gradient equals bit for bit under
+    each combination of the bits. Cases: the general hd128 kernel (GQA, a length no tile
+    divides), the bias-tiles kernel (dbias too), hd64's 64-row kernel (64-row query blocks)
+    and its 128-row one, hd256; and against float64 (check())."""
+    kind, hd = case.split("_")[:2]
+    D = int(hd[2:])
+    torch.manual_seed(D + len(case))
+    B, Hq, Hkv, L = 2, 4, 2 if case.endswith("gqa") else 4, 1000
+    mask = T.mask_kinds(B, Hkv, L)[kind] or M.full()
+    block = (64, 128) if case.endswith("block64") else (128, 128)
+    desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=block)
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    bias = torch.randn(B, Hq, L, L, device=T.DEV, dtype=torch.bfloat16) if case.endswith("bias") else None
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        b = bias.clone().requires_grad_() if bias is not None else None
+        out = flexsparse.attention(*leaves, desc, bias=b, backend="cuda", deterministic=True)
+        return torch.autograd.grad(out, leaves + ([b] if b is not None else []), dout)
+
+    results = {}
+    for bits in (0, CUTE_DS_STORE, DQ_PAIRS, CUTE_DS_STORE | DQ_PAIRS):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+        torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
+        results[bits] = grads()
+    names = ("dq", "dk", "dv", "dbias")
+    for bits, got in results.items():
+        for name, a, b in zip(names, results[0], got):
+            assert torch.isfinite(a).all(), (bits, name)
+            assert torch.equal(a, b), (bits, name)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, desc=desc, deterministic=True,
+          bias_shape=(B, Hq, L, L) if bias is not None else None)
+
+
+@pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
+def test_backward_80_row_steps_dq_pieces(monkeypatch):
+    """The 80-row backward (bit 268435456, full mask, not deterministic: dQ^T staged, C87's
+    16-byte pieces against bit 2^41's 8-byte ones): dk and dv equal bitwise, dq to the
+    rounding of its unordered reductions, and both against float64."""
+    torch.manual_seed(80)
+    B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    desc = M.full().compile(B, Hq, Hkv, L, L, device=T.DEV)
+
+    def grads(inputs, backend="cuda"):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = flexsparse.attention(*leaves, desc, backend=backend)
+        return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "268435456")
+    quads = grads((q, k, v))
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(268435456 | DQ_PAIRS))
+    pairs = grads((q, k, v))
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    ref = grads((q.double(), k.double(), v.double()), backend="reference")
+    for name, a, b, r in zip(("dq", "dk", "dv"), quads, pairs, ref):
+        if name == "dq":
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        else:
+            assert torch.equal(a, b), name
+        err = (a.double() - r).norm() / r.norm()
+        assert err < 2e-2, (name, err.item())

@@ -1,0 +1,64 @@
+// Host check of the backward's hand-computed dS^T stmatrix addresses (bwd_sm90.cuh,
+// ds_store_offset, docs/perf-notes.md C86) against CuTe's partition of the same shared
+// memory layout, for every consumer thread, every one of its four stores and both
+// buffers, in each BwdTraits that takes them (kDsStoreByHand); and that the S^T
+// fragment's first query column is 2 (lane % 4), which the lse/delta loads assume.
+// Built and run by .ci/run (nvcc, no GPU: the layouts are evaluated on the host):
+//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -I csrc -I <cutlass include> \
+//        tests/cpu_ops/ds_store_layout.cu -o /tmp/ds_store_layout && /tmp/ds_store_layout
+#include <cstdio>
+
+#include "bwd_sm90.cuh"
+
+using namespace cute;
+
+template <class T>
+int check(const char* name) {
+  static_assert(T::kDsStoreByHand, "a kernel that takes the hand-computed stores");
+  using Element = typename T::Element;
+  typename T::TiledMmaSdP mma_sdp;
+  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  // 1024-byte aligned, as the kernel's buffer (the swizzle acts on address bits)
+  static Element storage[cosize_v<typename T::SmemLayoutdS> + 1024];
+  Element* base = reinterpret_cast<Element*>((reinterpret_cast<uintptr_t>(storage) + 1023) & ~uintptr_t(1023));
+  Tensor sdSt = make_tensor(make_smem_ptr(base), typename T::SmemLayoutdSt{});
+  const long buf_bytes = long(T::kBlockM) * T::kBlockN * sizeof(Element);
+  int checked = 0, bad = 0;
+  for (int t = 0; t < T::kMmaThreads; ++t) {
+    Tensor d = smem_copy_ds.get_thread_slice(t).partition_D(sdSt);
+    static_assert(decltype(size<0>(d))::value == 32 && decltype(size<1>(d))::value == 1 &&
+                  decltype(size<2>(d))::value == 1, "four stores of 8 values per thread");
+    for (int b = 0; b < 2; ++b)
+      for (int k = 0; k < 4; ++k)
+        for (int e = 0; e < 8; ++e) {
+          const long cute_at = reinterpret_cast<char*>(raw_pointer_cast(&d(make_coord(e, k), 0, 0, b))) -
+                               reinterpret_cast<char*>(base);
+          const long ours = long(flexsparse::sm90::ds_store_offset(t) ^ (32u * k)) + b * buf_bytes + 2 * e;
+          ++checked;
+          if (cute_at != ours && bad++ < 5)
+            printf("%s: thread %d buffer %d store %d value %d: CuTe %ld, ds_store_offset %ld\n", name, t, b, k, e,
+                   cute_at, ours);
+        }
+    Tensor cS = make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
+    const int col = get<1>(mma_sdp.get_thread_slice(t).partition_C(cS)(0));
+    ++checked;
+    if (col != 2 * (t & 3) && bad++ < 5) printf("%s: thread %d first column %d\n", name, t, col);
+  }
+  printf("%s: %d checks, %d mismatches\n", name, checked, bad);
+  return bad;
+}
+
+int main() {
+  using flexsparse::sm90::BwdTraits;
+  using flexsparse::sm90::Fp16Element;
+  int bad = check<BwdTraits<cutlass::bfloat16_t, 128, 2>>("hd128 bf16");
+  bad += check<BwdTraits<cutlass::bfloat16_t, 128, 2, 64, true>>("hd128 bf16 plain");
+  bad += check<BwdTraits<Fp16Element, 128, 2>>("hd128 fp16");
+  bad += check<BwdTraits<cutlass::bfloat16_t, 64, 2>>("hd64 bf16, 64-row steps");
+  bad += check<BwdTraits<Fp16Element, 64, 2, 64, true>>("hd64 fp16 plain, 64-row steps");
+  static_assert(!BwdTraits<cutlass::bfloat16_t, 64, 2, 128, true>::kDsStoreByHand &&
+                !BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, true>::kDsStoreByHand &&
+                !BwdTraits<cutlass::bfloat16_t, 256, 1>::kDsStoreByHand,
+                "128-row steps, bias tiles and head dim 256 keep CuTe's stores");
+  return bad != 0;
+}
