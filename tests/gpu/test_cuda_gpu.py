@@ -672,7 +672,7 @@ CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
-@pytest.mark.parametrize("case", ["causal_hd128_gqa", "document_hd128_bias", "causal_hd64_block64",
+@pytest.mark.parametrize("case", ["causal_hd128_gqa", "document_hd128_bias", "causal_hd64_softcap",
                                   "full_hd64", "causal_hd256"])
 def test_backward_store_variants_bitwise(case, monkeypatch):
     """The backward's dS^T stores at hand-computed addresses (C86: hd128 and hd64 at 64-row
@@ -680,15 +680,16 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     reading that order) move the same values to the same places as the stores before them
     (bits 2^40 and 2^41): with deterministic=True every gradient equals bit for bit under
     each combination of the bits. Cases: the general hd128 kernel (GQA, a length no tile
-    divides), the bias-tiles kernel (dbias too), hd64's 64-row kernel (64-row query blocks)
-    and its 128-row one, hd256; and against float64 (check())."""
+    divides), the bias-tiles kernel (dbias too), hd64's 64-row general kernel (a softcap
+    makes the call not plain) and its 128-row plain one, hd256; and against float64
+    (check())."""
     kind, hd = case.split("_")[:2]
     D = int(hd[2:])
     torch.manual_seed(D + len(case))
     B, Hq, Hkv, L = 2, 4, 2 if case.endswith("gqa") else 4, 1000
     mask = T.mask_kinds(B, Hkv, L)[kind] or M.full()
-    block = (64, 128) if case.endswith("block64") else (128, 128)
-    desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV, block_size=block)
+    softcap = 20.0 if case.endswith("softcap") else None
+    desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
     bias = torch.randn(B, Hq, L, L, device=T.DEV, dtype=torch.bfloat16) if case.endswith("bias") else None
@@ -697,7 +698,7 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     def grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         b = bias.clone().requires_grad_() if bias is not None else None
-        out = flexsparse.attention(*leaves, desc, bias=b, backend="cuda", deterministic=True)
+        out = flexsparse.attention(*leaves, desc, bias=b, softcap=softcap, backend="cuda", deterministic=True)
         return torch.autograd.grad(out, leaves + ([b] if b is not None else []), dout)
 
     results = {}
@@ -711,7 +712,7 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
             assert torch.isfinite(a).all(), (bits, name)
             assert torch.equal(a, b), (bits, name)
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
-    check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, desc=desc, deterministic=True,
+    check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, desc=desc, deterministic=True, softcap=softcap,
           bias_shape=(B, Hq, L, L) if bias is not None else None)
 
 
