@@ -3,16 +3,20 @@
 one process.
 
     python -m benchmarks.build_bench [--lengths 8192,131072,1048576] [--no-flex] [--op-only]
-                                     [--variants 8589934592]
+                                     [--variants 8589934592] [--graphed]
 
 Columns: the build op (`flexsparse::build_document` / `build_prefix_lm`, one C++ call,
 flexsparse/build_op.py; what `mask.compile` uses for these kinds when flexsparse._C is
 built, "n/a" for the kinds it does not build), the torch builds with the op turned off
 (`build_op.use(False)`: the eager static build, and `compiled_build=True`), and Flex.
-`--op-only` skips the torch builds and Flex. `--variants` adds a build-op column per
+`--op-only` skips the torch builds and Flex (Flex stays with `--graphed`). `--variants` adds a build-op column per
 FLEXSPARSE_CUDA_DEBUG value (8589934592: the fused one-launch build of documents and
 prefix-LM instead of the two-kernel one), timed in turns with the default (three
-rounds, the median of the rounds' medians for both).
+rounds, the median of the rounds' medians for both). `--graphed` adds the build op
+captured once in a CUDA graph and replayed (what a build costs in a training step whose
+graphs are replayed: the mask's input tensors are the graph's, a loop copies each step's
+data into them in place), and whether the replay's descriptor equals an eager build's
+after the inputs changed in place.
 
 Each timed call makes a fresh mask object from the step's tensors (no cache can answer)
 and compiles it for B=1, H=16, block 128. Times are medians of wall-clock per build with
@@ -20,6 +24,7 @@ the GPU drained after each (host time and kernels both count), in microseconds. 
 number of host syncs per build (torch.cuda.set_sync_debug_mode "warn" counts).
 """
 import argparse
+import dataclasses
 import statistics
 import time
 import warnings
@@ -27,7 +32,7 @@ import warnings
 import torch
 
 from flexsparse import masks as M
-from flexsparse.descriptor import STATIC_MAX_BLOCKS
+from flexsparse.descriptor import STATIC_MAX_BLOCKS, BlockDescriptor
 
 from .debug_bits import in_turns, with_debug
 
@@ -60,12 +65,35 @@ def cases(L, device="cuda", heads=H):
     def prefix_mod(b, h, q, kv):
         return (kv < prefix[0]) | (q >= kv)
 
+    def reading(make, tensor):
+        make.input = tensor   # the tensor a mask from make() is built from (graph_inputs)
+        return make
+
     return {
-        "document(lengths tensor)": (lambda: M.document(lens), document_mod),
-        "prefix_lm(tensor)": (lambda: M.prefix_lm(prefix), prefix_mod),
-        "column_ranges(tensor)": (lambda: M.column_ranges(cr, causal=True), document_mod),
-        "block_sparse(layout)": (lambda: M.block_sparse(layout, BLOCK), None),
+        "document(lengths tensor)": (reading(lambda: M.document(lens), lens), document_mod),
+        "prefix_lm(tensor)": (reading(lambda: M.prefix_lm(prefix), prefix), prefix_mod),
+        "column_ranges(tensor)": (reading(lambda: M.column_ranges(cr, causal=True), cr), document_mod),
+        "block_sparse(layout)": (reading(lambda: M.block_sparse(layout, BLOCK), layout), None),
     }
+
+
+def graph_inputs(name, make, L):
+    """The tensor a mask of case `name` is made from (a graph's input: the constructor's
+    copy of it is captured with the build) and other valid data for it: document lengths moved between two documents, a prefix of L / 2, column ranges
+    of a shifted document grid, a layout with the diagonal and another random 20%."""
+    t = make.input
+    if name.startswith("document"):
+        new = t.clone()
+        new[0] += new[1] // 2
+        new[1] -= new[1] // 2
+    elif name.startswith("prefix"):
+        new = torch.full_like(t, L // 2)
+    elif name.startswith("column"):
+        new = torch.roll(t, 64, dims=2).clamp_min(torch.arange(L, device=t.device).view(1, 1, L, 1) + 1)
+    else:
+        new = (torch.rand(t.shape, device=t.device) < 0.2) | torch.eye(t.shape[-1], dtype=torch.bool,
+                                                                     device=t.device)
+    return [t], [new.to(t.dtype)]
 
 
 def time_us(fn, reps):
@@ -115,6 +143,44 @@ def kernels_per_call(fn):
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def same_descriptor(a, b):
+    """Whether two descriptors hold equal tensors (and the same other fields)."""
+    for f in dataclasses.fields(BlockDescriptor):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif f.name != "mask" and x != y:
+            return False
+    return True
+
+
+def graphed(build, inputs, new_data):
+    """build() captured once in a CUDA graph: (replay, check), where replay() runs the graph
+    and check() copies new_data into the graph's input tensors, replays, and says whether
+    the graph's descriptor equals an eager build from the changed inputs (restoring them)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):   # warm-up off the capture (allocator, lazy state)
+            build()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        desc = build()
+
+    def check():
+        old = [t.clone() for t in inputs]
+        for t, d in zip(inputs, new_data):
+            t.copy_(d)
+        graph.replay()
+        ok = same_descriptor(desc, build())
+        for t, d in zip(inputs, old):
+            t.copy_(d)
+        return ok
+    return graph.replay, check
+
+
 OP_KINDS = ("document(lengths tensor)", "prefix_lm(tensor)", "column_ranges(tensor)",
             "block_sparse(layout)")
 
@@ -125,6 +191,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--op-only", action="store_true")
     ap.add_argument("--variants", default="", help="FLEXSPARSE_CUDA_DEBUG values, comma-separated")
+    ap.add_argument("--graphed", action="store_true", help="also the build op replayed from a CUDA graph")
     a = ap.parse_args()
     variants = [int(x) for x in a.variants.split(",") if x]
     from flexsparse import build_op
@@ -135,8 +202,9 @@ def main():
           f"build op {'built' if have_op else 'NOT built (flexsparse._C missing)'}")
     print("| mask | L | build op µs | host syncs | GPU kernels | static build (eager) µs "
           "| host syncs | compiled_build µs | host syncs | Flex compiled create_block_mask µs "
-          "| Flex / build op |" + "".join(f" build op µs, debug {v} | GPU kernels |" for v in variants))
-    print("|---" * (11 + 2 * len(variants)) + "|")
+          "| Flex / build op |" + "".join(f" build op µs, debug {v} | GPU kernels |" for v in variants)
+          + (" build op in a CUDA graph, replay µs | replay == eager build |" if a.graphed else ""))
+    print("|---" * (11 + 2 * len(variants) + 2 * a.graphed) + "|")
     for L in map(int, a.lengths.split(",")):
         for name, (make, mod) in cases(L).items():
             if a.op_only and name not in OP_KINDS:
@@ -160,6 +228,16 @@ def main():
                                     for v, t in zip(variants, var_times)]
                 except Exception as err:
                     print(f"# build op {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+            replay_us, replay_ok = float("nan"), "n/a"
+            if a.graphed and op == op:
+                try:
+                    inputs, new_data = graph_inputs(name, make, L)
+                    with build_op.use(None):
+                        replay, check = graphed(build, inputs, new_data)
+                        replay_us = time_us(replay, reps)
+                        replay_ok = "yes" if check() else "NO"
+                except Exception as err:
+                    print(f"# graphed build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
             ours, syncs, comp, csyncs, flex = float("nan"), "n/a", float("nan"), "n/a", float("nan")
             if not a.op_only:
                 with build_op.use(False):
@@ -179,16 +257,17 @@ def main():
                     except Exception as err:
                         print(f"# compiled_build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
                         torch.cuda.empty_cache()
-                if mod is not None and not a.no_flex:
-                    try:
-                        flex = time_us(lambda: cbm(mod, None, None, L, L, device="cuda",
-                                                   BLOCK_SIZE=BLOCK), reps)
-                    except Exception as err:
-                        print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+            if mod is not None and not a.no_flex and (not a.op_only or a.graphed):
+                try:
+                    flex = time_us(lambda: cbm(mod, None, None, L, L, device="cuda",
+                                               BLOCK_SIZE=BLOCK), reps)
+                except Exception as err:
+                    print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
             ratio = f"{flex / op:.1f}x" if flex == flex and op == op else "n/a"
             print(f"| {name} | {L} | {op:.0f} | {op_syncs} | {op_kernels} | {ours:.0f} | {syncs} "
                   f"| {comp:.0f} | {csyncs} | {flex:.0f} | {ratio} |"
-                  + "".join(f" {t:.0f} | {k} |" for t, k in var_cols), flush=True)
+                  + "".join(f" {t:.0f} | {k} |" for t, k in var_cols)
+                  + (f" {replay_us:.0f} | {replay_ok} |" if a.graphed else ""), flush=True)
         torch.cuda.empty_cache()
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -292,6 +292,13 @@ if [[ " $parts " == *" build "* ]]; then
   timeout "${T_BUILDBENCH:-240}" python3 -m benchmarks.build_bench \
     ${BUILD_ARGS:---op-only --no-flex --lengths 8192,131072 --variants 8589934592} 2>&1 \
     | grep -v Warning | tee "$OUT/build_bench.md"
+fi
+# buildgraph (issue 16): the build op at 8K and 128K replayed from a CUDA graph beside the
+# eager op and FlexAttention's compiled create_block_mask, and each replay checked against
+# an eager build after its input changed in place.
+if [[ " $parts " == *" buildgraph "* ]]; then
+  timeout "${T_BUILDGRAPH:-240}" python3 -m benchmarks.build_bench --op-only --graphed --lengths 8192,131072 2>&1 \
+    | grep -v Warning | tee "$OUT/build_graph.md"
 fi
 if [[ " $parts " == *" step "* ]]; then
   timeout "${T_STEP:-240}" python3 -m benchmarks.step_bench ${STEP_ARGS:-} 2>&1 | grep -v Warning \

@@ -167,3 +167,25 @@ def test_build_bench_variants_take_turns_with_the_default(monkeypatch):
     assert "FLEXSPARSE_CUDA_DEBUG" not in os.environ
     seen.clear()
     assert bb.turns(lambda: None, [], reps=1) == (5.0, []) and seen == [None]   # one timing
+
+
+def test_build_bench_graph_inputs_on_cpu():
+    """build_bench --graphed replays a captured build after copying other data into the
+    mask's input tensor: for every case that tensor is the one the mask is made from (a
+    change to it changes the next build), the other data makes a valid mask with another
+    descriptor, and same_descriptor tells the two apart (and a descriptor equals itself)."""
+    from benchmarks import build_bench as bb
+    L = 1024
+    for name, (make, _) in bb.cases(L, "cpu", 2).items():
+        (inp,), (new,) = bb.graph_inputs(name, make, L)
+        assert new.shape == inp.shape and new.dtype == inp.dtype, name
+        before = make().compile(1, 2, 2, L, L, device="cpu", block_size=128)
+        assert bb.same_descriptor(before, before), name
+        saved = inp.clone()
+        inp.copy_(new)
+        try:
+            after = make().compile(1, 2, 2, L, L, device="cpu", block_size=128)
+        finally:
+            inp.copy_(saved)
+        assert not bb.same_descriptor(before, after), name
+        assert bb.same_descriptor(before, make().compile(1, 2, 2, L, L, device="cpu", block_size=128)), name
