@@ -9,10 +9,10 @@ Columns: the build op (`flexsparse::build_document` / `build_prefix_lm`, one C++
 flexsparse/build_op.py; what `mask.compile` uses for these kinds when flexsparse._C is
 built, "n/a" for the kinds it does not build), the torch builds with the op turned off
 (`build_op.use(False)`: the eager static build, and `compiled_build=True`), and Flex.
-`--op-only` skips the torch builds and Flex (Flex stays with `--graphed`). `--variants` adds a build-op column per
-FLEXSPARSE_CUDA_DEBUG value (8589934592: the fused one-launch build of documents and
-prefix-LM instead of the two-kernel one), timed in turns with the default (three
-rounds, the median of the rounds' medians for both). `--graphed` adds the build op
+`--op-only` skips the torch builds and Flex (Flex stays with `--graphed`). `--variants`
+adds a build-op column per FLEXSPARSE_CUDA_DEBUG value (8589934592: the fused one-launch
+build of documents and prefix-LM instead of the two-kernel one), timed in turns with the
+default (three rounds, the median of the rounds' medians for both). `--graphed` adds the build op
 captured once in a CUDA graph and replayed (what a build costs in a training step whose
 graphs are replayed: the mask's input tensors are the graph's, a loop copies each step's
 data into them in place), and whether the replay's descriptor equals an eager build's
@@ -66,7 +66,7 @@ def cases(L, device="cuda", heads=H):
         return (kv < prefix[0]) | (q >= kv)
 
     def reading(make, tensor):
-        make.input = tensor   # the tensor a mask from make() is built from (graph_inputs)
+        make.input = tensor   # the tensor a mask from make() is built from (graph_input)
         return make
 
     return {
@@ -77,9 +77,10 @@ def cases(L, device="cuda", heads=H):
     }
 
 
-def graph_inputs(name, make, L):
-    """The tensor a mask of case `name` is made from (a graph's input: the constructor's
-    copy of it is captured with the build) and other valid data for it: document lengths moved between two documents, a prefix of L / 2, column ranges
+def graph_input(name, make, L):
+    """(the tensor a mask of case `name` is made from, other valid data for it). The tensor
+    is a graph's input: the constructor's copy of it is captured with the build. The other
+    data: document lengths moved between two documents, a prefix of L / 2, column ranges
     of a shifted document grid, a layout with the diagonal and another random 20%."""
     t = make.input
     if name.startswith("document"):
@@ -93,7 +94,7 @@ def graph_inputs(name, make, L):
     else:
         new = (torch.rand(t.shape, device=t.device) < 0.2) | torch.eye(t.shape[-1], dtype=torch.bool,
                                                                      device=t.device)
-    return [t], [new.to(t.dtype)]
+    return t, new.to(t.dtype)
 
 
 def time_us(fn, reps):
@@ -150,15 +151,15 @@ def same_descriptor(a, b):
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
                 return False
-        elif f.name != "mask" and x != y:
+        elif x != y:
             return False
     return True
 
 
-def graphed(build, inputs, new_data):
+def graphed(build, inp, new_data):
     """build() captured once in a CUDA graph: (replay, check), where replay() runs the graph
-    and check() copies new_data into the graph's input tensors, replays, and says whether
-    the graph's descriptor equals an eager build from the changed inputs (restoring them)."""
+    and check() copies new_data into the graph's input tensor, replays, and says whether
+    the graph's descriptor equals an eager build from the changed input (restoring it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -170,13 +171,11 @@ def graphed(build, inputs, new_data):
         desc = build()
 
     def check():
-        old = [t.clone() for t in inputs]
-        for t, d in zip(inputs, new_data):
-            t.copy_(d)
+        old = inp.clone()
+        inp.copy_(new_data)
         graph.replay()
         ok = same_descriptor(desc, build())
-        for t, d in zip(inputs, old):
-            t.copy_(d)
+        inp.copy_(old)
         return ok
     return graph.replay, check
 
@@ -231,9 +230,8 @@ def main():
             replay_us, replay_ok = float("nan"), "n/a"
             if a.graphed and op == op:
                 try:
-                    inputs, new_data = graph_inputs(name, make, L)
                     with build_op.use(None):
-                        replay, check = graphed(build, inputs, new_data)
+                        replay, check = graphed(build, *graph_input(name, make, L))
                         replay_us = time_us(replay, reps)
                         replay_ok = "yes" if check() else "NO"
                 except Exception as err:

@@ -51,12 +51,20 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // pipelined dQ pass, 2^36 its dK/dV pass with one dependency chain (before C80), 2^37 its
 // preprocess with 2-byte loads (before C81) and 2^39 its transposed lists on the
 // caller's stream only (before C83) (index_bwd.cu); to the block kernels' `debug_high`:
-// 2^40 the backward's dS^T stores through CuTe's partition (before C86, bwd_sm90.cuh).
+// 2^40 the backward's dS^T stores through CuTe's partition (before C86) and 2^41 its dQ
+// staged in 8-byte pieces (before C87) (bwd_sm90.cuh).
 int64_t debug_bits() {
   const char* dbg = std::getenv("FLEXSPARSE_CUDA_DEBUG");
   return dbg ? std::strtoll(dbg, nullptr, 10) : 0;
 }
-int debug_low(int64_t bits) { return static_cast<int>(bits & 0x7fffffff); }
+// FLEXSPARSE_CUDA_DEBUG into a params struct's `debug` (bits 0-30) and `debug_high` (bits
+// 31 and up, shifted down by 31), read once.
+template <class Params>
+void set_debug(Params& p) {
+  const int64_t bits = debug_bits();
+  p.debug = static_cast<int>(bits & 0x7fffffff);
+  p.debug_high = static_cast<int>(bits >> 31);
+}
 
 // TMA (block kernels) and 16-byte cp.async (index kernel) need the last dim contiguous,
 // 16-byte aligned strides and base.
@@ -292,9 +300,7 @@ IndexParams index_params(Inputs& in, const Tensor& idx, double scale, double sof
   p.idx_int64 = idx.scalar_type() == at::kLong;
   p.idx_sb = bstride(idx, 0); p.idx_sh = bstride(idx, 1);
   p.idx_sq = idx.stride(2); p.idx_sw = idx.stride(3);
-  const int64_t bits = debug_bits();
-  p.debug = debug_low(bits);
-  p.debug_high = static_cast<int>(bits >> 31);
+  set_debug(p);
   return p;
 }
 
@@ -341,8 +347,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // Heaviest query tiles first: for masks whose work grows with the query index (causal,
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
-  p.debug = debug_low(debug_bits());
-  p.debug_high = static_cast<int>(debug_bits() >> 31);
+  set_debug(p);
   if (p.B * p.Hq * p.Lq == 0) return {out, lse};
   auto stream = at::cuda::getCurrentCUDAStream();
   // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);
@@ -449,8 +454,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
                        q_full_count, q_full_index, dense_mask, col_ranges, partial_bits_index,
                        partial_bits, block_q, block_k, scale, softcap, /*need_q_lists=*/true);
   AttentionParams& p = bp.fwd;
-  p.debug = debug_low(debug_bits());
-  p.debug_high = static_cast<int>(debug_bits() >> 31);
+  set_debug(p);
   Tensor o = out.contiguous();
   Tensor l = lse.to(at::kFloat).contiguous();
   Tensor dout = tma_ready(grad_out);

@@ -132,9 +132,9 @@ struct BwdTraits {
   static_assert(kStages % 2 == 0 || (kSplitQueries && kStages == 1), "stages: even, or 1 at head dim 256");
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
-  // 64-row steps over 128 keys with dS^T stored queries contiguous (no bias tiles, no
-  // 80-row steps): the layout whose stmatrix addresses ds_store_offset gives (below).
-  static constexpr bool kDsStoreByHand = kBlockM == 64 && !kSplitQueries && !kBiasTiles && !kRowSteps;
+  // 64-row steps over 128 keys with dS^T stored queries contiguous (no bias tiles): the
+  // layout whose stmatrix addresses ds_store_offset gives (below).
+  static constexpr bool kDsStoreByHand = kBlockM == 64 && !kSplitQueries && !kBiasTiles;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;

@@ -169,7 +169,7 @@ def test_build_bench_variants_take_turns_with_the_default(monkeypatch):
     assert bb.turns(lambda: None, [], reps=1) == (5.0, []) and seen == [None]   # one timing
 
 
-def test_build_bench_graph_inputs_on_cpu():
+def test_build_bench_graph_input_on_cpu():
     """build_bench --graphed replays a captured build after copying other data into the
     mask's input tensor: for every case that tensor is the one the mask is made from (a
     change to it changes the next build), the other data makes a valid mask with another
@@ -177,7 +177,7 @@ def test_build_bench_graph_inputs_on_cpu():
     from benchmarks import build_bench as bb
     L = 1024
     for name, (make, _) in bb.cases(L, "cpu", 2).items():
-        (inp,), (new,) = bb.graph_inputs(name, make, L)
+        inp, new = bb.graph_input(name, make, L)
         assert new.shape == inp.shape and new.dtype == inp.dtype, name
         before = make().compile(1, 2, 2, L, L, device="cpu", block_size=128)
         assert bb.same_descriptor(before, before), name
