@@ -216,11 +216,12 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
 // per list row: warps [0, nQB) the forward / dQ rows (over key blocks), the rest the
 // dK/dV rows (over query blocks). Pass 1 counts the partial and full blocks of the row;
 // pass 2 writes each block at its place: listed ones first, then the others, ascending.
-__global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
+// rows: the list rows this launch makes (warps past it leave).
+__device__ __forceinline__ void list_rows(const BuildParams& p, int64_t rows) {
   const int64_t b = blockIdx.y;
   const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (w >= p.nQB + p.nKB) return;                  // whole warps leave together
+  if (w >= rows) return;                           // whole warps leave together
   const bool kv = w < p.nQB;
   const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
   const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
@@ -265,6 +266,87 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
     *part_count = (int32_t)np;
     *full_count = (int32_t)nf;
   }
+}
+
+__global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
+  list_rows(p, p.nQB + p.nKB);
+}
+
+// Block grids (p.layout, p.states): the dK/dV rows (one per key block, over the query
+// blocks) read a column of the row-major grid. list_kernel's warp per row would read it
+// one byte per lane, nKB bytes apart (a 32-byte sector per state, twice: at 128K, B=1,
+// H=16, ~1 GB of L2 traffic for a 16 MB layout, 226 us in a CUDA graph on an H200). Here
+// one CTA takes 32 adjacent key blocks: per 32 query blocks it reads the (32 x 32) states
+// row by row (coalesced) into shared memory, and warp w makes the lists of key blocks
+// w, w + 8, w + 16 and w + 24 from it, in list_kernel's two passes (count, then place).
+constexpr int kTileKeys = 32;
+constexpr int kTileWarps = kQueryThreads / 32;
+constexpr int kKeysPerWarp = kTileKeys / kTileWarps;
+
+__device__ __forceinline__ int grid_state(const BuildParams& p, int64_t b, int64_t qb, int64_t kb) {
+  const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
+  return p.layout != nullptr ? (p.layout[at] ? int(kFull) : int(kSkip)) : int(p.states[at]);
+}
+
+__device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) {
+  __shared__ uint8_t tile[32][kTileKeys + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t n = p.nQB;
+  int64_t np[kKeysPerWarp] = {}, nf[kKeysPerWarp] = {};
+  // pass 0 counts each key block's partial and full query blocks; pass 1 places them
+  for (int pass = 0; pass < 2; ++pass) {
+    int64_t bp[kKeysPerWarp] = {}, bf[kKeysPerWarp] = {};   // listed before this chunk
+    for (int64_t c = 0; c < n; c += 32) {
+      __syncthreads();                             // the last chunk's tile has been read
+      for (int e = threadIdx.x; e < 32 * kTileKeys; e += blockDim.x) {
+        const int r = e / kTileKeys, k = e % kTileKeys;
+        const int64_t qb = c + r, kb = kb0 + k;
+        tile[r][k] = uint8_t(qb < n && kb < p.nKB ? grid_state(p, b, qb, kb) : int(kSkip));
+      }
+      __syncthreads();
+      const int64_t i = c + lane;
+#pragma unroll
+      for (int j = 0; j < kKeysPerWarp; ++j) {
+        const int64_t kb = kb0 + warp + j * kTileWarps;
+        const int st = tile[lane][warp + j * kTileWarps];
+        const unsigned sp = __ballot_sync(0xffffffffu, st == kPartial);
+        const unsigned sf = __ballot_sync(0xffffffffu, st == kFull);
+        if (pass == 1 && kb < p.nKB && i < n) {
+          const unsigned below = (1u << lane) - 1u;
+          const int64_t before_p = bp[j] + __popc(sp & below), before_f = bf[j] + __popc(sf & below);
+          int32_t* part = p.q_index + (b * p.nKB + kb) * n;
+          int32_t* full = p.q_full_index + (b * p.nKB + kb) * n;
+          part[st == kPartial ? before_p : np[j] + (i - before_p)] = (int32_t)i;
+          full[st == kFull ? before_f : nf[j] + (i - before_f)] = (int32_t)i;
+        }
+        bp[j] += __popc(sp);
+        bf[j] += __popc(sf);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kKeysPerWarp; ++j) {
+      np[j] = bp[j];
+      nf[j] = bf[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kKeysPerWarp; ++j) {
+    const int64_t kb = kb0 + warp + j * kTileWarps;
+    if (lane == 0 && kb < p.nKB) {
+      p.q_count[b * p.nKB + kb] = (int32_t)np[j];
+      p.q_full_count[b * p.nKB + kb] = (int32_t)nf[j];
+    }
+  }
+}
+
+// The lists of a block grid, one launch: CTAs [0, row_ctas) are list_kernel's forward /
+// dQ rows, the others grid_column_lists's key-block tiles.
+__global__ void __launch_bounds__(kQueryThreads) grid_list_kernel(BuildParams p, unsigned row_ctas) {
+  if (blockIdx.x >= row_ctas) {
+    grid_column_lists(p, blockIdx.y, int64_t(blockIdx.x - row_ctas) * kTileKeys);
+    return;
+  }
+  list_rows(p, p.nQB);
 }
 
 // Step 3 for one (lo, hi) sequence over the key blocks: empty intervals take the last
@@ -422,10 +504,11 @@ void build_block_lists_cuda(const BuildParams& p, void* stream_) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_);
   if (p.Bl == 0 || p.nQB + p.nKB == 0) return;
   if (p.Bl > 65535) throw std::runtime_error("flexsparse build: more than 65535 layout rows");
-  int64_t threads = (p.nQB + p.nKB) * 32;
-  list_kernel<<<dim3((unsigned)((threads + kQueryThreads - 1) / kQueryThreads), (unsigned)p.Bl),
-                kQueryThreads, 0, stream>>>(p);
-  check_launch("list_kernel (block layout)");
+  const int64_t row_ctas = (p.nQB * 32 + kQueryThreads - 1) / kQueryThreads;
+  const int64_t tiles = (p.nKB + kTileKeys - 1) / kTileKeys;
+  grid_list_kernel<<<dim3((unsigned)(row_ctas + tiles), (unsigned)p.Bl), kQueryThreads, 0, stream>>>(
+      p, (unsigned)row_ctas);
+  check_launch("grid_list_kernel");
 }
 
 }  // namespace build
