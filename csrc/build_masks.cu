@@ -272,55 +272,118 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   list_rows(p, p.nQB + p.nKB);
 }
 
-// Block grids (p.layout, p.states): the dK/dV rows (one per key block, over the query
-// blocks) read a column of the row-major grid. list_kernel's warp per row would read it
-// one byte per lane, nKB bytes apart (a 32-byte sector per state, twice: at 128K, B=1,
-// H=16, ~1 GB of L2 traffic for a 16 MB layout, 226 us in a CUDA graph on an H200). Here
-// one CTA takes 32 adjacent key blocks: per 32 query blocks it reads the (32 x 32) states
-// row by row (coalesced) into shared memory, and warp w makes the lists of key blocks
-// w, w + 8, w + 16 and w + 24 from it, in list_kernel's two passes (count, then place).
-constexpr int kTileKeys = 32;
+// Block grids (p.layout, p.states), in one launch (grid_list_kernel). Both list kinds
+// are latency-bound loops over a row of n blocks (the writes, 2 x 4 x n bytes per row,
+// are the floor: 256 MB at 128K, B = 1, H = 16), so each lane takes V consecutive blocks
+// per step with V independent loads, and a warp scan of the lanes' counts places them:
+//   forward / dQ rows (one per query block): a warp per row, 16 blocks per lane, read
+//     along the row-major grid;
+//   dK/dV rows (one per key block): a CTA per 32 adjacent key blocks reads the grid's
+//     (128 x 32) tiles row by row (coalesced) into shared memory, and warp w makes the
+//     lists of key blocks w, w + 8, w + 16, w + 24 from them, 4 query blocks per lane.
+//     (A warp per key block reading its column one byte per lane, nKB bytes apart, cost
+//     a 32-byte sector per state.)
+// Pass 0 counts the partial and full blocks of each row; pass 1 places each block: listed
+// ones first, then the others, ascending (descriptor._block_lists).
+constexpr int kRowVec = 16;
+constexpr int kTileKeys = 32, kTileRows = 128;
 constexpr int kTileWarps = kQueryThreads / 32;
 constexpr int kKeysPerWarp = kTileKeys / kTileWarps;
+constexpr int kColVec = kTileRows / 32;
+
+struct AddI32 { __device__ int32_t operator()(int32_t a, int32_t b) const { return a + b; } };
 
 __device__ __forceinline__ int grid_state(const BuildParams& p, int64_t b, int64_t qb, int64_t kb) {
   const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
   return p.layout != nullptr ? (p.layout[at] ? int(kFull) : int(kSkip)) : int(p.states[at]);
 }
 
+// One step of a list row over the whole warp: this lane's V blocks from i_lane, as bit
+// masks of partial (pm) and full (fm) ones, counted, and placed when `place` (np, nf:
+// the row's totals from pass 0). bp, bf: the row's listed blocks before this step.
+template <int V>
+__device__ __forceinline__ void step_lists(unsigned pm, unsigned fm, int64_t i_lane, int64_t n, bool place,
+                                           int32_t np, int32_t nf, int32_t& bp, int32_t& bf,
+                                           int32_t* part, int32_t* full) {
+  const int cp = __popc(pm), cf = __popc(fm);
+  const int ip = warp_scan(cp, AddI32()), jf = warp_scan(cf, AddI32());   // inclusive
+  if (place) {
+    int32_t before_p = bp + ip - cp, before_f = bf + jf - cf;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const int32_t i = int32_t(i_lane) + v;
+      const bool is_p = (pm >> v) & 1u, is_f = (fm >> v) & 1u;
+      if (i < n) {
+        part[is_p ? before_p : np + (i - before_p)] = i;
+        full[is_f ? before_f : nf + (i - before_f)] = i;
+      }
+      before_p += is_p;
+      before_f += is_f;
+    }
+  }
+  bp += __shfl_sync(0xffffffffu, ip, 31);
+  bf += __shfl_sync(0xffffffffu, jf, 31);
+}
+
+__device__ void grid_row_lists(const BuildParams& p, int64_t b, int64_t row) {
+  const int lane = threadIdx.x & 31;
+  const int64_t n = p.nKB;
+  int32_t* part = p.kv_index + (b * p.nQB + row) * n;
+  int32_t* full = p.kv_full_index + (b * p.nQB + row) * n;
+  int32_t np = 0, nf = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    int32_t bp = 0, bf = 0;
+    for (int64_t c = 0; c < n; c += 32 * kRowVec) {
+      const int64_t i_lane = c + lane * kRowVec;
+      unsigned pm = 0, fm = 0;
+#pragma unroll
+      for (int v = 0; v < kRowVec; ++v) {
+        const int st = i_lane + v < n ? grid_state(p, b, row, i_lane + v) : int(kSkip);
+        pm |= unsigned(st == kPartial) << v;
+        fm |= unsigned(st == kFull) << v;
+      }
+      step_lists<kRowVec>(pm, fm, i_lane, n, pass == 1, np, nf, bp, bf, part, full);
+    }
+    np = bp;
+    nf = bf;
+  }
+  if (lane == 0) {
+    p.kv_count[b * p.nQB + row] = np;
+    p.kv_full_count[b * p.nQB + row] = nf;
+  }
+}
+
 __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) {
-  __shared__ uint8_t tile[32][kTileKeys + 1];
+  __shared__ uint8_t tile[kTileRows][kTileKeys + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t n = p.nQB;
-  int64_t np[kKeysPerWarp] = {}, nf[kKeysPerWarp] = {};
-  // pass 0 counts each key block's partial and full query blocks; pass 1 places them
+  int32_t np[kKeysPerWarp] = {}, nf[kKeysPerWarp] = {};
   for (int pass = 0; pass < 2; ++pass) {
-    int64_t bp[kKeysPerWarp] = {}, bf[kKeysPerWarp] = {};   // listed before this chunk
-    for (int64_t c = 0; c < n; c += 32) {
-      __syncthreads();                             // the last chunk's tile has been read
-      for (int e = threadIdx.x; e < 32 * kTileKeys; e += blockDim.x) {
-        const int r = e / kTileKeys, k = e % kTileKeys;
+    int32_t bp[kKeysPerWarp] = {}, bf[kKeysPerWarp] = {};
+    for (int64_t c = 0; c < n; c += kTileRows) {
+      __syncthreads();                             // the last tile has been read
+#pragma unroll
+      for (int e0 = 0; e0 < kTileRows * kTileKeys; e0 += kQueryThreads) {
+        const int e = e0 + threadIdx.x, r = e / kTileKeys, k = e % kTileKeys;
         const int64_t qb = c + r, kb = kb0 + k;
         tile[r][k] = uint8_t(qb < n && kb < p.nKB ? grid_state(p, b, qb, kb) : int(kSkip));
       }
       __syncthreads();
-      const int64_t i = c + lane;
+      const int64_t i_lane = c + lane * kColVec;
 #pragma unroll
       for (int j = 0; j < kKeysPerWarp; ++j) {
-        const int64_t kb = kb0 + warp + j * kTileWarps;
-        const int st = tile[lane][warp + j * kTileWarps];
-        const unsigned sp = __ballot_sync(0xffffffffu, st == kPartial);
-        const unsigned sf = __ballot_sync(0xffffffffu, st == kFull);
-        if (pass == 1 && kb < p.nKB && i < n) {
-          const unsigned below = (1u << lane) - 1u;
-          const int64_t before_p = bp[j] + __popc(sp & below), before_f = bf[j] + __popc(sf & below);
-          int32_t* part = p.q_index + (b * p.nKB + kb) * n;
-          int32_t* full = p.q_full_index + (b * p.nKB + kb) * n;
-          part[st == kPartial ? before_p : np[j] + (i - before_p)] = (int32_t)i;
-          full[st == kFull ? before_f : nf[j] + (i - before_f)] = (int32_t)i;
+        const int col = warp + j * kTileWarps;
+        const int64_t kb = kb0 + col;
+        unsigned pm = 0, fm = 0;
+#pragma unroll
+        for (int v = 0; v < kColVec; ++v) {
+          const int st = tile[lane * kColVec + v][col];
+          pm |= unsigned(st == kPartial) << v;
+          fm |= unsigned(st == kFull) << v;
         }
-        bp[j] += __popc(sp);
-        bf[j] += __popc(sf);
+        const int64_t at = (b * p.nKB + min(kb, p.nKB - 1)) * n;   // (kb < nKB: placed)
+        step_lists<kColVec>(pm, fm, i_lane, n, pass == 1 && kb < p.nKB, np[j], nf[j], bp[j], bf[j],
+                            p.q_index + at, p.q_full_index + at);
       }
     }
 #pragma unroll
@@ -333,20 +396,22 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
   for (int j = 0; j < kKeysPerWarp; ++j) {
     const int64_t kb = kb0 + warp + j * kTileWarps;
     if (lane == 0 && kb < p.nKB) {
-      p.q_count[b * p.nKB + kb] = (int32_t)np[j];
-      p.q_full_count[b * p.nKB + kb] = (int32_t)nf[j];
+      p.q_count[b * p.nKB + kb] = np[j];
+      p.q_full_count[b * p.nKB + kb] = nf[j];
     }
   }
 }
 
-// The lists of a block grid, one launch: CTAs [0, row_ctas) are list_kernel's forward /
-// dQ rows, the others grid_column_lists's key-block tiles.
+// CTAs [0, row_ctas): a warp per forward / dQ row; the others: 32 key blocks' dK/dV rows.
+// FLEXSPARSE_CUDA_DEBUG bit 274877906944 (p.grid_by_warp): list_kernel's warp per row for
+// both kinds instead (the same-run A/B of build_bench --variants).
 __global__ void __launch_bounds__(kQueryThreads) grid_list_kernel(BuildParams p, unsigned row_ctas) {
   if (blockIdx.x >= row_ctas) {
     grid_column_lists(p, blockIdx.y, int64_t(blockIdx.x - row_ctas) * kTileKeys);
     return;
   }
-  list_rows(p, p.nQB);
+  const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (row < p.nQB) grid_row_lists(p, blockIdx.y, row);   // whole warps leave together
 }
 
 // Step 3 for one (lo, hi) sequence over the key blocks: empty intervals take the last
@@ -504,6 +569,13 @@ void build_block_lists_cuda(const BuildParams& p, void* stream_) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_);
   if (p.Bl == 0 || p.nQB + p.nKB == 0) return;
   if (p.Bl > 65535) throw std::runtime_error("flexsparse build: more than 65535 layout rows");
+  if (p.grid_by_warp) {
+    const int64_t threads = (p.nQB + p.nKB) * 32;
+    list_kernel<<<dim3((unsigned)((threads + kQueryThreads - 1) / kQueryThreads), (unsigned)p.Bl),
+                  kQueryThreads, 0, stream>>>(p);
+    check_launch("list_kernel (block layout)");
+    return;
+  }
   const int64_t row_ctas = (p.nQB * 32 + kQueryThreads - 1) / kQueryThreads;
   const int64_t tiles = (p.nKB + kTileKeys - 1) / kTileKeys;
   grid_list_kernel<<<dim3((unsigned)(row_ctas + tiles), (unsigned)p.Bl), kQueryThreads, 0, stream>>>(

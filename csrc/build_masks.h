@@ -86,6 +86,9 @@ struct BuildParams {
   // FLEXSPARSE_CUDA_DEBUG bit 8589934592: documents and prefix-LM by the fused one-launch
   // build (build_masks.cu; opt-in: on an H200 no faster than the default).
   bool fused = false;
+  // FLEXSPARSE_CUDA_DEBUG bit 274877906944: block grids by list_kernel's warp per list row
+  // (the build before grid_list_kernel, for same-run A/Bs).
+  bool grid_by_warp = false;
 };
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }

@@ -303,6 +303,7 @@ ListOutputs build_block_lists(const Tensor& layout_in) {
 #ifndef FLEXSPARSE_CPU_ONLY
   if (layout.is_cuda()) {
     c10::cuda::CUDAGuard guard(layout.device());
+    p.grid_by_warp = (debug_bits() >> 38) & 1;
     build_block_lists_cuda(p, at::cuda::getCurrentCUDAStream().stream());
   } else
 #endif
