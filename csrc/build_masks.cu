@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
 
 // Block grids (p.layout, p.states), in one launch (grid_list_kernel). Both list kinds
 // are latency-bound loops over a row of n blocks (the writes, 2 x 4 x n bytes per row,
-// are the floor: 256 MB at 128K, B = 1, H = 16), so each lane takes V consecutive blocks
-// per step with V independent loads, and a warp scan of the lanes' counts places them:
+// are the floor: 256 MB at 128K, B = 1, H = 16), so a warp takes 32 V blocks per step
+// (V per lane, 32 apart: the loads independent, each v's loads and stores coalesced):
 //   forward / dQ rows (one per query block): a warp per row, 16 blocks per lane, read
 //     along the row-major grid;
 //   dK/dV rows (one per key block): a CTA per 32 adjacent key blocks reads the grid's
@@ -291,58 +291,54 @@ constexpr int kTileWarps = kQueryThreads / 32;
 constexpr int kKeysPerWarp = kTileKeys / kTileWarps;
 constexpr int kColVec = kTileRows / 32;
 
-struct AddI32 { __device__ int32_t operator()(int32_t a, int32_t b) const { return a + b; } };
-
 __device__ __forceinline__ int grid_state(const BuildParams& p, int64_t b, int64_t qb, int64_t kb) {
   const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
   return p.layout != nullptr ? (p.layout[at] ? int(kFull) : int(kSkip)) : int(p.states[at]);
 }
 
-// One step of a list row over the whole warp: this lane's V blocks from i_lane, as bit
-// masks of partial (pm) and full (fm) ones, counted, and placed when `place` (np, nf:
+// One step of a list row over the whole warp: 32 V blocks from c, block c + 32 v + lane
+// in bit v of this lane's masks of partial (pm) and full (fm) ones (so that each v is 32
+// adjacent blocks: coalesced loads and stores), counted, and placed when `place` (np, nf:
 // the row's totals from pass 0). bp, bf: the row's listed blocks before this step.
 template <int V>
-__device__ __forceinline__ void step_lists(unsigned pm, unsigned fm, int64_t i_lane, int64_t n, bool place,
+__device__ __forceinline__ void step_lists(unsigned pm, unsigned fm, int32_t c, int32_t n, bool place,
                                            int32_t np, int32_t nf, int32_t& bp, int32_t& bf,
                                            int32_t* part, int32_t* full) {
-  const int cp = __popc(pm), cf = __popc(fm);
-  const int ip = warp_scan(cp, AddI32()), jf = warp_scan(cf, AddI32());   // inclusive
-  if (place) {
-    int32_t before_p = bp + ip - cp, before_f = bf + jf - cf;
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      const int32_t i = int32_t(i_lane) + v;
-      const bool is_p = (pm >> v) & 1u, is_f = (fm >> v) & 1u;
-      if (i < n) {
-        part[is_p ? before_p : np + (i - before_p)] = i;
-        full[is_f ? before_f : nf + (i - before_f)] = i;
-      }
-      before_p += is_p;
-      before_f += is_f;
+  for (int v = 0; v < V; ++v) {
+    const bool is_p = (pm >> v) & 1u, is_f = (fm >> v) & 1u;
+    const unsigned sp = __ballot_sync(0xffffffffu, is_p), sf = __ballot_sync(0xffffffffu, is_f);
+    const int32_t i = c + 32 * v + lane;
+    if (place && i < n) {
+      const int32_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
+      part[is_p ? before_p : np + (i - before_p)] = i;
+      full[is_f ? before_f : nf + (i - before_f)] = i;
     }
+    bp += __popc(sp);
+    bf += __popc(sf);
   }
-  bp += __shfl_sync(0xffffffffu, ip, 31);
-  bf += __shfl_sync(0xffffffffu, jf, 31);
 }
 
 __device__ void grid_row_lists(const BuildParams& p, int64_t b, int64_t row) {
   const int lane = threadIdx.x & 31;
-  const int64_t n = p.nKB;
+  const int32_t n = (int32_t)p.nKB;
   int32_t* part = p.kv_index + (b * p.nQB + row) * n;
   int32_t* full = p.kv_full_index + (b * p.nQB + row) * n;
   int32_t np = 0, nf = 0;
   for (int pass = 0; pass < 2; ++pass) {
     int32_t bp = 0, bf = 0;
-    for (int64_t c = 0; c < n; c += 32 * kRowVec) {
-      const int64_t i_lane = c + lane * kRowVec;
+    for (int32_t c = 0; c < n; c += 32 * kRowVec) {
       unsigned pm = 0, fm = 0;
 #pragma unroll
       for (int v = 0; v < kRowVec; ++v) {
-        const int st = i_lane + v < n ? grid_state(p, b, row, i_lane + v) : int(kSkip);
+        const int32_t i = c + 32 * v + lane;
+        const int st = i < n ? grid_state(p, b, row, i) : int(kSkip);
         pm |= unsigned(st == kPartial) << v;
         fm |= unsigned(st == kFull) << v;
       }
-      step_lists<kRowVec>(pm, fm, i_lane, n, pass == 1, np, nf, bp, bf, part, full);
+      step_lists<kRowVec>(pm, fm, c, n, pass == 1, np, nf, bp, bf, part, full);
     }
     np = bp;
     nf = bf;
@@ -356,11 +352,11 @@ __device__ void grid_row_lists(const BuildParams& p, int64_t b, int64_t row) {
 __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) {
   __shared__ uint8_t tile[kTileRows][kTileKeys + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t n = p.nQB;
+  const int32_t n = (int32_t)p.nQB;
   int32_t np[kKeysPerWarp] = {}, nf[kKeysPerWarp] = {};
   for (int pass = 0; pass < 2; ++pass) {
     int32_t bp[kKeysPerWarp] = {}, bf[kKeysPerWarp] = {};
-    for (int64_t c = 0; c < n; c += kTileRows) {
+    for (int32_t c = 0; c < n; c += kTileRows) {
       __syncthreads();                             // the last tile has been read
 #pragma unroll
       for (int e0 = 0; e0 < kTileRows * kTileKeys; e0 += kQueryThreads) {
@@ -369,7 +365,6 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
         tile[r][k] = uint8_t(qb < n && kb < p.nKB ? grid_state(p, b, qb, kb) : int(kSkip));
       }
       __syncthreads();
-      const int64_t i_lane = c + lane * kColVec;
 #pragma unroll
       for (int j = 0; j < kKeysPerWarp; ++j) {
         const int col = warp + j * kTileWarps;
@@ -377,12 +372,12 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
         unsigned pm = 0, fm = 0;
 #pragma unroll
         for (int v = 0; v < kColVec; ++v) {
-          const int st = tile[lane * kColVec + v][col];
+          const int st = tile[32 * v + lane][col];
           pm |= unsigned(st == kPartial) << v;
           fm |= unsigned(st == kFull) << v;
         }
         const int64_t at = (b * p.nKB + min(kb, p.nKB - 1)) * n;   // (kb < nKB: placed)
-        step_lists<kColVec>(pm, fm, i_lane, n, pass == 1 && kb < p.nKB, np[j], nf[j], bp[j], bf[j],
+        step_lists<kColVec>(pm, fm, c, n, pass == 1 && kb < p.nKB, np[j], nf[j], bp[j], bf[j],
                             p.q_index + at, p.q_full_index + at);
       }
     }
