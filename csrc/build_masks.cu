@@ -278,15 +278,17 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
 // (V per lane, 32 apart: the loads independent, each v's loads and stores coalesced):
 //   forward / dQ rows (one per query block): a warp per row, 16 blocks per lane, read
 //     along the row-major grid;
-//   dK/dV rows (one per key block): a CTA per 32 adjacent key blocks reads the grid's
-//     (128 x 32) tiles row by row (coalesced) into shared memory, and warp w makes the
-//     lists of key blocks w, w + 8, w + 16, w + 24 from them, 4 query blocks per lane.
+//   dK/dV rows (one per key block): a CTA per 16 adjacent key blocks reads the grid's
+//     (128 x 16) tiles row by row into shared memory, and warp w makes the lists of key
+//     blocks w and w + 8 from them, 4 query blocks per lane.
+// 64 registers (4 CTAs per SM, as list_kernel): at 96, two CTAs per SM left this
+// latency-bound kernel slower than list_kernel (421 against 261 us at 128K, H200).
 //     (A warp per key block reading its column one byte per lane, nKB bytes apart, cost
 //     a 32-byte sector per state.)
 // Pass 0 counts the partial and full blocks of each row; pass 1 places each block: listed
 // ones first, then the others, ascending (descriptor._block_lists).
 constexpr int kRowVec = 16;
-constexpr int kTileKeys = 32, kTileRows = 128;
+constexpr int kTileKeys = 16, kTileRows = 128;
 constexpr int kTileWarps = kQueryThreads / 32;
 constexpr int kKeysPerWarp = kTileKeys / kTileWarps;
 constexpr int kColVec = kTileRows / 32;
@@ -400,7 +402,7 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
 // CTAs [0, row_ctas): a warp per forward / dQ row; the others: 32 key blocks' dK/dV rows.
 // FLEXSPARSE_CUDA_DEBUG bit 274877906944 (p.grid_by_warp): list_kernel's warp per row for
 // both kinds instead (the same-run A/B of build_bench --variants).
-__global__ void __launch_bounds__(kQueryThreads) grid_list_kernel(BuildParams p, unsigned row_ctas) {
+__global__ void __launch_bounds__(kQueryThreads, 4) grid_list_kernel(BuildParams p, unsigned row_ctas) {
   if (blockIdx.x >= row_ctas) {
     grid_column_lists(p, blockIdx.y, int64_t(blockIdx.x - row_ctas) * kTileKeys);
     return;
