@@ -285,12 +285,14 @@ if [[ " $parts " == *" build "* ]]; then
     > "$OUT/build_tests.log" 2>&1
   rc=$?; echo "build tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/build_tests.log" | cut -c1-300 | tail -15
-  for tool in memcheck racecheck; do     # the fused build's kernel (opt-in bit) on small cases
+  # the fused build's kernel (opt-in bit) and grid_list_kernel (shared-memory tiles) on
+  # small cases
+  for tool in memcheck racecheck; do
     sanitized_pytest "$tool" "${T_BUILD_CSAN:-200}" "build_$tool" tests/gpu/test_build_op_gpu.py \
-      "fused_build and not 262144"
+      "(fused_build and not 262144) or (grid_tiles and not 131072)"
   done
   timeout "${T_BUILDBENCH:-240}" python3 -m benchmarks.build_bench \
-    ${BUILD_ARGS:---op-only --no-flex --lengths 8192,131072 --variants 8589934592} 2>&1 \
+    ${BUILD_ARGS:---op-only --no-flex --graphed --lengths 8192,131072 --variants 0,8589934592,274877906944} 2>&1 \
     | grep -v Warning | tee "$OUT/build_bench.md"
 fi
 # buildgraph (issue 16): the build op at 8K and 128K replayed from a CUDA graph beside the
