@@ -26,6 +26,8 @@
 //                       block 128 for documents) two kernels do it instead: fill_kernel
 //                       (one CTA per sequence and row, into the workspace) and
 //                       query_block_kernel (one thread per query block).
+// Block grids (build_block_lists: layouts and block states) take one launch,
+// grid_list_kernel (below, before the query-block kernels).
 // Bad values (negative lengths, rows not summing to L, negative prefixes) stop the kernel
 // with a device-side assert, as torch._assert_async does in the torch build.
 #undef NDEBUG
@@ -216,12 +218,11 @@ __global__ void __launch_bounds__(kColumnThreads) column_kernel(BuildParams p, b
 // per list row: warps [0, nQB) the forward / dQ rows (over key blocks), the rest the
 // dK/dV rows (over query blocks). Pass 1 counts the partial and full blocks of the row;
 // pass 2 writes each block at its place: listed ones first, then the others, ascending.
-// rows: the list rows this launch makes (warps past it leave).
-__device__ __forceinline__ void list_rows(const BuildParams& p, int64_t rows) {
+__global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   const int64_t b = blockIdx.y;
   const int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (w >= rows) return;                           // whole warps leave together
+  if (w >= p.nQB + p.nKB) return;                  // whole warps leave together
   const bool kv = w < p.nQB;
   const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
   const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
@@ -268,10 +269,6 @@ __device__ __forceinline__ void list_rows(const BuildParams& p, int64_t rows) {
   }
 }
 
-__global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
-  list_rows(p, p.nQB + p.nKB);
-}
-
 // Block grids (p.layout, p.states), in one launch (grid_list_kernel). Both list kinds
 // are latency-bound loops over a row of n blocks (the writes, 2 x 4 x n bytes per row,
 // are the floor: 256 MB at 128K, B = 1, H = 16), so a warp takes 32 V blocks per step
@@ -280,11 +277,11 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
 //     along the row-major grid;
 //   dK/dV rows (one per key block): a CTA per 16 adjacent key blocks reads the grid's
 //     (128 x 16) tiles row by row into shared memory, and warp w makes the lists of key
-//     blocks w and w + 8 from them, 4 query blocks per lane.
-// 64 registers (4 CTAs per SM, as list_kernel): at 96, two CTAs per SM left this
-// latency-bound kernel slower than list_kernel (421 against 261 us at 128K, H200).
-//     (A warp per key block reading its column one byte per lane, nKB bytes apart, cost
-//     a 32-byte sector per state.)
+//     blocks w and w + 8 from them, 4 query blocks per lane (list_kernel's warp per key
+//     block read its column one byte per lane, nKB bytes apart: a sector per state).
+// Launch bounds (256, 4): 64 registers, four CTAs per SM as list_kernel has; with two the
+// latency-bound loops ran slower than list_kernel's (docs/perf-notes.md, "Block-grid
+// lists").
 // Pass 0 counts the partial and full blocks of each row; pass 1 places each block: listed
 // ones first, then the others, ascending (descriptor._block_lists).
 constexpr int kRowVec = 16;
@@ -399,7 +396,7 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
   }
 }
 
-// CTAs [0, row_ctas): a warp per forward / dQ row; the others: 32 key blocks' dK/dV rows.
+// CTAs [0, row_ctas): a warp per forward / dQ row; the others: 16 key blocks' dK/dV rows.
 // FLEXSPARSE_CUDA_DEBUG bit 274877906944 (p.grid_by_warp): list_kernel's warp per row for
 // both kinds instead (the same-run A/B of build_bench --variants).
 __global__ void __launch_bounds__(kQueryThreads, 4) grid_list_kernel(BuildParams p, unsigned row_ctas) {
