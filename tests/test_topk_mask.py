@@ -59,13 +59,11 @@ def test_topk_mask_against_brute_force(causal, k, Lq, Lk):
 
 def test_topk_mask_half_precision_and_integer_scores():
     s = _scores(1, 1, 6, 10, seed=5)
-    want = _brute(s, 4, True)
     got = M.topk(s.half(), 4, causal=True).to_dense(1, 1, 6, 10)
     assert torch.equal(got, _brute(s.half().float(), 4, True))
     ints = torch.randperm(60, generator=torch.Generator().manual_seed(1)).view(1, 1, 6, 10)
     assert torch.equal(M.topk(ints, 4, causal=True).to_dense(1, 1, 6, 10),
                        _brute(ints.float(), 4, True))
-    assert want.any()
 
 
 def test_topk_mask_unsorted_is_descending_score_order():

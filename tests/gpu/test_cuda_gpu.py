@@ -1,6 +1,7 @@
 """The CUDA backend (csrc/, flexsparse._C) on a Hopper GPU, with the FlashAttention error
 rule of test_triton_gpu.check: every mask kind, dtype and head dim against float64.
 Skipped without CUDA or without the built extension."""
+import math
 import os
 import re
 import sys
@@ -29,6 +30,25 @@ BACKWARD = cuda_backend.has_backward()
 
 def check(*args, backward=BACKWARD, **kw):
     return T.check(*args, backend="cuda", backward=backward, **kw)
+
+
+def needs_backward():
+    """Tests about the backward kernels skip, rather than pass on the forward alone, on a
+    build without them (check() compares only out and lse there)."""
+    if not BACKWARD:
+        pytest.skip("this flexsparse._C has no CUDA backward kernels")
+
+
+def fa_rule(got, q, k, v, vis, bias, scale):
+    """got (low precision) against float64 dense attention, within 2x the error of the same
+    dense attention run in got's dtype, plus test_triton_gpu's floor (the FlashAttention
+    rule)."""
+    f64 = [t.double() for t in (q, k, v)]
+    ref = T.dense_attention(*f64, vis, None if bias is None else bias.double(), scale, 0.0, False)[0]
+    low = T.dense_attention(q, k, v, vis, bias, scale, 0.0, True)[0]
+    err = (got.double() - ref).abs().max().item()
+    err_lo = (low.double() - ref).abs().max().item()
+    assert err <= 2 * err_lo + T.FLOOR, f"error {err:.3e} > 2 x {err_lo:.3e} + {T.FLOOR}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -87,6 +107,7 @@ def test_head_dims(D):
 def test_mask_kinds_hd256(kind):
     """Head dim 256 has its own backward layout (64-key CTAs, P^T and dS^T through shared
     memory): every mask kind, with GQA and a length that is no multiple of the tiles."""
+    needs_backward()
     B, Hq, Hkv, L = 1, 4, 2, 700
     torch.manual_seed(hash(kind) % 1000 + 256)
     check(B, Hq, Hkv, L, L, 256, T.mask_kinds(B, Hkv, L)[kind], torch.bfloat16)
@@ -95,6 +116,7 @@ def test_mask_kinds_hd256(kind):
 def test_hd256_bias_softcap_and_64_key_blocks():
     """Head dim 256 through the general backward kernel (trainable bias, softcap), and a
     descriptor of 64-key blocks, which the hd256 kernels take (64 keys per CTA)."""
+    needs_backward()
     torch.manual_seed(2560)
     check(1, 2, 2, 500, 500, 256, M.document([200, 300]), torch.float16, softcap=20.0,
           bias_shape=(1, 2, 500, 500))
@@ -231,6 +253,7 @@ def test_bias_tiles(mask, D):
     """The backward that moves bias and dbias tiles by TMA (BwdTraits::kBiasTiles: keys
     contiguous, 16-byte rows, so L % 8 == 0) and zeroes dbias where the descriptor lists no
     block: GQA, a length no tile divides, key blocks of 256 (two CTAs per block)."""
+    needs_backward()
     torch.manual_seed(D + len(mask))
     B, Hq, Hkv, L = 2, 4, 2, 904
     m = {"causal": M.causal(), "document": M.document([300, 411, 193]),
@@ -299,7 +322,8 @@ def test_forward_bias_infinities(D, monkeypatch):
 def test_forward_bias_scales(scale):
     """The overlapped bias forward multiplies the bias by a 16-bit 1 / scale on the tensor
     cores (FwdTraits::kBiasMma): 1 / 0.1 = 10 is exact there, 1 / 0.07 is not within 2^-12
-    of a bf16 value and takes the serial kernel (fwd_bias_mma_ok). Both against Triton."""
+    of a bf16 value and takes the serial kernel (fwd_bias_mma_ok). Both against Triton and
+    against float64 (the FlashAttention rule)."""
     torch.manual_seed(int(scale * 100))
     B, H, L, D = 1, 2, 520, 128
     q, k, v = (torch.randn(B, H, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(3))
@@ -307,6 +331,8 @@ def test_forward_bias_scales(scale):
     got = flexsparse.attention(q, k, v, M.causal(), bias=bias, scale=scale, backend="cuda")
     want = flexsparse.attention(q, k, v, M.causal(), bias=bias, scale=scale, backend="triton")
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    causal = torch.ones(L, L, dtype=torch.bool, device=T.DEV).tril()[None, None]
+    fa_rule(got, q, k, v, causal, bias, scale)
 
 
 def _hand_nan_blocks(shape):
@@ -543,7 +569,8 @@ def test_fully_masked_rows():
 
 
 def test_matches_triton_on_noncontiguous_inputs():
-    """Strided q/k/v (a transposed (B, L, H, D) layout) give what Triton gives."""
+    """Strided q/k/v (a transposed (B, L, H, D) layout) give what Triton gives, and pass the
+    float64 rule."""
     torch.manual_seed(7)
     B, H, L, D = 2, 4, 333, 128
     q, k, v = (torch.randn(B, L, H, D, device=T.DEV, dtype=torch.bfloat16).transpose(1, 2)
@@ -551,6 +578,8 @@ def test_matches_triton_on_noncontiguous_inputs():
     a = flexsparse.attention(q, k, v, M.causal(), backend="cuda")
     b = flexsparse.attention(q, k, v, M.causal(), backend="triton")
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    causal = torch.ones(L, L, dtype=torch.bool, device=T.DEV).tril()[None, None]
+    fa_rule(a, q, k, v, causal, None, 1.0 / math.sqrt(D))
 
 
 def test_poisoned_output_fully_written():
