@@ -365,6 +365,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // "no more") is one phase of barrier_q and of barrier_q_empty.
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       int bias_loads = 0;   // kBiasTiles: bias tiles loaded so far (the buffer's phase)
+      bool q_loaded = false;   // (the query-load probe below)
       int w = blockIdx.x;
       for (int k = 0;; ++k) {
         if (k > 0) cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty, (k - 1) & 1);
@@ -391,8 +392,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                make_coord(m_block, 0));
-        Barrier::arrive_and_expect_tx(&ss.barrier_q, T::kBytesQ);
-        copy(kp.tma_q.with(ss.barrier_q, 0), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+        // Probe (FLEXSPARSE_CUDA_DEBUG bit 4398046511104, wrong results): the query tile is
+        // loaded for the CTA's first work tile only, the later ones reuse it, so that the
+        // time the next work tile waits for its queries shows (perf-notes, issue 15).
+        if (q_loaded && (p.debug_high & 2048)) {
+          Barrier::arrive(&ss.barrier_q);
+        } else {
+          Barrier::arrive_and_expect_tx(&ss.barrier_q, T::kBytesQ);
+          copy(kp.tma_q.with(ss.barrier_q, 0), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+          q_loaded = true;
+        }
         Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                make_coord(_, 0));                     // (N, D, n)
         Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -1128,7 +1137,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if (tid % 4 == 0 && i < p.Lq)
         lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
-    if constexpr (T::kTmaStore) {
+    // Probe (FLEXSPARSE_CUDA_DEBUG bit 8796093022208, wrong results): no O store, so that
+    // the epilogue's share of a work tile shows (perf-notes, issue 15).
+    if (p.debug_high & 4096) {
+    } else if constexpr (T::kTmaStore) {
       Tensor rO = convert_type<Element>(tOrO);
       Tensor sO = make_tensor(make_smem_ptr(ss.o.data() + wg * cosize_v<typename T::SmemLayoutO>),
                               typename T::SmemLayoutO{});
