@@ -111,11 +111,20 @@ namespace flexsparse::sm90 {
 // loads (docs/perf-notes.md C49, C51). Serial schedule: read with ldmatrix while QK^T
 // runs. Overlapped schedule (kBiasMma): added to S by the tensor cores, see below.
 // Biased calls take bias tiles where fwd_bias_tiles_ok holds.
+// kQBuffers: 2 gives the query tile two buffers, so that the producer loads the next work
+// tile's queries as soon as it has issued this one's key and value loads, not after the
+// consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md, issue 15's
+// 41st-session note). Opt-in (FLEXSPARSE_CUDA_DEBUG bit 17592186044416) until a GPU has
+// timed it; the epilogue then stores from registers (the O staging buffer's shared
+// memory holds the second query buffer at hd128).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
 struct FwdTraits {
   using Element = Element_;
+  static constexpr int kQBuffers = kQBuffers_;
+  static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kTmaStore_ && !kBiasTiles_),
+                "two query buffers: without the O staging buffer and the bias tiles");
   static constexpr bool kBiasTiles = kBiasTiles_;
   static_assert(!kBiasTiles_ || !kTmaStore_, "bias tiles take the O staging buffer's place");
   static_assert(!kBiasTiles_ || !kPlain_ || kOverlap_, "bias tiles in a plain kernel: overlapped only");
@@ -191,7 +200,7 @@ struct FwdTraits {
   using PipelineState = cutlass::PipelineState<kStages>;
 
   struct SharedStorage {
-    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutQ> * kQBuffers, 1024> q;   // buffer i at i * cosize
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     array_aligned<Element, kSmemO, 1024> o;
@@ -201,14 +210,15 @@ struct FwdTraits {
     // The same tile's visible rows per key as one (start, length) interval, where every key
     // of the tile has one (visible_interval): one compare per score instead of one per range.
     alignas(16) int2 col_visible[kConsumerWarpgroups][2][kBlockN];
-    alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
+    // Per query buffer (work tile k uses buffer k % kQBuffers):
+    alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q[kQBuffers];
     // Completes when every consumer thread is done with the query tile (its last QK^T),
-    // so the producer may load the next work tile's queries over it.
-    alignas(16) cutlass::arch::ClusterBarrier::ValueType barrier_q_empty;
+    // so the producer may load a later work tile's queries over it.
+    alignas(16) cutlass::arch::ClusterBarrier::ValueType barrier_q_empty[kQBuffers];
     // The work tile the producer started, for the consumers (-1: no more). Written before
     // the producer's arrival at barrier_q, read after the consumers' wait on it; rewritten
     // only after barrier_q_empty completes.
-    int work_tile;
+    int work_tile[kQBuffers];
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     // kBiasTiles: consumer warpgroup w's half of the bias buffer holds its 64 rows of the
@@ -314,8 +324,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   pipe_params.is_leader = threadIdx.x % 128 == 0;
   pipe_params.num_consumers = T::kMmaThreads;
   if (threadIdx.x == 0) {
-    Barrier::init(&ss.barrier_q, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.barrier_q_empty, T::kMmaThreads);
+    for (int i = 0; i < T::kQBuffers; ++i) {
+      Barrier::init(&ss.barrier_q[i], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.barrier_q_empty[i], T::kMmaThreads);
+    }
     if (T::kBiasTiles) {
       for (int w = 0; w < 2; ++w) {
         Barrier::init(&ss.bias_full[w], 1);
@@ -339,7 +351,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  auto query_buffer = [&](int i) {
+    return make_tensor(make_smem_ptr(ss.q.data() + i * cosize_v<typename T::SmemLayoutQ>),
+                       typename T::SmemLayoutQ{});
+  };
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
@@ -365,18 +380,20 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // "no more") is one phase of barrier_q and of barrier_q_empty.
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       int bias_loads = 0;   // kBiasTiles: bias tiles loaded so far (the buffer's phase)
-      bool q_loaded = false;   // (the query-load probe below)
+      int q_loads = 0;   // (the query-load probe below)
       int w = blockIdx.x;
       for (int k = 0;; ++k) {
-        if (k > 0) cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty, (k - 1) & 1);
+        const int qbuf = k % T::kQBuffers;
+        if (k >= T::kQBuffers)
+          cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty[qbuf], (k / T::kQBuffers - 1) & 1);
         if (w >= n_work) {
-          ss.work_tile = -1;
-          Barrier::arrive(&ss.barrier_q);
+          ss.work_tile[qbuf] = -1;
+          Barrier::arrive(&ss.barrier_q[qbuf]);
           break;
         }
         const int wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
         set_work_tile(wt);
-        ss.work_tile = wt;
+        ss.work_tile[qbuf] = wt;
         // The next work tile is taken once this one's loads are issued (about kStages
         // tiles before the consumers finish it), not earlier: a CTA holding a claimed
         // tile it cannot start yet unbalances the end of the grid.
@@ -386,21 +403,23 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         int n;
         bool partial;
         if (!next_tile(n, partial)) {     // nothing listed: the consumers write 0 / -inf
-          Barrier::arrive(&ss.barrier_q);
+          Barrier::arrive(&ss.barrier_q[qbuf]);
           take_next();
           continue;
         }
         Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                make_coord(m_block, 0));
-        // Probe (FLEXSPARSE_CUDA_DEBUG bit 4398046511104, wrong results): the query tile is
-        // loaded for the CTA's first work tile only, the later ones reuse it, so that the
-        // time the next work tile waits for its queries shows (perf-notes, issue 15).
-        if (q_loaded && (p.debug_high & 2048)) {
-          Barrier::arrive(&ss.barrier_q);
+        // Probe (FLEXSPARSE_CUDA_DEBUG bit 4398046511104, wrong results): the query tiles are
+        // loaded for the CTA's first work tiles only (one per buffer), the later ones reuse
+        // them, so that the time the next work tile waits for its queries shows (perf-notes,
+        // issue 15).
+        if (q_loads >= T::kQBuffers && (p.debug_high & 2048)) {
+          Barrier::arrive(&ss.barrier_q[qbuf]);
         } else {
-          Barrier::arrive_and_expect_tx(&ss.barrier_q, T::kBytesQ);
-          copy(kp.tma_q.with(ss.barrier_q, 0), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
-          q_loaded = true;
+          Barrier::arrive_and_expect_tx(&ss.barrier_q[qbuf], T::kBytesQ);
+          copy(kp.tma_q.with(ss.barrier_q[qbuf], 0), cta_q.partition_S(gQ),
+               cta_q.partition_D(query_buffer(qbuf)));
+          ++q_loads;
         }
         Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                make_coord(_, 0));                     // (N, D, n)
@@ -471,7 +490,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // moved with R2UR before every wgmma: docs/perf-notes.md, C24).
     auto wg_qk = mma_qk.get_thread_slice((warpgroup - 1) * 128);
     auto wg_pv = mma_pv.get_thread_slice((warpgroup - 1) * 128);
-    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);
+    // The query tile's operand in buffer 0; buffer 1's is the same descriptor with its
+    // address field advanced (shifted_operand), so that it stays in uniform registers.
+    Tensor tSrQ_buf0 = wg_qk.partition_fragment_A(query_buffer(0));
     Tensor tSrK = wg_qk.partition_fragment_B(sK);
     Tensor tOrV = wg_pv.partition_fragment_B(sVt);
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -852,14 +873,18 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
     };
 
+    int qbuf = 0;   // this work tile's query buffer
     // Every consumer thread has read the query tile (its last QK^T is complete).
-    auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty); };
+    auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty[qbuf]); };
     // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
     typename T::PipelineState read, read_k, read_v;
     for (int k = 0;; ++k) {
-    Barrier::wait(&ss.barrier_q, k & 1);
-    const int w = *reinterpret_cast<volatile int*>(&ss.work_tile);
+    qbuf = k % T::kQBuffers;
+    Barrier::wait(&ss.barrier_q[qbuf], (k / T::kQBuffers) & 1);
+    const int w = *reinterpret_cast<volatile int*>(&ss.work_tile[qbuf]);
     if (w < 0) break;
+    const auto tSrQ = shifted_operand(
+        tSrQ_buf0, qbuf * uint32_t(cosize_v<typename T::SmemLayoutQ> * sizeof(Element) / 16));
     set_work_tile(w);
     set_tile_inputs();
     // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
@@ -1287,6 +1312,14 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
     const bool tiles_fit = p.block_q % 192 == 0 || (p.kv_partial.row_stride == 0 && p.kv_full.row_stride == 0);
     if (overlap && p.bias == nullptr && plain && tiles_fit && !(p.debug & 134217728)) {
       launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kWideRegs, kTma, true, false, 3>>(p, stream);
+      return;
+    }
+  }
+  if constexpr (kHeadDim <= 128) {
+    // FLEXSPARSE_CUDA_DEBUG bit 17592186044416: two query buffers (kQBuffers, opt-in).
+    if (overlap && p.bias == nullptr && plain && (p.debug_high & 8192)) {
+      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
+          p, stream);
       return;
     }
   }

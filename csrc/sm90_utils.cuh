@@ -125,6 +125,15 @@ __device__ __forceinline__ auto k_slice(Operand const& t, int k) {
   }
 }
 
+// A shared-memory (descriptor) operand moved by `units` of 16 bytes: its descriptor's
+// start-address field (bits 0-13, 16-byte units) advanced by one 64-bit add, as k_slice
+// does (the field cannot carry out below 256 KB of shared memory).
+template <class Operand>
+__device__ __forceinline__ auto shifted_operand(Operand const& t, uint32_t units) {
+  const GMMA::DescriptorIterator it{GmmaDescriptor{t.data().desc_.desc_ + uint64_t(units)}};
+  return make_tensor(it, t.layout());
+}
+
 // C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.
 // wait >= 0: wait until at most `wait` batches are in flight before returning.
 // more(): further wgmmas of the same batch, issued after A * B's (e.g. onto C).

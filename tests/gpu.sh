@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph|fwdedges ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -301,6 +301,20 @@ fi
 if [[ " $parts " == *" buildgraph "* ]]; then
   timeout "${T_BUILDGRAPH:-240}" python3 -m benchmarks.build_bench --op-only --graphed --lengths 8192,131072 2>&1 \
     | grep -v Warning | tee "$OUT/build_graph.md"
+fi
+# fwdedges (issue 15): the forward's work-tile edges. The two-query-buffer kernel's bitwise
+# test (FLEXSPARSE_CUDA_DEBUG 2^44), then, forward TFLOP/s in turns: the default, 2^44,
+# and the probes 2^42 (queries loaded once per buffer) and 2^43 (no O store) (wrong results
+# by design: their error column is large).
+if [[ " $parts " == *" fwdedges "* ]]; then
+  timeout "${T_EDGES_TESTS:-200}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
+    tests/gpu/test_cuda_gpu.py -k two_query_buffers > "$OUT/fwdedges_tests.log" 2>&1
+  rc=$?; echo "two-query-buffer tests rc=$rc"; [ $rc -eq 0 ] || status=1
+  grep -E "^PASSED|^FAILED|^ERROR" "$OUT/fwdedges_tests.log" | cut -c1-200 | tail -10
+  timeout "${T_EDGES:-300}" python3 -m benchmarks.cuda_ab \
+    ${EDGE_ROWS:-full@8192,causal@8192,sliding@8192,document@16384,causal@8192@64,sliding256@8192@64} \
+    --variants 0,17592186044416,4398046511104,8796093022208 --rounds 3 2>&1 | grep -v Warning \
+    | tee "$OUT/fwd_edges.md"
 fi
 if [[ " $parts " == *" step "* ]]; then
   timeout "${T_STEP:-240}" python3 -m benchmarks.step_bench ${STEP_ARGS:-} 2>&1 | grep -v Warning \

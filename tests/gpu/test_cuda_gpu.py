@@ -775,3 +775,42 @@ def test_backward_80_row_steps_dq_pieces(monkeypatch):
             assert torch.equal(a, b), name
         err = (a.double() - r).norm() / r.norm()
         assert err < 2e-2, (name, err.item())
+
+
+TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
+
+
+@pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",
+                                  "causal_64_4096", "layout_128_2000", "layout_64_1000"])
+def test_forward_two_query_buffers_bitwise(case, monkeypatch):
+    """The forward with two query buffers (kQBuffers = 2: the next work tile's queries load
+    while this one runs; the epilogue stores from registers) computes what the default
+    kernel does: out and lse bit for bit, over many work tiles per CTA (both buffers, each
+    several phases), odd lengths, GQA, and block layouts with empty query-block rows (work
+    tiles with nothing listed); and against float64 (check())."""
+    kind, D, L = case.split("_")
+    D, L = int(D), int(L)
+    torch.manual_seed(D + L)
+    B, Hq, Hkv = 2, 16, 4
+    if kind == "layout":
+        nb = -(-L // 128)
+        lay = torch.rand(1, Hkv, nb, nb, generator=torch.Generator().manual_seed(L)) < 0.4
+        lay[..., 1, :] = False                     # a query block with nothing listed
+        mask = M.block_sparse(lay.to(T.DEV), 128)
+    else:
+        mask = {"causal": M.causal(), "sliding": M.sliding_window(700),
+                "document": M.document([1000, 1, 1500, 500])}[kind]
+    desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    results = {}
+    for bits in (0, TWO_Q_BUFFERS):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+        torch.empty(2 * B * Hq * L * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
+        results[bits] = flexsparse.attention(q, k, v, desc, backend="cuda", return_lse=True)
+    (out0, lse0), (out1, lse1) = results[0], results[TWO_Q_BUFFERS]
+    assert torch.isfinite(out0).all() and not torch.isnan(lse0).any()
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    if case in ("document_128_3001", "layout_64_1000"):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(TWO_Q_BUFFERS))
+        check(1, 8, Hkv, L, L, D, mask, torch.bfloat16)
