@@ -1,7 +1,8 @@
 """Small calls of the CUDA backend for compute-sanitizer's racecheck and synccheck (too slow
 for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_DEBUG=32
 runs the serial one), head dims 64/128/256 (hd64's three-warpgroup forward too), column ranges, a dense mask with fully masked
-rows, bias, odd lengths, GQA, and the backward where it is built (every head dim). Prints one line per case;
+rows, bias, odd lengths, GQA, the backward where it is built (every head dim), and the
+forward's two query buffers (C89). Prints one line per case;
 the tool's summary says whether any hazard was seen."""
 import os
 import sys
@@ -89,6 +90,15 @@ def main():
         run("[debug 65536] forward bias loads hd128 document", 1, 2, 1, 520, 520, 128,
             M.document([100, 220, 200]), bias=True)
         run("[debug 65536] forward bias loads hd64 causal", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
+    if not only or "query buffers" in only:
+        # the forward's two query buffers (bit 17592186044416, C89): over 2 x 132 work tiles,
+        # so that the persistent CTAs reuse each buffer (forward only: the backward is the
+        # same as above)
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "17592186044416"
+        run("[debug 2^44] two query buffers hd64 causal gqa", 1, 8, 2, 4608, 4608, 64, M.causal(),
+            backward=False)
+        run("[debug 2^44] two query buffers hd128 sliding odd", 1, 8, 8, 4601, 4601, 128,
+            M.sliding_window(300), backward=False)
 
 
 if __name__ == "__main__":
