@@ -311,6 +311,8 @@ if [[ " $parts " == *" fwdedges "* ]]; then
     tests/gpu/test_cuda_gpu.py -k two_query_buffers > "$OUT/fwdedges_tests.log" 2>&1
   rc=$?; echo "two-query-buffer tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^PASSED|^FAILED|^ERROR" "$OUT/fwdedges_tests.log" | cut -c1-200 | tail -10
+  [ "${EDGES_MEMCHECK:-1}" = 1 ] && sanitized_pytest memcheck "${T_EDGES_CSAN:-240}" fwdedges_memcheck \
+    tests/gpu/test_cuda_gpu.py "two_query_buffers and (layout_64 or document)"
   timeout "${T_EDGES:-300}" python3 -m benchmarks.cuda_ab \
     ${EDGE_ROWS:-full@8192,causal@8192,sliding@8192,document@16384,causal@8192@64,sliding256@8192@64} \
     --variants 0,17592186044416,4398046511104,8796093022208 --rounds 3 2>&1 | grep -v Warning \
