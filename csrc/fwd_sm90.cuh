@@ -377,7 +377,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       Tensor tKsK = cta_k.partition_D(sK);
       Tensor tVsV = cta_v.partition_D(sV);
       // The key/value pipeline runs on across work tiles. Each work tile (and the final
-      // "no more") is one phase of barrier_q and of barrier_q_empty.
+      // "no more") is one phase of its query buffer's barrier_q and barrier_q_empty.
       auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
       int bias_loads = 0;   // kBiasTiles: bias tiles loaded so far (the buffer's phase)
       int q_loads = 0;   // (the query-load probe below)
