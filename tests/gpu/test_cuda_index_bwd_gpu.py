@@ -459,6 +459,10 @@ def test_switch_keeps_dbias_on_triton(monkeypatch):
     out = flexsparse.attention(*leaves, M.indices(idx), bias=bias, backend="cuda")
     grads = torch.autograd.grad(out.float().sum(), leaves + [bias])
     assert all(torch.isfinite(g).all() for g in grads)
+    do = torch.ones_like(out)              # (the loss above: out's sum)
+    _, _, g64 = TI._grads(q, k, v, idx, bias, 64 ** -0.5, 0.0, torch.float64, do, None)
+    _, _, glp = TI._grads(q, k, v, idx, bias, 64 ** -0.5, 0.0, torch.float16, do, None)
+    TI._rule(list(zip(("dq", "dk", "dv", "dbias"), grads, g64, glp)), torch.float16)
     with pytest.raises(RuntimeError, match="no bias gradient"):
         torch.ops.flexsparse.cuda_attention_backward(
             torch.ones_like(out), None, q, k, v, out.detach(), torch.zeros(1, 4, 40, device=DEV),
