@@ -91,13 +91,22 @@ def _base_descriptor(kind, B, Hq, Hkv, Lq, Lk, seed=0):
 
 def corrupted(how, B, Hq, Hkv, Lq, Lk, seed=0):
     """A descriptor for these sizes with corruption `how`, or None where the base
-    descriptor lacks the tensor (no partial blocks to hold bitmaps)."""
+    descriptor lacks the tensor (no partial blocks to hold bitmaps) or the corruption
+    changes nothing that is read (entries past every row's count)."""
     kind, corrupt = CORRUPTIONS[how]
     desc = copy.deepcopy(_base_descriptor(kind, B, Hq, Hkv, Lq, Lk, seed))
     mt = desc.mask_tensors()
     if kind == "bits" and mt.partial_bits_index is None:
         return None
+    before = [None if t is None else t.clone() for t in mt]
     corrupt(mt)
+    if all(a is None or torch.equal(a, b) for a, b in zip(before, mt)):
+        return None
+    # explicit lists are padded to at least one entry: with every count 0 the corrupted
+    # entries are padding that nothing reads (not a corrupted descriptor)
+    count = {"explicit_entry_negative": "kv_full_count", "explicit_entry_past_grid": "kv_count"}.get(how)
+    if count is not None and int(getattr(desc, count).max()) <= 0:
+        return None
     return desc
 
 
@@ -203,7 +212,7 @@ def _mask(data, g, B, Hq, Hkv, Lq, Lk, backend, bad):
         names = list(CORRUPTIONS)
         how = data.draw(st.sampled_from(names), label="corruption")
         desc = corrupted(how, B, Hq, Hkv, Lq, Lk, seed=data.draw(st.integers(0, 9), label="cseed"))
-        if desc is None:                        # no bitmaps at these sizes: another one
+        if desc is None:                        # no bitmaps, or nothing changed: another one
             how = "kv_count_past_width"
             desc = corrupted(how, B, Hq, Hkv, Lq, Lk)
         return desc, how, False
@@ -296,7 +305,7 @@ def _draw_call(data, backends, compiled=False):
         kw["block_size"] = _pick(data, [(32, 16), 16, (8, 8)], [(0, 16), (16,)], bad,
                                  "block_size")
     info = dict(backend=backend, dtype=dtype, poison=poison, corrupted=None,
-                must_refuse=False, shape_bug=shape_bug)
+                must_refuse=False, shape_bug=shape_bug, bad=bad)
 
     def build():
         mask, how, must_refuse = _mask(data, g, B, Hq, Hkv, Lq, Lk, backend, bad)
@@ -352,7 +361,9 @@ def test_fuzz_attention(data):
             got = flexsparse.attention(*args, **kw)
     except (ValueError, TypeError) as err:
         assert_named(err)
-        event(f"refused: {str(err).split(':', 1)[0]}")
+        event(f"refused{'' if info['bad'] else ' (valid draw)'}: {str(err).split(':', 1)[0]}")
+        if not info["bad"]:
+            _refusal_of_a_valid_draw(str(err), info, debug)
         if args is not None:
             with debug_mode(debug):
                 _refused_the_same(err, args, kw)
@@ -376,6 +387,17 @@ def test_fuzz_attention(data):
             and data.draw(st.integers(0, 2), label="grads") == 0):
         event(f"grads: {info['backend']}")
         _check_grads(args, kw, info)
+
+
+def _refusal_of_a_valid_draw(msg, info, debug):
+    """A draw without bad arguments may be refused only for these reasons, each a limit the
+    draw can hit: a descriptor compiled for other sizes or corrupted (checked), a Triton
+    limit (float64, 8 x 8 blocks), a document mask with Lq != Lk."""
+    expected = (msg.startswith("mask:") and (info["must_refuse"] or info["corrupted"] is not None)
+                or info["backend"] == "triton"
+                and msg.startswith("backend: 'triton' cannot run these inputs")
+                or msg.startswith("lengths: needs Lq == Lk"))
+    assert expected, f"a valid call was refused (debug={debug}): {msg}"
 
 
 def _check_grads(args, kw, info):
@@ -458,6 +480,11 @@ def test_fuzz_attention_compiled(data):
             assert found and found.group(3) in NAMES, text
             same = (found.group(1) == type(want).__name__
                     and found.group(3) == str(want).split(":")[0])
+        elif isinstance(err, RuntimeError) and "(checked inside torch.compile)" in text:
+            # a data value checked when the graph runs (torch._assert_async: a RuntimeError,
+            # docs/dynamic-masks.md "Which check runs where"), before eager's first refusal
+            assert text.split(":")[0] in NAMES, text
+            same = False
         else:
             assert_named(err)
             same = False
