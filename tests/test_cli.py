@@ -15,9 +15,15 @@ def test_env_lists_usable_backends(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    if not torch.cuda.is_available():
+    from flexsparse.ops import backends
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"backends registered: {backends.available()}; usable on {device}: " in out
+    if device == "cpu":
         # on CPU the Triton kernels run only under the interpreter
         assert "usable on cpu: ['reference']" in out
+    else:
+        usable = cli.usable_backends(torch.device("cuda"))
+        assert f"usable on cuda: {usable}" in out and "reference" in usable
 
 
 def test_env_says_where_auto_sends_each_mask_kind(capsys, monkeypatch):
