@@ -290,11 +290,6 @@ constexpr int kTileWarps = kQueryThreads / 32;
 constexpr int kKeysPerWarp = kTileKeys / kTileWarps;
 constexpr int kColVec = kTileRows / 32;
 
-__device__ __forceinline__ int grid_state(const BuildParams& p, int64_t b, int64_t qb, int64_t kb) {
-  const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
-  return p.layout != nullptr ? (p.layout[at] ? int(kFull) : int(kSkip)) : int(p.states[at]);
-}
-
 // One step of a list row over the whole warp: 32 V blocks from c, block c + 32 v + lane
 // in bit v of this lane's masks of partial (pm) and full (fm) ones (so that each v is 32
 // adjacent blocks: coalesced loads and stores), counted, and placed when `place` (np, nf:

@@ -170,6 +170,12 @@ FS_HD int block_state(const int32_t* bounds_kb, int m, int64_t stride, int32_t q
   return skip ? kSkip : (touched ? kPartial : kFull);
 }
 
+// Block state of (qb, kb) in row b of a block grid (p.layout or p.states).
+FS_HD int grid_state(const BuildParams& p, int64_t b, int64_t qb, int64_t kb) {
+  const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
+  return p.layout != nullptr ? (p.layout[at] ? int(kFull) : int(kSkip)) : int(p.states[at]);
+}
+
 // Step 2: per key block statistics of one interval (blocklists.key_block_stats; padded
 // columns are neutral, empty intervals neither cover nor touch anything).
 struct Stats {

@@ -44,10 +44,8 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
       int64_t np = 0, nf = 0;
       for (int64_t i = 0; i < n; ++i) {
         int64_t qb = kv ? row : i, kb = kv ? i : row;
-        const int64_t at = (b * p.nQB + qb) * p.nKB + kb;
-        st[i] = p.layout != nullptr ? (p.layout[at] ? kFull : kSkip)
-                : p.states != nullptr ? p.states[at]
-                                      : block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
+        st[i] = bounds == nullptr ? grid_state(p, b, qb, kb)
+                                  : block_state(bounds + kb, p.m, p.nKB, (int32_t)qb);
         np += st[i] == kPartial;
         nf += st[i] == kFull;
       }

@@ -1315,15 +1315,15 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       return;
     }
   }
-  if constexpr (kHeadDim <= 128) {
-    // FLEXSPARSE_CUDA_DEBUG bit 17592186044416: two query buffers (kQBuffers, opt-in).
-    if (overlap && p.bias == nullptr && plain && (p.debug_high & 8192)) {
-      launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
-          p, stream);
-      return;
-    }
-  }
   if (overlap && p.bias == nullptr && plain) {
+    if constexpr (kHeadDim <= 128) {
+      // FLEXSPARSE_CUDA_DEBUG bit 17592186044416: two query buffers (kQBuffers, opt-in).
+      if (p.debug_high & 8192) {
+        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
+            p, stream);
+        return;
+      }
+    }
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
     return;
   }

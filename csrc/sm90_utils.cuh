@@ -103,6 +103,13 @@ struct NoWgmma {
   __device__ void operator()() const {}
 };
 
+// A descriptor iterator advanced by `units` (16-byte units of the start-address field)
+// with one 64-bit add (k_slice, shifted_operand).
+__device__ __forceinline__ GMMA::DescriptorIterator desc_plus(GMMA::DescriptorIterator const& it,
+                                                              uint64_t units) {
+  return GMMA::DescriptorIterator{GmmaDescriptor{it.desc_.desc_ + units}};
+}
+
 // The k-th slice of a wgmma operand. A shared-memory (descriptor) operand's descriptor is
 // advanced by one 64-bit add: CuTe's DescriptorIterator adds to the low word and copies the
 // high one, which ptxas rebuilds with a UMOV beside a UIADD3 before every wgmma (two per
@@ -118,8 +125,7 @@ __device__ __forceinline__ auto k_slice(Operand const& t, int k) {
   constexpr bool kDesc64 = true;
 #endif
   if constexpr (kDesc64 && is_same<remove_cvref_t<decltype(t.data())>, GMMA::DescriptorIterator>::value) {
-    const GMMA::DescriptorIterator it{GmmaDescriptor{t.data().desc_.desc_ + uint64_t(t.layout()(0, 0, k))}};
-    return make_tensor(it, t(_, _, k).layout());
+    return make_tensor(desc_plus(t.data(), uint64_t(t.layout()(0, 0, k))), t(_, _, k).layout());
   } else {
     return t(_, _, k);
   }
@@ -130,8 +136,7 @@ __device__ __forceinline__ auto k_slice(Operand const& t, int k) {
 // does (the field cannot carry out below 256 KB of shared memory).
 template <class Operand>
 __device__ __forceinline__ auto shifted_operand(Operand const& t, uint32_t units) {
-  const GMMA::DescriptorIterator it{GmmaDescriptor{t.data().desc_.desc_ + uint64_t(units)}};
-  return make_tensor(it, t.layout());
+  return make_tensor(desc_plus(t.data(), units), t.layout());
 }
 
 // C (+)= A * B over the K mode with one warpgroup-wide wgmma batch. zero_init: C = A * B.

@@ -147,7 +147,7 @@ def test_block_layout_equals_cpu_kernel_and_static_build(bh, Lq, Lk, block):
 @pytest.mark.parametrize("bh,Lq,Lk,block", LAYOUTS)
 @pytest.mark.parametrize("states", [False, True])
 def test_block_grid_tiles_equal_the_warp_per_row_build(bh, Lq, Lk, block, states, monkeypatch):
-    """grid_list_kernel (16 blocks per lane along the rows, the dK/dV lists from 128 x 32
+    """grid_list_kernel (16 blocks per lane along the rows, the dK/dV lists from 128 x 16
     tiles in shared memory) against list_kernel's warp per list row (FLEXSPARSE_CUDA_DEBUG
     bit 274877906944), bit for bit, on bool layouts and int32 states with partial blocks."""
     g = torch.Generator().manual_seed(Lq + 3 * Lk)
