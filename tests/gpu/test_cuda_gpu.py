@@ -475,7 +475,9 @@ def _consumer_warpgroups(fn):
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if "fwd_kernel<" in e.name]
-    return {int(re.search(r"FwdTraits<.*, (\d+)> >", n).group(1)) for n in names}
+    # FwdTraits<Element, kHeadDim, kBlockN, kStages, kOverlap, kConsumerRegs, kTmaStore,
+    # kPlain, kBiasTiles, kConsumerWarpgroups, kQBuffers>: the tenth argument
+    return {int(re.search(r"FwdTraits<([^<>]*)>", n).group(1).split(",")[9]) for n in names}
 
 
 @pytest.mark.parametrize("Lq,Lk", [(1000, 1000), (193, 700), (2000, 517), (129, 64)])
