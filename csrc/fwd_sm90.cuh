@@ -35,13 +35,14 @@
 
 // Timeline probe, compiled in only with -DFLEXSPARSE_FWD_TRACE (tests/gpu.sh trace, which
 // builds a separate copy): one thread of each role stamps the SM clock at fixed points of
-// each key tile of one work tile (the CTA's (FLEXSPARSE_CUDA_DEBUG >> 16)-th) in CTAs 0, 1
-// and gridDim / 2, into a global buffer that those CTAs print at exit
-// (tests/gpu/fwd_trace.py reads it). Roles: 0, 1 the consumer warpgroups, 2 the producer.
+// each key tile of two consecutive work tiles (the CTA's (FLEXSPARSE_CUDA_DEBUG >> 16)-th
+// and the next), and at the edge of each (FWD_TRACE_EDGE), in CTAs 0, 1 and gridDim / 2,
+// into a global buffer that those CTAs print at exit (tests/gpu/fwd_trace.py reads it).
+// Roles: 0, 1 the consumer warpgroups, 2 the producer.
 // The probe itself slows the loop by about a third, whether the stamps go to shared or
 // global memory (docs/perf-notes.md C33): read its durations as relative.
 #ifdef FLEXSPARSE_FWD_TRACE
-constexpr int kTraceCtas = 3, kTraceTiles = 130, kTraceEvents = 8;
+constexpr int kTraceCtas = 3, kTraceTiles = 260, kTraceEvents = 8;
 static __device__ uint32_t fwd_trace_buf[kTraceCtas][kTraceTiles][4][kTraceEvents];
 // Where the other threads' stamps go: one 32-byte row per warp of the first 256 CTAs, so
 // that they do not all store to one address.
@@ -49,18 +50,53 @@ static __device__ uint32_t fwd_trace_sink[256 * 12][kTraceEvents];
 __device__ __forceinline__ int fwd_trace_cta() {
   return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
 }
+__device__ __forceinline__ uint32_t* fwd_trace_sink_row() {
+  return fwd_trace_sink[(blockIdx.x % 256) * 12 + threadIdx.x / 32];
+}
+__device__ __forceinline__ uint32_t fwd_trace_clock() {
+  uint32_t c;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
+  return c;
+}
 #define FWD_TRACE(e)                                                                    \
   asm volatile("{\n .reg .u32 c;\n mov.u32 c, %%clock;\n st.global.u32 [%0], c;\n}" \
                ::"l"(trace_slot + (e)))
-// The next tile's slot (threads that do not record stay on their sink).
-#define FWD_TRACE_NEXT() trace_slot += trace_step
-#define FWD_TRACE_START(role, on)                                                          \
-  const bool trace_rec = (on) && fwd_trace_cta() >= 0 && (role) < 3;                        \
-  uint32_t* trace_slot = trace_rec ? &fwd_trace_buf[fwd_trace_cta()][0][role][0]            \
-                                   : fwd_trace_sink[(blockIdx.x % 256) * 12 + threadIdx.x / 32]; \
-  const int trace_step = trace_rec ? 4 * kTraceEvents : 0
+// The next key tile's slot (threads that do not record stay on their sink; the last slots
+// are kept for the work-tile edges).
+#define FWD_TRACE_NEXT()                                              \
+  if (trace_step != 0 && ++trace_n >= kTraceTiles - 3) {              \
+    trace_slot = fwd_trace_sink_row();                                \
+    trace_step = 0;                                                   \
+  }                                                                   \
+  trace_slot += trace_step
+// Once per role, before its loop over work tiles.
+#define FWD_TRACE_DECL()                       \
+  uint32_t* trace_slot = fwd_trace_sink_row(); \
+  int trace_step = 0, trace_n = 0
+// At work tile k: the traced ones are k0 = (FLEXSPARSE_CUDA_DEBUG >> 16) and k0 + 1, whose
+// key tiles take consecutive slots, so that the edge between them shows.
+#define FWD_TRACE_WORK(role, k, k0, on)                                          \
+  {                                                                              \
+    const bool rec_ = (on) && fwd_trace_cta() >= 0 && (role) < 3;                \
+    if (rec_ && (k) == (k0)) {                                                   \
+      trace_slot = &fwd_trace_buf[fwd_trace_cta()][0][role][0];                  \
+      trace_step = 4 * kTraceEvents;                                             \
+      trace_n = 0;                                                               \
+    } else if (!(rec_ && (k) == (k0) + 1 && trace_step != 0)) {                  \
+      trace_slot = fwd_trace_sink_row();                                         \
+      trace_step = 0;                                                            \
+    }                                                                            \
+  }
+// Edge event e of traced work tile k (row kTraceTiles - 2 - (k - k0)): consumers 0 queries
+// ready, 1 last key tile done (finish), 2 the P V before it done, 3 the last P V issued,
+// 4 it is done, 5 O / l and the lse done, 6 O stored or its store issued, 7 the work tile's
+// first key-tile slot (a count, not a clock); producer 0 before the wait for the query
+// buffer, 1 after it, 2 the query load issued.
+#define FWD_TRACE_EDGE(role, k, k0, on, e, value)                                                    \
+  if ((on) && fwd_trace_cta() >= 0 && (role) < 3 && ((k) == (k0) || (k) == (k0) + 1))               \
+    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 2 - ((k) - (k0))][role][e] = (value)
 // Clock and global timer (ns) side by side at the traced work tile's start (i = 0) and end
-// (i = 1), to convert cycles to time: sink row kTraceTiles - 1 of the CTA's slot.
+// (i = 1), to convert cycles to time: row kTraceTiles - 1 of the CTA's slot.
 #define FWD_TRACE_CALIBRATE(on, i)                                                          \
   if ((on) && fwd_trace_cta() >= 0) {                                                       \
     uint32_t c, g;                                                                          \
@@ -75,8 +111,14 @@ __device__ __forceinline__ int fwd_trace_cta() {
 #define FWD_TRACE_NEXT() \
   do {                   \
   } while (0)
-#define FWD_TRACE_START(role, on) \
-  do {                            \
+#define FWD_TRACE_DECL() \
+  do {                   \
+  } while (0)
+#define FWD_TRACE_WORK(role, k, k0, on) \
+  do {                                  \
+  } while (0)
+#define FWD_TRACE_EDGE(role, k, k0, on, e, value) \
+  do {                                            \
   } while (0)
 #define FWD_TRACE_CALIBRATE(on, i) \
   do {                             \
@@ -382,10 +424,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       int bias_loads = 0;   // kBiasTiles: bias tiles loaded so far (the buffer's phase)
       int q_loads = 0;   // (the query-load probe below)
       int w = blockIdx.x;
+      FWD_TRACE_DECL();
       for (int k = 0;; ++k) {
         const int qbuf = k % T::kQBuffers;
+        FWD_TRACE_WORK(2, k, int(p.debug >> 16), true);
+        FWD_TRACE_EDGE(2, k, int(p.debug >> 16), true, 0, fwd_trace_clock());
         if (k >= T::kQBuffers)
           cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty[qbuf], (k / T::kQBuffers - 1) & 1);
+        FWD_TRACE_EDGE(2, k, int(p.debug >> 16), true, 1, fwd_trace_clock());
         if (w >= n_work) {
           ss.work_tile[qbuf] = -1;
           Barrier::arrive(&ss.barrier_q[qbuf]);
@@ -421,6 +467,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                cta_q.partition_D(query_buffer(qbuf)));
           ++q_loads;
         }
+        FWD_TRACE_EDGE(2, k, int(p.debug >> 16), true, 2, fwd_trace_clock());
         Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                                make_coord(_, 0));                     // (N, D, n)
         Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -438,7 +485,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             return 0;
           }
         }();
-        FWD_TRACE_START(2, k == (p.debug >> 16));
         do {
           FWD_TRACE(0);
           pipe_k.producer_acquire(write);
@@ -878,6 +924,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty[qbuf]); };
     // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
     typename T::PipelineState read, read_k, read_v;
+    FWD_TRACE_DECL();
     for (int k = 0;; ++k) {
     qbuf = k % T::kQBuffers;
     Barrier::wait(&ss.barrier_q[qbuf], (k / T::kQBuffers) & 1);
@@ -888,7 +935,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     set_work_tile(w);
     set_tile_inputs();
     // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
-    FWD_TRACE_START(wg < 2 ? wg : 3, k == (p.debug >> 16) && wg_tid == 0);
+    FWD_TRACE_WORK(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0);
+    FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 0, fwd_trace_clock());
+    FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 7, uint32_t(trace_n));
     FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 0);
     clear(tOrO);
     CUTLASS_PRAGMA_UNROLL
@@ -1062,19 +1111,23 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       auto finish = [&](FragP& p_last) __attribute__((always_inline)) {
         release_q();
         FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 1);
+        FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 1, fwd_trace_clock());
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
+        FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 2, fwd_trace_clock());
         if (v_in_flight) release_v();
         rescale_o(alpha);
         pipe_v.consumer_wait(read_v);
         issue_begin();
         gemm<false, -1>(mma_pv, p_last, tOrV(_, _, _, read_v.index()), tOrO);
         issue_end();
+        FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 3, fwd_trace_clock());
         // Warpgroup 0 takes the last turn that the last warpgroup handed it, so that every
         // arrival at a scheduler barrier is matched when the CTA exits.
         if (wg == 0) issue_begin();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
+        FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 4, fwd_trace_clock());
         release_v();
       };
       if (next_tile(n, partial)) {
@@ -1162,6 +1215,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       if (tid % 4 == 0 && i < p.Lq)
         lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
     }
+    FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 5, fwd_trace_clock());
     // Probe (FLEXSPARSE_CUDA_DEBUG bit 8796093022208, wrong results): no O store, so that
     // the epilogue's share of a work tile shows (perf-notes, issue 15).
     if (p.debug_high & 4096) {
@@ -1205,6 +1259,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
     }
+    FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 6, fwd_trace_clock());
     }   // work tiles
     if constexpr (T::kTmaStore) {
       if (wg_tid == 0) tma_store_wait<0>();   // shared memory outlives the last store

@@ -74,6 +74,13 @@ if [[ " $parts " == *" btrace "* ]]; then
   (side_build "$btr" -DFLEXSPARSE_BWD_TRACE "$OUT/btrace_build.log"; echo $? > "$btr.rc") &
   btrace_pid=$!
 fi
+# trace (below): its -DFLEXSPARSE_FWD_TRACE build likewise.
+trb=/tmp/flexsparse_trace
+if [[ " $parts " == *" trace "* ]]; then
+  tr0=$(date +%s)
+  (side_build "$trb" -DFLEXSPARSE_FWD_TRACE "$OUT/trace_build.log"; echo $? > "$trb.rc") &
+  trace_pid=$!
+fi
 if [[ " $parts " == *" build_ab "* || " $parts " == *" ifwd_ab "* ]]; then
   (side_build "$ab_tree" "${AB_FLAGS:-}" "$OUT/ab_build.log" "${AB_CSRC:-}"; echo $? > "$ab_tree/.rc") &
 fi
@@ -244,16 +251,16 @@ if [[ " $parts " == *" build_ab "* ]]; then
     done
   fi
 fi
-# The CUDA forward's timeline per key tile (a second build, with -DFLEXSPARSE_FWD_TRACE, in
-# a copy of the tree; not part of "all"): TRACE_ROWS="full@8192@128 full@8192@64" bash tests/gpu.sh trace
+# The CUDA forward's timeline per key tile and at the edge between two work tiles (a second
+# build, with -DFLEXSPARSE_FWD_TRACE, in a copy of the tree, started beside the main build;
+# not part of "all"): TRACE_ROWS="full@8192@128 sliding@8192@128" bash tests/gpu.sh trace
 if [[ " $parts " == *" trace "* ]]; then
   timeout 120 python3 tests/gpu/fwd_trace.py ${TRACE_ROWS:-} --plain-time 2>&1 | grep TIME | tee "$OUT/fwd_trace_plain.txt"
-  tr=/tmp/flexsparse_trace
-  t0=$(date +%s)
-  side_build "$tr" -DFLEXSPARSE_FWD_TRACE "$OUT/trace_build.log" \
+  wait "$trace_pid"
+  [ "$(cat "$trb.rc" 2>/dev/null)" = 0 ] \
     || { echo "trace build failed"; grep -E "error" "$OUT/trace_build.log" | head; }
-  echo "trace build: $(( $(date +%s) - t0 )) s"
-  PYTHONPATH="$tr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
+  echo "trace build done $(( $(date +%s) - tr0 )) s after it started"
+  PYTHONPATH="$trb${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
     ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
 fi
 # The CUDA backward's timeline per query step (a second build, with -DFLEXSPARSE_BWD_TRACE, in

@@ -1,7 +1,8 @@
 """The CUDA forward's timeline, tile by tile, from a build with -DFLEXSPARSE_FWD_TRACE
 (tests/gpu.sh trace builds one in a copy of the tree): one thread of each consumer
-warpgroup and the producer stamp the SM clock at fixed points of each key tile of one work
-tile, and CTAs 0, 1 and gridDim/2 print the stamps (csrc/fwd_sm90.cuh, FWD_TRACE).
+warpgroup and the producer stamp the SM clock at fixed points of each key tile of two
+consecutive work tiles and at their edges, and CTAs 0, 1 and gridDim/2 print the stamps
+(csrc/fwd_sm90.cuh, FWD_TRACE, FWD_TRACE_EDGE).
 
     PYTHONPATH=<trace build> python3 tests/gpu/fwd_trace.py full@8192@128 full@8192@64 ...
 
@@ -11,6 +12,9 @@ tiles, beside the tensor cores' floor for the same work. Events per consumer til
 wgmmas issued and the turn handed on, 5 S ready, 6 softmax done, 7 P V done. The clock is
 calibrated against the global timer over the traced work tile (cycles per ns). Producer: 0 top, 1 key stage free,
 2 value stage free, 3 value load issued.
+The edge between the two work tiles (EDGE_PHASES, then the next work tile's first key
+tile) is printed per warpgroup with its excess: the time from the first work tile's last
+key tile to the second one's second key tile, less two steady periods.
 """
 import argparse
 import ctypes
@@ -22,6 +26,14 @@ import sys
 PHASES = [("top: extras, K wait", 0, 1), ("turn wait", 1, 2), ("QK^T issue", 2, 3),
           ("V wait, PV issue, turn handed on", 3, 4), ("S wait", 4, 5), ("mask + softmax", 5, 6),
           ("P conversion", 6, 7)]
+
+
+# Edge rows (csrc/fwd_sm90.cuh FWD_TRACE_EDGE): kTraceTiles - 2 for the first traced work
+# tile, kTraceTiles - 3 for the second.
+TRACE_TILES = 260
+EDGE_FIRST, EDGE_SECOND = TRACE_TILES - 2, TRACE_TILES - 3
+EDGE_PHASES = [("wait P V(t-1)", 1, 2), ("turn, last P V issued", 2, 3), ("wait last P V", 3, 4),
+               ("O / l, lse", 4, 5), ("O store", 5, 6)]
 
 
 def run_one(row, work_tile, plain=False):
@@ -81,12 +93,15 @@ def summarize(row, trace):
             if g1 != g0:
                 lines.append(f"CTA {cta}: clock {dt(c0, c1) / dt(g0, g1):.3f} cycles per ns over the work tile")
     trace = {key: val for key, val in trace.items() if key[1] != 3}
+    edges = {key: {t: val.pop(t) for t in (EDGE_FIRST, EDGE_SECOND) if t in val} for key, val in trace.items()}
     for cta in sorted({c for c, _ in trace}):
         lines.append(f"CTA {cta}:")
         for role in (0, 1):
             tiles = trace.get((cta, role), {})
             ts = sorted(tiles)
-            steady = [t for t in ts if 2 <= t and t + 1 in tiles and t + 2 <= max(ts)]
+            second = edges.get((cta, role), {}).get(EDGE_SECOND, [0] * 8)[7] or None   # its first slot
+            steady = [t for t in ts if 2 <= t and t + 1 in tiles and t + 2 <= max(ts)
+                      and second not in (t + 1, t + 2) and t != second]
             if not steady:
                 lines.append(f"  wg{role}: {len(ts)} tiles, too few")
                 continue
@@ -104,6 +119,7 @@ def summarize(row, trace):
             if gap and gap2:
                 lines.append(f"  turns: wg0 issued -> wg1 takes turn {int(statistics.median(gap))}, "
                              f"wg1 issued -> wg0 takes next {int(statistics.median(gap2))}")
+        lines += edge_lines(cta, trace, edges)
         prod = trace.get((cta, 2), {})
         if prod:
             ts = sorted(prod)[2:-1]
@@ -116,6 +132,41 @@ def summarize(row, trace):
             if lead:
                 lines.append(f"  K(t) issued -> wg0 sees it ready: median {int(statistics.median(lead))} cycles")
     return "\n".join(lines)
+
+
+def edge_lines(cta, trace, edges):
+    """The edge between the traced work tiles, per consumer warpgroup, in cycles."""
+    med = lambda xs: int(statistics.median(xs)) if xs else -1  # noqa
+    lines, released = [], []
+    for role in (0, 1):
+        tiles, edge = trace.get((cta, role), {}), edges.get((cta, role), {})
+        if EDGE_FIRST not in edge or EDGE_SECOND not in edge:
+            continue
+        e0, e1 = edge[EDGE_FIRST], edge[EDGE_SECOND]
+        s1 = e1[7]
+        if not (s1 - 1 in tiles and s1 in tiles and s1 + 1 in tiles):
+            lines.append(f"  wg{role} edge: the second work tile has fewer than two key tiles")
+            continue
+        released.append(e0[1])
+        ts = [t for t in sorted(tiles) if t + 1 in tiles and t + 1 not in (s1, s1 + 1) and t not in (s1 - 1, s1)]
+        period = med([dt(tiles[t][0], tiles[t + 1][0]) for t in ts[1:]])
+        last, first = tiles[s1 - 1], tiles[s1]
+        parts = [f"last softmax -> finish {dt(last[7], e0[1])}"]
+        parts += [f"{name} {dt(e0[a], e0[b])}" for name, a, b in EDGE_PHASES]
+        parts += [f"-> next queries ready {dt(e0[6], e1[0])}", f"extras, K wait, turn {dt(e1[0], first[2])}",
+                  f"first QK^T issue {dt(first[2], first[3])}", f"first S wait {dt(first[4], first[5])}",
+                  f"first softmax + P {dt(first[5], first[7])}"]
+        span = dt(last[0], tiles[s1 + 1][0])
+        lines.append(f"  wg{role} edge (work tiles of {s1} and {max(tiles) - s1 + 1} key tiles): "
+                     f"{span} cycles over two key tiles against a steady period {period}: "
+                     f"excess {span - 2 * period}; " + ", ".join(parts))
+    prod = edges.get((cta, 2), {}).get(EDGE_SECOND)
+    if prod and released:
+        c0 = edges.get((cta, 0), {}).get(EDGE_SECOND)
+        lines.append(f"  producer at the edge: last release_q -> query buffer free {dt(max(released), prod[1])}, "
+                     f"wait -> query load issued {dt(prod[1], prod[2])}"
+                     + (f", issued -> wg0 sees the queries {dt(prod[2], c0[0])}" if c0 else ""))
+    return lines
 
 
 def main():
