@@ -34,8 +34,10 @@
 #include <cassert>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "build_masks.h"
 
@@ -270,25 +272,50 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
 }
 
 // Block grids (p.layout, p.states), in one launch (grid_list_kernel). Both list kinds
-// are latency-bound loops over a row of n blocks (the writes, 2 x 4 x n bytes per row,
-// are the floor: 256 MB at 128K, B = 1, H = 16), so a warp takes 32 V blocks per step
-// (V per lane, 32 apart: the loads independent, each v's loads and stores coalesced):
-//   forward / dQ rows (one per query block): a warp per row, 16 blocks per lane, read
-//     along the row-major grid;
-//   dK/dV rows (one per key block): a CTA per 16 adjacent key blocks reads the grid's
-//     (128 x 16) tiles row by row into shared memory, and warp w makes the lists of key
-//     blocks w and w + 8 from them, 4 query blocks per lane (list_kernel's warp per key
-//     block read its column one byte per lane, nKB bytes apart: a sector per state).
+// are bound by their writes (2 x 4 x n bytes per list row: 256 MB at 128K, B = 1, H = 16)
+// and by the latency of their loops. By default each list row's grid is read once, 16
+// bytes per load, into bit masks held in registers: "slabs" of 32 adjacent blocks of the
+// row, two 32-bit words each (bit j: block 32 t + j of slab t is partial / full), slab t
+// in lane t % 32 of the warp that makes the row (kSlabsPerLane per lane: rows of up to
+// kSlabBlocks blocks). The counts are the words' popcounts reduced over the warp; then
+// the warp walks the slabs in order, each broadcast from its lane, and lane j places
+// block 32 t + j as step_lists does: listed ones first, then the others, ascending
+// (descriptor._block_lists; the stores of 32 adjacent blocks coalesced, and no second
+// read of the grid: docs/perf-notes.md, "Block-grid lists"):
+//   forward / dQ rows (one per query block): a warp per row; it loads each 1024 blocks
+//     of the row-major grid coalesced (a layout: two 16-byte loads per lane; states:
+//     eight), and shuffles hand each slab to its lane (load_slabs);
+//   dK/dV rows (one per key block): a CTA per 16 adjacent key blocks reads (256 x 16)
+//     tiles, a tile ahead, one grid row per thread (a layout: one 16-byte load; states:
+//     four coalesced loads, rows of 64 bytes across four lanes, turned into a row per
+//     thread through shared memory). Per key, a warp's two ballots over its 32 rows are
+//     that key's slab; shared memory passes it to the warp of the key (warp w makes the
+//     lists of key blocks w and w + 8).
+// Slabs need every grid row 16-byte aligned (nKB a multiple of 16 for layouts, of 4 for
+// states, an aligned base: decided by the launcher, `paths`) and rows of at most
+// kSlabBlocks blocks. Other grids, and all under FLEXSPARSE_CUDA_DEBUG bit
+// 35184372088832 (for same-run A/Bs: build_bench --variants), take the two-pass build
+// (grid_row_lists, grid_column_lists): pass 0 counts the partial and full blocks of each
+// row, pass 1 re-reads the grid and places each block, reading one state per lane:
+//   forward / dQ rows: a warp per row, 16 blocks per lane (32 apart: the loads
+//     independent, each one's loads and stores coalesced), along the row-major grid;
+//   dK/dV rows: a CTA per 16 adjacent key blocks reads the grid's (128 x 16) tiles row by
+//     row into shared memory, and warp w makes the lists of key blocks w and w + 8 from
+//     them, 4 query blocks per lane (list_kernel's warp per key block read its column one
+//     byte per lane, nKB bytes apart: a sector per state).
 // Launch bounds (256, 4): 64 registers, four CTAs per SM as list_kernel has; with two the
 // latency-bound loops ran slower than list_kernel's (docs/perf-notes.md, "Block-grid
 // lists").
-// Pass 0 counts the partial and full blocks of each row; pass 1 places each block: listed
-// ones first, then the others, ascending (descriptor._block_lists).
 constexpr int kRowVec = 16;
 constexpr int kTileKeys = 16, kTileRows = 128;
 constexpr int kTileWarps = kQueryThreads / 32;
 constexpr int kKeysPerWarp = kTileKeys / kTileWarps;
 constexpr int kColVec = kTileRows / 32;
+constexpr int kSlabsPerLane = 4;
+constexpr int kSlabBlocks = 32 * 32 * kSlabsPerLane;   // 4096: 512K tokens at block 128
+constexpr int kSlabTileRows = kQueryThreads;           // a grid row per thread
+constexpr int kTilesPerSlabReg = 32 / kTileWarps;      // dK/dV tiles per slab register
+constexpr unsigned kRowsBySlabs = 1, kColumnsBySlabs = 2;   // grid_list_kernel's `paths`
 
 // One step of a list row over the whole warp: 32 V blocks from c, block c + 32 v + lane
 // in bit v of this lane's masks of partial (pm) and full (fm) ones (so that each v is 32
@@ -391,16 +418,254 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
   }
 }
 
+// Bit e of the result: byte e of x is nonzero (a layout's True, as grid_state reads it).
+__device__ __forceinline__ unsigned nonzero_bytes(unsigned x) {
+  const unsigned hi = (((x & 0x7f7f7f7fu) + 0x7f7f7f7fu) | x) & 0x80808080u;   // bit 7 per byte
+  return (hi * 0x00204081u) >> 28;              // bits 7, 15, 23, 31 to 28-31, no carries
+}
+
+// Bit k: byte k of the 16 is nonzero.
+__device__ __forceinline__ unsigned nonzero_bytes16(int4 v) {
+  return nonzero_bytes(v.x) | nonzero_bytes(v.y) << 4 | nonzero_bytes(v.z) << 8 |
+         nonzero_bytes(v.w) << 12;
+}
+
+// Bits u of the two nibbles (partial, full): state u of v is partial / full.
+__device__ __forceinline__ unsigned pack_states4(int4 v) {
+  const int s[4] = {v.x, v.y, v.z, v.w};
+  unsigned pf = 0;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) pf |= unsigned(s[u] == kPartial) << u | unsigned(s[u] == kFull) << (4 + u);
+  return pf;
+}
+
+// Slabs 32 j + s (s < 32) of a grid row of n blocks (`row`: its first state, 16-byte
+// aligned), lane s's: bit i of pm / fm = block 32 (32 j + s) + i is partial / full, 0 past
+// n (a multiple of 16 for layouts, of 4 for states: each 16-byte piece is in the row whole
+// or past it whole). The warp loads the 1024 blocks coalesced, lane l the 16-byte pieces
+// l + 32 e, and the shuffles hand each 16-block half of a slab to its lane.
+template <bool kStates>
+__device__ __forceinline__ void load_slabs(const void* row, int j, int32_t n, unsigned& pm, unsigned& fm) {
+  const int lane = threadIdx.x & 31;
+  const int4 zero = make_int4(0, 0, 0, 0);
+  if constexpr (kStates) {
+    // piece e of lane l: blocks 128 e + 4 l + u, bits 4 (l % 4) + u of half 8 e + l / 4
+    // (partial bits 0-15, full bits 16-31), OR-ed over the lane's quad
+    const int4* q = reinterpret_cast<const int4*>(static_cast<const int32_t*>(row) + 1024 * j);
+    int4 v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 1024 * j + 128 * e + 4 * lane < n ? __ldg(q + lane + 32 * e) : zero;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const unsigned pf = pack_states4(v[e]);
+      unsigned h = ((pf & 0xfu) | (pf >> 4) << 16) << (4 * (lane & 3));
+      h |= __shfl_xor_sync(0xffffffffu, h, 1);
+      h |= __shfl_xor_sync(0xffffffffu, h, 2);
+      // slab s: halves 2 s and 2 s + 1, of piece s / 4, quads 2 s % 8 and (2 s + 1) % 8
+      const unsigned a = __shfl_sync(0xffffffffu, h, 4 * ((2 * lane) & 7));
+      const unsigned c = __shfl_sync(0xffffffffu, h, 4 * ((2 * lane + 1) & 7));
+      if (lane / 4 == e) {
+        pm = (a & 0xffffu) | c << 16;
+        fm = a >> 16 | (c & 0xffff0000u);
+      }
+    }
+  } else {
+    // piece e of lane l: blocks 512 e + 16 l + i, bits 16 e + i of x (half 32 e + l)
+    const int4* q = reinterpret_cast<const int4*>(static_cast<const uint8_t*>(row) + 1024 * j);
+    int4 v[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) v[e] = 1024 * j + 512 * e + 16 * lane < n ? __ldg(q + lane + 32 * e) : zero;
+    const unsigned x = nonzero_bytes16(v[0]) | nonzero_bytes16(v[1]) << 16;
+    // slab s: halves 2 s and 2 s + 1, of piece s / 16, lanes 2 s % 32 and (2 s + 1) % 32
+    const unsigned a = __shfl_sync(0xffffffffu, x, (2 * lane) & 31);
+    const unsigned c = __shfl_sync(0xffffffffu, x, (2 * lane + 1) & 31);
+    const int sh = 16 * (lane / 16);
+    pm = 0;
+    fm = ((a >> sh) & 0xffffu) | (c >> sh) << 16;
+  }
+}
+
+// The lists of one row of n blocks from its slabs (this lane's: slab 32 j + lane in pm[j],
+// fm[j]): the counts (np, nf), then the slabs in order, each broadcast to the warp and
+// its 32 blocks placed as step_lists places them (lane i: block 32 t + i).
+__device__ __forceinline__ void place_slabs(const unsigned (&pm)[kSlabsPerLane],
+                                            const unsigned (&fm)[kSlabsPerLane], int32_t n,
+                                            int32_t* part, int32_t* full, int32_t& np, int32_t& nf) {
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  unsigned cp = 0, cf = 0;
+#pragma unroll
+  for (int j = 0; j < kSlabsPerLane; ++j) {
+    cp += __popc(pm[j]);
+    cf += __popc(fm[j]);
+  }
+  np = (int32_t)__reduce_add_sync(0xffffffffu, cp);
+  nf = (int32_t)__reduce_add_sync(0xffffffffu, cf);
+  int32_t bp = 0, bf = 0;                          // listed blocks before the slab
+#pragma unroll
+  for (int j = 0; j < kSlabsPerLane; ++j) {
+#pragma unroll 4
+    for (int s = 0; s < 32; ++s) {
+      const int32_t c = 32 * (32 * j + s);
+      if (c >= n) return;                          // n: the same in the whole warp
+      const unsigned sp = __shfl_sync(0xffffffffu, pm[j], s);
+      const unsigned sf = __shfl_sync(0xffffffffu, fm[j], s);
+      const int32_t i = c + lane;
+      if (i < n) {
+        const int32_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
+        part[(sp >> lane) & 1u ? before_p : np + (i - before_p)] = i;
+        full[(sf >> lane) & 1u ? before_f : nf + (i - before_f)] = i;
+      }
+      bp += __popc(sp);
+      bf += __popc(sf);
+    }
+  }
+}
+
+template <bool kStates>
+__device__ void slab_row_lists(const BuildParams& p, int64_t b, int64_t row) {
+  const int lane = threadIdx.x & 31;
+  const int32_t n = (int32_t)p.nKB;
+  const int64_t at = (b * p.nQB + row) * p.nKB;
+  const void* grid = kStates ? static_cast<const void*>(p.states + at) : static_cast<const void*>(p.layout + at);
+  unsigned pm[kSlabsPerLane] = {}, fm[kSlabsPerLane] = {};
+#pragma unroll
+  for (int j = 0; j < kSlabsPerLane; ++j)
+    if (1024 * j < n) load_slabs<kStates>(grid, j, n, pm[j], fm[j]);   // the same in the warp
+  int32_t np, nf;
+  place_slabs(pm, fm, n, p.kv_index + at, p.kv_full_index + at, np, nf);
+  if (lane == 0) {
+    p.kv_count[b * p.nQB + row] = np;
+    p.kv_full_count[b * p.nQB + row] = nf;
+  }
+}
+
+// The grid of a (256 x 16) tile, query blocks from row0, key blocks kb0 + k (k < nk, a
+// multiple of 4; the others, and rows past nQB, skip), loaded a tile ahead: a layout's
+// row r by thread r (16 bytes: one load); states as 16-byte pieces t + 256 e (row
+// (t + 256 e) / 4 = t / 4 + 64 e, keys 4 (t % 4) + u), four per thread: coalesced, each
+// grid row's 64 bytes in adjacent lanes. `at`: this thread's piece 0 in the tile at row 0.
+template <bool kStates>
+struct SlabTile {
+  static constexpr int kPieces = kStates ? 4 : 1;
+  using Elem = typename std::conditional<kStates, int32_t, bool>::type;
+  int4 v[kPieces];
+
+  __device__ __forceinline__ void load(const Elem* at, int32_t row0, int32_t nQB, int64_t nKB, bool keys_in) {
+    const int32_t r = kStates ? threadIdx.x / 4 : threadIdx.x;
+#pragma unroll
+    for (int e = 0; e < kPieces; ++e) {
+      const int32_t qb0 = row0 + 64 * e;            // (rows of piece e past the thread's)
+      v[e] = keys_in && qb0 + r < nQB ? __ldg(reinterpret_cast<const int4*>(at + qb0 * nKB))
+                                      : make_int4(0, 0, 0, 0);
+    }
+  }
+};
+
+template <bool kStates>
+__device__ void slab_column_lists(const BuildParams& p, int64_t b, int64_t kb0) {
+  // per tile (two in flight) and key, the tile's slab of warp w: (partial, full) words
+  __shared__ uint2 words[2][kTileKeys][kTileWarps];
+  __shared__ unsigned pieces[kSlabTileRows];       // states: byte f, piece f's nibbles (partial, full)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t n = (int32_t)p.nQB;
+  const int nk = (int)min64(kTileKeys, p.nKB - kb0);
+  const int32_t tiles = (n + kSlabTileRows - 1) / kSlabTileRows;
+  // this warp's keys' slabs: slab 32 j + lane of key warp + kk * kTileWarps in [kk][j]
+  unsigned pm[kKeysPerWarp][kSlabsPerLane] = {}, fm[kKeysPerWarp][kSlabsPerLane] = {};
+  using Elem = typename SlabTile<kStates>::Elem;
+  const Elem* grid;
+  if constexpr (kStates) grid = p.states;
+  else grid = p.layout;
+  const int c = kStates ? 4 * (threadIdx.x % 4) : 0;   // this thread's first key in the tile
+  const Elem* at = grid + (b * p.nQB + (kStates ? threadIdx.x / 4 : threadIdx.x)) * p.nKB + kb0 + c;
+  SlabTile<kStates> next;
+  next.load(at, 0, n, p.nKB, c < nk);
+#pragma unroll
+  for (int j = 0; j < kSlabsPerLane; ++j) {
+    // tile 4 j + q (kTilesPerSlabReg = 4): rows from 256 (4 j + q), warp w's slab
+    // 32 j + 8 q + w, held by lane 8 q + w
+#pragma unroll 1
+    for (int q = 0; q < kTilesPerSlabReg; ++q) {
+      const int32_t tile = kTilesPerSlabReg * j + q;
+      if (tile >= tiles) break;                    // the same in the whole CTA
+      unsigned cp, cf;                             // bit k: row threadIdx.x's key k
+      if constexpr (kStates) {
+        // (the last tile's pieces were read before its second barrier)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          reinterpret_cast<uint8_t*>(pieces)[threadIdx.x + kSlabTileRows * e] = (uint8_t)pack_states4(next.v[e]);
+        next.load(at, (tile + 1) * kSlabTileRows, n, p.nKB, c < nk);
+        __syncthreads();
+        const unsigned r4 = pieces[threadIdx.x];   // row threadIdx.x's four pieces
+        unsigned lo = r4 & 0x0f0f0f0fu, hi = (r4 >> 4) & 0x0f0f0f0fu;
+        lo = (lo | lo >> 4) & 0x00ff00ffu;
+        hi = (hi | hi >> 4) & 0x00ff00ffu;
+        cp = (lo | lo >> 8) & 0xffffu;
+        cf = (hi | hi >> 8) & 0xffffu;
+      } else {
+        cp = 0;
+        cf = nonzero_bytes16(next.v[0]);
+        next.load(at, (tile + 1) * kSlabTileRows, n, p.nKB, c < nk);
+      }
+      unsigned mine_p = 0, mine_f = 0;             // lane k: key k's slab
+#pragma unroll
+      for (int k = 0; k < kTileKeys; ++k) {
+        const unsigned sf = __ballot_sync(0xffffffffu, (cf >> k) & 1u);
+        const unsigned sp = kStates ? __ballot_sync(0xffffffffu, (cp >> k) & 1u) : 0u;
+        if (lane == k) {
+          mine_p = sp;
+          mine_f = sf;
+        }
+      }
+      // Two buffers: a warp writes this tile's after the barrier of the last tile, which
+      // every warp passed only after reading the tile before it (the same buffer).
+      if (lane < kTileKeys) words[q & 1][lane][warp] = make_uint2(mine_p, mine_f);
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kKeysPerWarp; ++kk) {
+        const uint2 w2 = words[q & 1][warp + kk * kTileWarps][lane % kTileWarps];
+        if (lane / kTileWarps == q) {
+          pm[kk][j] = w2.x;
+          fm[kk][j] = w2.y;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < kKeysPerWarp; ++kk) {
+    const int64_t kb = kb0 + warp + kk * kTileWarps;
+    if (kb >= p.nKB) continue;                     // the same in the whole warp
+    const int64_t at = (b * p.nKB + kb) * n;
+    int32_t np, nf;
+    place_slabs(pm[kk], fm[kk], n, p.q_index + at, p.q_full_index + at, np, nf);
+    if (lane == 0) {
+      p.q_count[b * p.nKB + kb] = np;
+      p.q_full_count[b * p.nKB + kb] = nf;
+    }
+  }
+}
+
 // CTAs [0, row_ctas): a warp per forward / dQ row; the others: 16 key blocks' dK/dV rows.
+// kPaths: kRowsBySlabs, kColumnsBySlabs (the launcher's choice), else the two-pass build;
+// one kernel per choice, so that each is given the registers of its own paths.
 // FLEXSPARSE_CUDA_DEBUG bit 274877906944 (p.grid_by_warp): list_kernel's warp per row for
 // both kinds instead (the same-run A/B of build_bench --variants).
+template <unsigned kPaths>
 __global__ void __launch_bounds__(kQueryThreads, 4) grid_list_kernel(BuildParams p, unsigned row_ctas) {
   if (blockIdx.x >= row_ctas) {
-    grid_column_lists(p, blockIdx.y, int64_t(blockIdx.x - row_ctas) * kTileKeys);
+    const int64_t b = blockIdx.y, kb0 = int64_t(blockIdx.x - row_ctas) * kTileKeys;
+    if constexpr (!(kPaths & kColumnsBySlabs)) grid_column_lists(p, b, kb0);
+    else if (p.states != nullptr) slab_column_lists<true>(p, b, kb0);
+    else slab_column_lists<false>(p, b, kb0);
     return;
   }
   const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (row < p.nQB) grid_row_lists(p, blockIdx.y, row);   // whole warps leave together
+  if (row >= p.nQB) return;                        // whole warps leave together
+  const int64_t b = blockIdx.y;
+  if constexpr (!(kPaths & kRowsBySlabs)) grid_row_lists(p, b, row);
+  else if (p.states != nullptr) slab_row_lists<true>(p, b, row);
+  else slab_row_lists<false>(p, b, row);
 }
 
 // Step 3 for one (lo, hi) sequence over the key blocks: empty intervals take the last
@@ -565,10 +830,25 @@ void build_block_lists_cuda(const BuildParams& p, void* stream_) {
     check_launch("list_kernel (block layout)");
     return;
   }
+  // Slabs: every grid row 16-byte aligned (the base, and nKB states a multiple of 16 bytes)
+  // and list rows of at most kSlabBlocks blocks.
+  const void* grid = p.states != nullptr ? static_cast<const void*>(p.states) : static_cast<const void*>(p.layout);
+  const int64_t row_bytes = p.nKB * (p.states != nullptr ? 4 : 1);
+  const bool slabs = reinterpret_cast<uintptr_t>(grid) % 16 == 0 && row_bytes % 16 == 0 && !p.grid_two_pass;
+  const unsigned paths = (slabs && p.nKB <= kSlabBlocks ? kRowsBySlabs : 0u) |
+                         (slabs && p.nQB <= kSlabBlocks ? kColumnsBySlabs : 0u);
   const int64_t row_ctas = (p.nQB * 32 + kQueryThreads - 1) / kQueryThreads;
   const int64_t tiles = (p.nKB + kTileKeys - 1) / kTileKeys;
-  grid_list_kernel<<<dim3((unsigned)(row_ctas + tiles), (unsigned)p.Bl), kQueryThreads, 0, stream>>>(
-      p, (unsigned)row_ctas);
+  const dim3 grid_dim((unsigned)(row_ctas + tiles), (unsigned)p.Bl);
+  // (Slab rows beside two-pass columns, the grids of more than kSlabBlocks query blocks,
+  // take the two-pass build for both: that pairing spilled a register at launch bounds
+  // (256, 4).)
+  if (paths == (kRowsBySlabs | kColumnsBySlabs))
+    grid_list_kernel<kRowsBySlabs | kColumnsBySlabs><<<grid_dim, kQueryThreads, 0, stream>>>(p, (unsigned)row_ctas);
+  else if (paths == kColumnsBySlabs)
+    grid_list_kernel<kColumnsBySlabs><<<grid_dim, kQueryThreads, 0, stream>>>(p, (unsigned)row_ctas);
+  else
+    grid_list_kernel<0><<<grid_dim, kQueryThreads, 0, stream>>>(p, (unsigned)row_ctas);
   check_launch("grid_list_kernel");
 }
 

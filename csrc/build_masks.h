@@ -89,6 +89,9 @@ struct BuildParams {
   // FLEXSPARSE_CUDA_DEBUG bit 274877906944: block grids by list_kernel's warp per list row
   // (the build before grid_list_kernel, for same-run A/Bs).
   bool grid_by_warp = false;
+  // FLEXSPARSE_CUDA_DEBUG bit 35184372088832: block grids by grid_list_kernel's two-pass
+  // build only (no slabs), for same-run A/Bs.
+  bool grid_two_pass = false;
 };
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }

@@ -302,6 +302,7 @@ ListOutputs build_block_lists(const Tensor& layout_in) {
   if (layout.is_cuda()) {
     c10::cuda::CUDAGuard guard(layout.device());
     p.grid_by_warp = (debug_bits() >> 38) & 1;
+    p.grid_two_pass = (debug_bits() >> 45) & 1;
     build_block_lists_cuda(p, at::cuda::getCurrentCUDAStream().stream());
   } else
 #endif

@@ -144,27 +144,50 @@ def test_block_layout_equals_cpu_kernel_and_static_build(bh, Lq, Lk, block):
     assert got.col_ranges is None and got.dense_mask is None
 
 
-@pytest.mark.parametrize("bh,Lq,Lk,block", LAYOUTS)
+# (bh, nQB, nKB) of the grids of test_block_grid_tiles_equal_the_warp_per_row_build: the
+# LAYOUTS' grids, then sizes that reach each of grid_list_kernel's paths (csrc/build_masks.cu):
+# slabs (rows 16-byte aligned: nKB a multiple of 16 for layouts, of 4 for states) around 32,
+# 256 (a dK/dV tile), 1024 (a slab register) and the 4096 blocks held in registers; rows
+# not aligned (the two-pass build); lists longer than 4096 blocks (the two-pass build for
+# that kind, or for both when the dK/dV lists are the long ones).
+GRID_SHAPES = [(bh, -(-Lq // bq), -(-Lk // bk)) for bh, Lq, Lk, (bq, bk) in LAYOUTS] + [
+    ((1, 1), 1, 1), ((1, 1), 1, 4), ((1, 1), 4, 1), ((1, 1), 1, 16), ((1, 2), 31, 32),
+    ((2, 1), 33, 48), ((1, 1), 32, 36), ((1, 1), 255, 256), ((1, 1), 256, 272),
+    ((1, 1), 257, 240), ((1, 1), 100, 1024), ((1, 1), 40, 1040), ((1, 1), 1025, 12),
+    ((1, 1), 4095, 4096), ((1, 1), 4096, 4096), ((1, 1), 4097, 4112), ((1, 1), 64, 4100),
+    ((1, 1), 3, 5000), ((1, 1), 5000, 3), ((1, 1), 5000, 16), ((1, 1), 16, 5008)]
+
+
+@pytest.mark.parametrize("bh,nq,nk", GRID_SHAPES, ids=[f"{bh[0]}x{bh[1]}x{q}x{k}" for bh, q, k in GRID_SHAPES])
 @pytest.mark.parametrize("states", [False, True])
-def test_block_grid_tiles_equal_the_warp_per_row_build(bh, Lq, Lk, block, states, monkeypatch):
-    """grid_list_kernel (16 blocks per lane along the rows, the dK/dV lists from 128 x 16
-    tiles in shared memory) against list_kernel's warp per list row (FLEXSPARSE_CUDA_DEBUG
-    bit 274877906944), bit for bit, on bool layouts and int32 states with partial blocks."""
-    g = torch.Generator().manual_seed(Lq + 3 * Lk)
-    nq, nk = -(-Lq // block[0]), -(-Lk // block[1])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_block_grid_tiles_equal_the_warp_per_row_build(bh, nq, nk, states, offset, monkeypatch):
+    """grid_list_kernel (by default slabs: each list row read once, 16 bytes per load, into
+    bit masks in registers; the two-pass build for grids not 16-byte aligned and lists
+    longer than 4096 blocks) against list_kernel's warp per list row (FLEXSPARSE_CUDA_DEBUG
+    bit 274877906944) and against the two-pass build alone (bit 35184372088832), bit for
+    bit, on bool layouts and int32 states with partial blocks. offset 1: the grid one
+    element past an aligned allocation (a contiguous view whose base is not 16-byte
+    aligned: the two-pass build)."""
+    g = torch.Generator().manual_seed(nq + 3 * nk + offset)
     grid = torch.randint(0, 3, (*bh, nq, nk), generator=g, dtype=torch.int32)
     if nq > 2 and nk > 2:
         grid[..., 1, :] = 0
         grid[..., 2, :] = 2
         grid[..., :, 0] = 1
-    grid = (grid if states else grid == 2).to(DEV)
+    grid = grid if states else grid == 2
+    flat = torch.zeros(grid.numel() + 16, dtype=grid.dtype, device=DEV)
+    grid_dev = flat[offset:offset + grid.numel()].view(grid.shape)
+    grid_dev.copy_(grid)
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG", raising=False)
-    tiles = torch.ops.flexsparse.build_block_lists(grid)
+    tiles = torch.ops.flexsparse.build_block_lists(grid_dev)
     monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "274877906944")
-    warps = torch.ops.flexsparse.build_block_lists(grid)
-    assert len(tiles) == len(warps) == 8
-    for a, b in zip(tiles, warps):
-        assert torch.equal(a, b)
+    warps = torch.ops.flexsparse.build_block_lists(grid_dev)
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "35184372088832")
+    two_pass = torch.ops.flexsparse.build_block_lists(grid_dev)
+    assert len(tiles) == len(warps) == len(two_pass) == 8
+    for a, b, c in zip(tiles, warps, two_pass):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 @pytest.mark.parametrize("name", list(state_masks(8)))
