@@ -1239,6 +1239,44 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         copy(kp.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
         tma_store_arrive();
       }
+    } else if (T::kQBuffers == 2 && !(p.debug_high & 32768)) {
+      // 16-byte stores (the two-buffer kernel, which has no staging buffer): in each
+      // quad, lane q holds columns 8 j + 2 q, + 1 of its two rows; a 4 x 4 transpose over
+      // the quad (four shuffles per group of four j) gives lane q all eight columns of
+      // j = 4 g + q. (FLEXSPARSE_CUDA_DEBUG bit 70368744177664: the 4-byte stores below.)
+      Element* out = static_cast<Element*>(p.out) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
+      const int q = tid % 4;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int i = i0 + row_base + 8 * r;
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < kHeadDim / 32; ++g) {
+          uint32_t pairs[4], mine[4] = {0u, 0u, 0u, 0u};
+          CUTLASS_PRAGMA_UNROLL
+          for (int t = 0; t < 4; ++t) {
+            const int c = 2 * (4 * g + t);
+            auto pair = cutlass::NumericArrayConverter<Element, float, 2>()(
+                cutlass::Array<float, 2>{{O(r, c), O(r, c + 1)}});
+            pairs[t] = reinterpret_cast<const uint32_t&>(pair);
+          }
+          // Round s: lane q sends its pair for j = 4 g + ((q - s) & 3) and receives, from
+          // lane (q + s) & 3, that lane's pair for j = 4 g + q (selects, not a dynamic
+          // register index).
+          CUTLASS_PRAGMA_UNROLL
+          for (int s4 = 0; s4 < 4; ++s4) {
+            const int send_t = (q - s4) & 3, src = (q + s4) & 3;
+            uint32_t send = pairs[0];
+            CUTLASS_PRAGMA_UNROLL
+            for (int t = 1; t < 4; ++t) send = send_t == t ? pairs[t] : send;
+            const uint32_t got = __shfl_sync(0xffffffffu, send, (threadIdx.x & 31 & ~3) | src);
+            CUTLASS_PRAGMA_UNROLL
+            for (int t = 0; t < 4; ++t) mine[t] = src == t ? got : mine[t];
+          }
+          if (i < p.Lq)
+            *reinterpret_cast<uint4*>(out + (int64_t)i * kHeadDim + 8 * (4 * g + q)) =
+                make_uint4(mine[0], mine[1], mine[2], mine[3]);
+        }
+      }
     } else {
       Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tOcO = thr_pv.partition_C(cO);

@@ -310,9 +310,11 @@ if [[ " $parts " == *" buildgraph "* ]]; then
     | grep -v Warning | tee "$OUT/build_graph.md"
 fi
 # fwdedges (issue 15): the forward's work-tile edges. The two-query-buffer kernel's bitwise
-# test (FLEXSPARSE_CUDA_DEBUG 2^44), then, forward TFLOP/s in turns: the default, 2^44,
-# and the probes 2^42 (queries loaded once per buffer) and 2^43 (no O store) (wrong results
-# by design: their error column is large).
+# test (FLEXSPARSE_CUDA_DEBUG 2^44, both its epilogues), then forward TFLOP/s in turns:
+# the default, 2^44 (16-byte register stores, C90) and 2^44 + 2^46 (4-byte stores, C89 as
+# first measured); EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded
+# once per buffer) and 2^43 = 8796093022208 (no O store) (wrong results by design: their
+# error column is large).
 if [[ " $parts " == *" fwdedges "* ]]; then
   timeout "${T_EDGES_TESTS:-200}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
     tests/gpu/test_cuda_gpu.py -k two_query_buffers > "$OUT/fwdedges_tests.log" 2>&1
@@ -321,8 +323,8 @@ if [[ " $parts " == *" fwdedges "* ]]; then
   [ "${EDGES_MEMCHECK:-1}" = 1 ] && sanitized_pytest memcheck "${T_EDGES_CSAN:-240}" fwdedges_memcheck \
     tests/gpu/test_cuda_gpu.py "two_query_buffers and (layout_64 or document)"
   timeout "${T_EDGES:-300}" python3 -m benchmarks.cuda_ab \
-    ${EDGE_ROWS:-full@8192,causal@8192,sliding@8192,document@16384,causal@8192@64,sliding256@8192@64} \
-    --variants 0,17592186044416,4398046511104,8796093022208 --rounds 3 2>&1 | grep -v Warning \
+    ${EDGE_ROWS:-full@8192,causal@8192,sliding@8192,document@16384,causal@8192@64,sliding256@8192@64,sliding@8192@64,document@16384@64} \
+    --variants ${EDGE_VARIANTS:-0,17592186044416,87960930222080} --rounds 3 2>&1 | grep -v Warning \
     | tee "$OUT/fwd_edges.md"
 fi
 if [[ " $parts " == *" step "* ]]; then
