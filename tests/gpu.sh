@@ -311,12 +311,12 @@ if [[ " $parts " == *" buildgraph "* ]]; then
 fi
 # fwdedges (issue 15): the forward's work-tile edges. The two-query-buffer kernel's bitwise
 # test (FLEXSPARSE_CUDA_DEBUG 2^44, both its epilogues), then forward TFLOP/s in turns:
-# the default, 2^44 (16-byte register stores, C90) and 2^44 + 2^46 (4-byte stores, C89 as
-# first measured); EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded
+# the default, 2^44 (16-byte register stores, C90), 2^44 + 2^46 (4-byte stores, C89 as
+# first measured) and 2^47 (C90 with work tiles crossed in the key-tile loop, C91); EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded
 # once per buffer) and 2^43 = 8796093022208 (no O store) (wrong results by design: their
 # error column is large).
 if [[ " $parts " == *" fwdedges "* ]]; then
-  timeout "${T_EDGES_TESTS:-200}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
+  timeout "${T_EDGES_TESTS:-240}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
     tests/gpu/test_cuda_gpu.py -k two_query_buffers > "$OUT/fwdedges_tests.log" 2>&1
   rc=$?; echo "two-query-buffer tests rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "^PASSED|^FAILED|^ERROR" "$OUT/fwdedges_tests.log" | cut -c1-200 | tail -10
@@ -324,7 +324,7 @@ if [[ " $parts " == *" fwdedges "* ]]; then
     tests/gpu/test_cuda_gpu.py "two_query_buffers and (layout_64 or document)"
   timeout "${T_EDGES:-300}" python3 -m benchmarks.cuda_ab \
     ${EDGE_ROWS:-full@8192,causal@8192,sliding@8192,document@16384,causal@8192@64,sliding256@8192@64,sliding@8192@64,document@16384@64} \
-    --variants ${EDGE_VARIANTS:-0,17592186044416,87960930222080} --rounds 3 2>&1 | grep -v Warning \
+    --variants ${EDGE_VARIANTS:-0,17592186044416,87960930222080,140737488355328} --rounds 3 2>&1 | grep -v Warning \
     | tee "$OUT/fwd_edges.md"
 fi
 if [[ " $parts " == *" step "* ]]; then

@@ -2,7 +2,7 @@
 for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_DEBUG=32
 runs the serial one), head dims 64/128/256 (hd64's three-warpgroup forward too), column ranges, a dense mask with fully masked
 rows, bias, odd lengths, GQA, the backward where it is built (every head dim), and the
-forward's two query buffers (C89). Prints one line per case;
+forward's two query buffers (C89) and its work tiles crossed in the key-tile loop (C91). Prints one line per case;
 the tool's summary says whether any hazard was seen."""
 import os
 import sys
@@ -99,6 +99,13 @@ def main():
             backward=False)
         run("[debug 2^44] two query buffers hd128 sliding odd", 1, 8, 8, 4601, 4601, 128,
             M.sliding_window(300), backward=False)
+        # and work tiles crossed in the key-tile loop (bit 140737488355328, C91): the
+        # document's one-token document makes a work tile of one key tile
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "140737488355328"
+        run("[debug 2^47] crossed work tiles hd64 causal gqa", 1, 8, 2, 4608, 4608, 64, M.causal(),
+            backward=False)
+        run("[debug 2^47] crossed work tiles hd128 document odd", 1, 8, 8, 4601, 4601, 128,
+            M.document([1000, 1, 2000, 1600]), backward=False)
 
 
 if __name__ == "__main__":
