@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
 // in lane t % 32 of the warp that makes the row (kSlabsPerLane per lane: rows of up to
 // kSlabBlocks blocks). The counts are the words' popcounts reduced over the warp; then
 // the warp walks the slabs in order, each broadcast from its lane, and lane j places
-// block 32 t + j as step_lists does: listed ones first, then the others, ascending
+// block 32 t + j (place_32): listed ones first, then the others, ascending
 // (descriptor._block_lists; the stores of 32 adjacent blocks coalesced, and no second
 // read of the grid: docs/perf-notes.md, "Block-grid lists"):
 //   forward / dQ rows (one per query block): a warp per row; it loads each 1024 blocks
@@ -317,6 +317,26 @@ constexpr int kSlabTileRows = kQueryThreads;           // a grid row per thread
 constexpr int kTilesPerSlabReg = 32 / kTileWarps;      // dK/dV tiles per slab register
 constexpr unsigned kRowsBySlabs = 1, kColumnsBySlabs = 2;   // grid_list_kernel's `paths`
 
+// 32 adjacent blocks of a list row, from c: bit j of sp / sf says block c + j is partial /
+// full (is_p, is_f: this lane's bits, which a caller may hold already). Lane j places
+// block c + j (when `place` and it is in the row) in the row's lists: listed ones first,
+// then the others, ascending (np, nf: the row's totals; bp, bf: its listed blocks before
+// c, advanced past these 32). The warp's stores are coalesced.
+__device__ __forceinline__ void place_32(unsigned sp, unsigned sf, bool is_p, bool is_f, int32_t c,
+                                         int32_t n, bool place, int32_t np, int32_t nf, int32_t& bp,
+                                         int32_t& bf, int32_t* part, int32_t* full) {
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  const int32_t i = c + lane;
+  if (place && i < n) {
+    const int32_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
+    part[is_p ? before_p : np + (i - before_p)] = i;
+    full[is_f ? before_f : nf + (i - before_f)] = i;
+  }
+  bp += __popc(sp);
+  bf += __popc(sf);
+}
+
 // One step of a list row over the whole warp: 32 V blocks from c, block c + 32 v + lane
 // in bit v of this lane's masks of partial (pm) and full (fm) ones (so that each v is 32
 // adjacent blocks: coalesced loads and stores), counted, and placed when `place` (np, nf:
@@ -325,20 +345,11 @@ template <int V>
 __device__ __forceinline__ void step_lists(unsigned pm, unsigned fm, int32_t c, int32_t n, bool place,
                                            int32_t np, int32_t nf, int32_t& bp, int32_t& bf,
                                            int32_t* part, int32_t* full) {
-  const int lane = threadIdx.x & 31;
-  const unsigned below = (1u << lane) - 1u;
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     const bool is_p = (pm >> v) & 1u, is_f = (fm >> v) & 1u;
-    const unsigned sp = __ballot_sync(0xffffffffu, is_p), sf = __ballot_sync(0xffffffffu, is_f);
-    const int32_t i = c + 32 * v + lane;
-    if (place && i < n) {
-      const int32_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
-      part[is_p ? before_p : np + (i - before_p)] = i;
-      full[is_f ? before_f : nf + (i - before_f)] = i;
-    }
-    bp += __popc(sp);
-    bf += __popc(sf);
+    place_32(__ballot_sync(0xffffffffu, is_p), __ballot_sync(0xffffffffu, is_f), is_p, is_f, c + 32 * v,
+             n, place, np, nf, bp, bf, part, full);
   }
 }
 
@@ -487,12 +498,10 @@ __device__ __forceinline__ void load_slabs(const void* row, int j, int32_t n, un
 
 // The lists of one row of n blocks from its slabs (this lane's: slab 32 j + lane in pm[j],
 // fm[j]): the counts (np, nf), then the slabs in order, each broadcast to the warp and
-// its 32 blocks placed as step_lists places them (lane i: block 32 t + i).
+// its 32 blocks placed (place_32).
 __device__ __forceinline__ void place_slabs(const unsigned (&pm)[kSlabsPerLane],
                                             const unsigned (&fm)[kSlabsPerLane], int32_t n,
                                             int32_t* part, int32_t* full, int32_t& np, int32_t& nf) {
-  const int lane = threadIdx.x & 31;
-  const unsigned below = (1u << lane) - 1u;
   unsigned cp = 0, cf = 0;
 #pragma unroll
   for (int j = 0; j < kSlabsPerLane; ++j) {
@@ -508,16 +517,9 @@ __device__ __forceinline__ void place_slabs(const unsigned (&pm)[kSlabsPerLane],
     for (int s = 0; s < 32; ++s) {
       const int32_t c = 32 * (32 * j + s);
       if (c >= n) return;                          // n: the same in the whole warp
-      const unsigned sp = __shfl_sync(0xffffffffu, pm[j], s);
-      const unsigned sf = __shfl_sync(0xffffffffu, fm[j], s);
-      const int32_t i = c + lane;
-      if (i < n) {
-        const int32_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
-        part[(sp >> lane) & 1u ? before_p : np + (i - before_p)] = i;
-        full[(sf >> lane) & 1u ? before_f : nf + (i - before_f)] = i;
-      }
-      bp += __popc(sp);
-      bf += __popc(sf);
+      const unsigned sp = __shfl_sync(0xffffffffu, pm[j], s), sf = __shfl_sync(0xffffffffu, fm[j], s);
+      const int lane = threadIdx.x & 31;
+      place_32(sp, sf, (sp >> lane) & 1u, (sf >> lane) & 1u, c, n, true, np, nf, bp, bf, part, full);
     }
   }
 }

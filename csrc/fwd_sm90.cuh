@@ -980,6 +980,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
     };
 
+    // The lse of a row from its max (raw or log2-domain scores, as exp_scale says) and sum.
+    auto row_lse = [&](float m, float l) __attribute__((always_inline)) {
+      return l > 0.f ? (m * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    };
+    // The query tile's operand in buffer i.
+    auto query_operand = [&](int i) __attribute__((always_inline)) {
+      return shifted_operand(tSrQ_buf0, i * uint32_t(cosize_v<typename T::SmemLayoutQ> * sizeof(Element) / 16));
+    };
     int qbuf = 0;   // this work tile's query buffer
     // Every consumer thread has read the query tile (its last QK^T is complete).
     auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty[qbuf]); };
@@ -997,8 +1005,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Barrier::wait(&ss.barrier_q[qbuf], (k / T::kQBuffers) & 1);
     const int w = *reinterpret_cast<volatile int*>(&ss.work_tile[qbuf]);
     if (w < 0) break;
-    auto tSrQ = shifted_operand(
-        tSrQ_buf0, qbuf * uint32_t(cosize_v<typename T::SmemLayoutQ> * sizeof(Element) / 16));
+    auto tSrQ = query_operand(qbuf);
     set_work_tile(w);
     set_tile_inputs();
     if constexpr (T::kCarry) {
@@ -1188,7 +1195,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         for (int r = 0; r < kRows; ++r) {
           const float l = quad_sum(pend_sum[r]);
           inv[r] = l > 0.f ? 1.f / l : 0.f;
-          lse_v[r] = l > 0.f ? (pend_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+          lse_v[r] = row_lse(pend_max[r], l);
         }
         rows_lse(pend_b, pend_h, pend_i0, lse_v);
         rows_out16(pend_b, pend_h, pend_i0, inv, false);
@@ -1325,10 +1332,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                 out_h = h;
                 out_i0 = i0;
                 pending = true;   // O: this work tile's, once the step's P V is done
-                // (qbuf from a shuffle: warp-uniform to ptxas, so the descriptor stays in
-                // uniform registers)
-                tSrQ = shifted_operand(tSrQ_buf0, __shfl_sync(0xffffffffu, qbuf, 0) *
-                                                      uint32_t(cosize_v<typename T::SmemLayoutQ> * sizeof(Element) / 16));
+                tSrQ = query_operand(qbuf);
               }
               either_path([&](auto full) __attribute__((always_inline)) { step(p_prev, p_next, full); });
               return true;
@@ -1373,7 +1377,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
       const int i = ei0 + row_base + 8 * r;
       if (tid % 4 == 0 && i < p.Lq)
-        lse[i] = l > 0.f ? (row_max[r] * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+        lse[i] = row_lse(row_max[r], l);
     }
     FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 5, fwd_trace_clock());
     // Probe (FLEXSPARSE_CUDA_DEBUG bit 8796093022208, wrong results): no O store, so that

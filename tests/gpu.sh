@@ -312,9 +312,10 @@ fi
 # fwdedges (issue 15): the forward's work-tile edges. The two-query-buffer kernel's bitwise
 # test (FLEXSPARSE_CUDA_DEBUG 2^44, both its epilogues), then forward TFLOP/s in turns:
 # the default, 2^44 (16-byte register stores, C90), 2^44 + 2^46 (4-byte stores, C89 as
-# first measured) and 2^47 (C90 with work tiles crossed in the key-tile loop, C91); EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded
-# once per buffer) and 2^43 = 8796093022208 (no O store) (wrong results by design: their
-# error column is large).
+# first measured) and 2^47 (C90 with work tiles crossed in the key-tile loop, C91).
+# EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded once per
+# buffer) and 2^43 = 8796093022208 (no O store) (wrong results by design: their error
+# column is large).
 if [[ " $parts " == *" fwdedges "* ]]; then
   timeout "${T_EDGES_TESTS:-240}" python3 -m pytest -p no:cacheprovider -o addopts= -q -rA \
     tests/gpu/test_cuda_gpu.py -k two_query_buffers > "$OUT/fwdedges_tests.log" 2>&1

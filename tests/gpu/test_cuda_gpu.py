@@ -476,7 +476,7 @@ def _consumer_warpgroups(fn):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if "fwd_kernel<" in e.name]
     # FwdTraits<Element, kHeadDim, kBlockN, kStages, kOverlap, kConsumerRegs, kTmaStore,
-    # kPlain, kBiasTiles, kConsumerWarpgroups, kQBuffers>: the tenth argument
+    # kPlain, kBiasTiles, kConsumerWarpgroups, kQBuffers, kCarry>: the tenth argument
     return {int(re.search(r"FwdTraits<([^<>]*)>", n).group(1).split(",")[9]) for n in names}
 
 
