@@ -230,12 +230,14 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
   int32_t *part, *full;
   int32_t *part_count, *full_count;
+  part = partial_list(p, kv, b, row);             // nullptr: nothing to store
+  part_count = partial_count(p, kv, b, row);
   if (kv) {
-    part = p.kv_index + (b * p.nQB + row) * n; full = p.kv_full_index + (b * p.nQB + row) * n;
-    part_count = p.kv_count + b * p.nQB + row; full_count = p.kv_full_count + b * p.nQB + row;
+    full = p.kv_full_index + (b * p.nQB + row) * n;
+    full_count = p.kv_full_count + b * p.nQB + row;
   } else {
-    part = p.q_index + (b * p.nKB + row) * n; full = p.q_full_index + (b * p.nKB + row) * n;
-    part_count = p.q_count + b * p.nKB + row; full_count = p.q_full_count + b * p.nKB + row;
+    full = p.q_full_index + (b * p.nKB + row) * n;
+    full_count = p.q_full_count + b * p.nKB + row;
   }
   auto state = [&](int64_t i) {                    // i: the block along the row
     int64_t qb = kv ? row : i, kb = kv ? i : row;
@@ -259,14 +261,14 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
     unsigned sf = __ballot_sync(0xffffffffu, st == kFull);
     if (i < n) {
       int64_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
-      part[st == kPartial ? before_p : np + (i - before_p)] = (int32_t)i;
+      if (part != nullptr) part[st == kPartial ? before_p : np + (i - before_p)] = (int32_t)i;
       full[st == kFull ? before_f : nf + (i - before_f)] = (int32_t)i;
     }
     bp += __popc(sp);
     bf += __popc(sf);
   }
   if (lane == 0) {
-    *part_count = (int32_t)np;
+    if (part_count != nullptr) *part_count = (int32_t)np;
     *full_count = (int32_t)nf;
   }
 }
@@ -321,7 +323,8 @@ constexpr unsigned kRowsBySlabs = 1, kColumnsBySlabs = 2;   // grid_list_kernel'
 // full (is_p, is_f: this lane's bits, which a caller may hold already). Lane j places
 // block c + j (when `place` and it is in the row) in the row's lists: listed ones first,
 // then the others, ascending (np, nf: the row's totals; bp, bf: its listed blocks before
-// c, advanced past these 32). The warp's stores are coalesced.
+// c, advanced past these 32). The warp's stores are coalesced. part nullptr: the partial
+// list is not stored (BuildParams::partial_one_row).
 __device__ __forceinline__ void place_32(unsigned sp, unsigned sf, bool is_p, bool is_f, int32_t c,
                                          int32_t n, bool place, int32_t np, int32_t nf, int32_t& bp,
                                          int32_t& bf, int32_t* part, int32_t* full) {
@@ -330,7 +333,7 @@ __device__ __forceinline__ void place_32(unsigned sp, unsigned sf, bool is_p, bo
   const int32_t i = c + lane;
   if (place && i < n) {
     const int32_t before_p = bp + __popc(sp & below), before_f = bf + __popc(sf & below);
-    part[is_p ? before_p : np + (i - before_p)] = i;
+    if (part != nullptr) part[is_p ? before_p : np + (i - before_p)] = i;
     full[is_f ? before_f : nf + (i - before_f)] = i;
   }
   bp += __popc(sp);
@@ -356,7 +359,7 @@ __device__ __forceinline__ void step_lists(unsigned pm, unsigned fm, int32_t c, 
 __device__ void grid_row_lists(const BuildParams& p, int64_t b, int64_t row) {
   const int lane = threadIdx.x & 31;
   const int32_t n = (int32_t)p.nKB;
-  int32_t* part = p.kv_index + (b * p.nQB + row) * n;
+  int32_t* part = partial_list(p, true, b, row);
   int32_t* full = p.kv_full_index + (b * p.nQB + row) * n;
   int32_t np = 0, nf = 0;
   for (int pass = 0; pass < 2; ++pass) {
@@ -376,7 +379,7 @@ __device__ void grid_row_lists(const BuildParams& p, int64_t b, int64_t row) {
     nf = bf;
   }
   if (lane == 0) {
-    p.kv_count[b * p.nQB + row] = np;
+    if (int32_t* c = partial_count(p, true, b, row)) *c = np;
     p.kv_full_count[b * p.nQB + row] = nf;
   }
 }
@@ -408,9 +411,9 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
           pm |= unsigned(st == kPartial) << v;
           fm |= unsigned(st == kFull) << v;
         }
-        const int64_t at = (b * p.nKB + min(kb, p.nKB - 1)) * n;   // (kb < nKB: placed)
+        const int64_t kbc = min(kb, p.nKB - 1), at = (b * p.nKB + kbc) * n;   // (kb < nKB: placed)
         step_lists<kColVec>(pm, fm, c, n, pass == 1 && kb < p.nKB, np[j], nf[j], bp[j], bf[j],
-                            p.q_index + at, p.q_full_index + at);
+                            partial_list(p, false, b, kbc), p.q_full_index + at);
       }
     }
 #pragma unroll
@@ -423,7 +426,7 @@ __device__ void grid_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
   for (int j = 0; j < kKeysPerWarp; ++j) {
     const int64_t kb = kb0 + warp + j * kTileWarps;
     if (lane == 0 && kb < p.nKB) {
-      p.q_count[b * p.nKB + kb] = np[j];
+      if (int32_t* c = partial_count(p, false, b, kb)) *c = np[j];
       p.q_full_count[b * p.nKB + kb] = nf[j];
     }
   }
@@ -535,9 +538,9 @@ __device__ void slab_row_lists(const BuildParams& p, int64_t b, int64_t row) {
   for (int j = 0; j < kSlabsPerLane; ++j)
     if (1024 * j < n) load_slabs<kStates>(grid, j, n, pm[j], fm[j]);   // the same in the warp
   int32_t np, nf;
-  place_slabs(pm, fm, n, p.kv_index + at, p.kv_full_index + at, np, nf);
+  place_slabs(pm, fm, n, partial_list(p, true, b, row), p.kv_full_index + at, np, nf);
   if (lane == 0) {
-    p.kv_count[b * p.nQB + row] = np;
+    if (int32_t* c = partial_count(p, true, b, row)) *c = np;
     p.kv_full_count[b * p.nQB + row] = nf;
   }
 }
@@ -640,9 +643,9 @@ __device__ void slab_column_lists(const BuildParams& p, int64_t b, int64_t kb0) 
     if (kb >= p.nKB) continue;                     // the same in the whole warp
     const int64_t at = (b * p.nKB + kb) * n;
     int32_t np, nf;
-    place_slabs(pm[kk], fm[kk], n, p.q_index + at, p.q_full_index + at, np, nf);
+    place_slabs(pm[kk], fm[kk], n, partial_list(p, false, b, kb), p.q_full_index + at, np, nf);
     if (lane == 0) {
-      p.q_count[b * p.nKB + kb] = np;
+      if (int32_t* c = partial_count(p, false, b, kb)) *c = np;
       p.q_full_count[b * p.nKB + kb] = nf;
     }
   }

@@ -83,6 +83,12 @@ struct BuildParams {
   // block size) or int32 block states (kSkip / kPartial / kFull: descriptor.from_block_state)
   const bool* layout = nullptr;
   const int32_t* states = nullptr;
+  // A layout has no partial blocks, so every partial list is empty and its padded row is
+  // 0, 1, ..., n - 1: such lists are stored once per layout row b (kv_count (Bl), kv_index
+  // (Bl, nKB), q_count (Bl), q_index (Bl, nQB)), written by list row 0, and the op returns
+  // them expanded over the list rows (stride 0), which the attention kernels read as one
+  // row (params.h, BlockListParams). Half of the bytes a layout's build wrote.
+  bool partial_one_row = false;
   // FLEXSPARSE_CUDA_DEBUG bit 8589934592: documents and prefix-LM by the fused one-launch
   // build (build_masks.cu; opt-in: on an H200 no faster than the default).
   bool fused = false;
@@ -93,6 +99,22 @@ struct BuildParams {
   // build only (no slabs), for same-run A/Bs.
   bool grid_two_pass = false;
 };
+
+// Where list row `row` of layout row b writes its partial list and count (kv: the
+// forward / dQ rows, n_rows = nQB; else the dK/dV rows): nullptr where partial_one_row
+// stores nothing for it.
+FS_HD int32_t* partial_list(const BuildParams& p, bool kv, int64_t b, int64_t row) {
+  const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
+  int32_t* base = kv ? p.kv_index : p.q_index;
+  if (p.partial_one_row) return row == 0 ? base + b * n : nullptr;
+  return base + (b * rows + row) * n;
+}
+
+FS_HD int32_t* partial_count(const BuildParams& p, bool kv, int64_t b, int64_t row) {
+  int32_t* base = kv ? p.kv_count : p.q_count;
+  if (p.partial_one_row) return row == 0 ? base + b : nullptr;
+  return base + b * (kv ? p.nQB : p.nKB) + row;
+}
 
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 FS_HD int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }

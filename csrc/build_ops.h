@@ -38,7 +38,7 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
   for (int kv = 1; kv >= 0; --kv) {
     const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
     for (int64_t row = 0; row < rows; ++row) {
-      int32_t* part = (kv ? p.kv_index : p.q_index) + (b * rows + row) * n;
+      int32_t* part = partial_list(p, kv, b, row);   // nullptr: nothing to store
       int32_t* full = (kv ? p.kv_full_index : p.q_full_index) + (b * rows + row) * n;
       std::vector<int> st(n);
       int64_t np = 0, nf = 0;
@@ -51,12 +51,12 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
       }
       int64_t bp = 0, bf = 0;
       for (int64_t i = 0; i < n; ++i) {
-        part[st[i] == kPartial ? bp : np + (i - bp)] = (int32_t)i;
+        if (part != nullptr) part[st[i] == kPartial ? bp : np + (i - bp)] = (int32_t)i;
         full[st[i] == kFull ? bf : nf + (i - bf)] = (int32_t)i;
         bp += st[i] == kPartial;
         bf += st[i] == kFull;
       }
-      (kv ? p.kv_count : p.q_count)[b * rows + row] = (int32_t)np;
+      if (int32_t* c = partial_count(p, kv, b, row)) *c = (int32_t)np;
       (kv ? p.kv_full_count : p.q_full_count)[b * rows + row] = (int32_t)nf;
     }
   }
@@ -290,9 +290,18 @@ ListOutputs build_block_lists(const Tensor& layout_in) {
   if (states) p.states = layout.data_ptr<int32_t>();
   else p.layout = layout.data_ptr<bool>();
   auto opts = layout.options().dtype(at::kInt);
-  Tensor kv_c = at::empty({Bd, Hd, nQB}, opts), kv_i = at::empty({Bd, Hd, nQB, nKB}, opts);
+  // A layout's partial lists: one stored row per (b, h), expanded over the list rows
+  // (BuildParams::partial_one_row; ops/schema.py's fake gives the same strides).
+  p.partial_one_row = !states;
+  auto partial = [&](std::vector<int64_t> shape) {
+    if (!p.partial_one_row) return at::empty(shape, opts);
+    std::vector<int64_t> one = shape;
+    one[2] = 1;
+    return at::empty(one, opts).expand(shape);
+  };
+  Tensor kv_c = partial({Bd, Hd, nQB}), kv_i = partial({Bd, Hd, nQB, nKB});
   Tensor kvf_c = at::empty({Bd, Hd, nQB}, opts), kvf_i = at::empty({Bd, Hd, nQB, nKB}, opts);
-  Tensor q_c = at::empty({Bd, Hd, nKB}, opts), q_i = at::empty({Bd, Hd, nKB, nQB}, opts);
+  Tensor q_c = partial({Bd, Hd, nKB}), q_i = partial({Bd, Hd, nKB, nQB});
   Tensor qf_c = at::empty({Bd, Hd, nKB}, opts), qf_i = at::empty({Bd, Hd, nKB, nQB}, opts);
   p.kv_count = kv_c.data_ptr<int32_t>(); p.kv_index = kv_i.data_ptr<int32_t>();
   p.kv_full_count = kvf_c.data_ptr<int32_t>(); p.kv_full_index = kvf_i.data_ptr<int32_t>();

@@ -1547,8 +1547,14 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
             p, stream);
         return;
       }
-      // FLEXSPARSE_CUDA_DEBUG bit 17592186044416: two query buffers (kQBuffers, opt-in).
-      if (p.debug_high & 8192) {
+      // Two query buffers (kQBuffers) by default at hd64, where a work tile is few key
+      // tiles and its edge costs most (H200: +1% causal, +5% sliding 1024, +9% sliding
+      // 256, +3% documents; docs/perf-notes.md C90), FLEXSPARSE_CUDA_DEBUG bit
+      // 281474976710656 the one-buffer kernel instead (A/Bs); at hd128 opt-in, bit
+      // 17592186044416 (-1% full, causal and documents, +1% sliding 1024).
+      const bool two_query_buffers =
+          kHeadDim == 64 ? !(p.debug_high & 131072) : bool(p.debug_high & 8192);
+      if (two_query_buffers) {
         launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
             p, stream);
         return;

@@ -155,9 +155,15 @@ def _build_block_lists_fake(layout):
                          f"{layout.dtype} {tuple(layout.shape)}")
     Bd, Hd, nQB, nKB = layout.shape
     out = []
-    for n, N in ((nQB, nKB), (nQB, nKB), (nKB, nQB), (nKB, nQB)):   # kv, kv full, q, q full
-        out += [layout.new_empty((Bd, Hd, n), dtype=torch.int32),
-                layout.new_empty((Bd, Hd, n, N), dtype=torch.int32)]
+    for kind, (n, N) in enumerate(((nQB, nKB), (nQB, nKB), (nKB, nQB), (nKB, nQB))):
+        count = layout.new_empty((Bd, Hd, n), dtype=torch.int32)
+        index = layout.new_empty((Bd, Hd, n, N), dtype=torch.int32)
+        if layout.dtype == torch.bool and kind % 2 == 0:
+            # a layout's partial lists (all empty): one row per (b, h), expanded over the
+            # rows, as the kernels store them (csrc/build_masks.h, partial_one_row)
+            count = layout.new_empty((Bd, Hd, 1), dtype=torch.int32).expand(Bd, Hd, n)
+            index = layout.new_empty((Bd, Hd, 1, N), dtype=torch.int32).expand(Bd, Hd, n, N)
+        out += [count, index]
     return tuple(out)
 
 

@@ -313,6 +313,7 @@ fi
 # test (FLEXSPARSE_CUDA_DEBUG 2^44, both its epilogues), then forward TFLOP/s in turns:
 # the default, 2^44 (16-byte register stores, C90), 2^44 + 2^46 (4-byte stores, C89 as
 # first measured) and 2^47 (C90 with work tiles crossed in the key-tile loop, C91).
+# At hd64 two buffers are the default (C92): 2^48 = 281474976710656 is the one-buffer kernel.
 # EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded once per
 # buffer) and 2^43 = 8796093022208 (no O store) (wrong results by design: their error
 # column is large).

@@ -270,6 +270,11 @@ def test_block_layout_random(Lq, Lk, block, bh, density, seed):
         fake = torch.ops.flexsparse.build_block_lists(mode.from_tensor(layout))
     for f, r in zip(fake, list(got.mask_tensors())[:8]):
         assert tuple(f.shape) == tuple(r.shape) and f.dtype == r.dtype
+        assert f.stride() == r.stride(), (f.stride(), r.stride())
+    # a layout has no partial blocks: its partial lists are one stored row per (b, h),
+    # expanded over the list rows (half of the bytes the build writes)
+    for t in (got.kv_count, got.kv_index, got.q_count, got.q_index):
+        assert t.shape[2] < 2 or t.stride(2) == 0, t.stride()
     q = torch.randn(B, Hq, Lq, 8, dtype=torch.float64, generator=g)
     k = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
     v = torch.randn(B, Hkv, Lk, 8, dtype=torch.float64, generator=g)
@@ -533,3 +538,29 @@ def test_compiled_build_flag_uses_the_op():
     for a, b in zip(got.mask_tensors(), want.mask_tensors()):
         assert (a is None) == (b is None)
         assert a is None or torch.equal(a, b)
+
+
+def _build_op_cases():
+    g = torch.Generator().manual_seed(3)
+    layout = torch.rand(2, 3, 5, 7, generator=g) < 0.5
+    states = torch.randint(0, 3, (1, 2, 6, 4), generator=g, dtype=torch.int32)
+    startend = torch.randint(0, 100, (2, 1, 100, 2), generator=g, dtype=torch.int64)
+    return {
+        "block_lists_layout": (torch.ops.flexsparse.build_block_lists.default, (layout,)),
+        "block_lists_states": (torch.ops.flexsparse.build_block_lists.default, (states,)),
+        "document": (torch.ops.flexsparse.build_document.default,
+                     (torch.tensor([[30, 50, 20], [100, 0, 0]]), 100, 16, 16, True)),
+        "prefix_lm": (torch.ops.flexsparse.build_prefix_lm.default,
+                      (torch.tensor([10, 70]), 100, 90, 32, 16)),
+        "column_ranges": (torch.ops.flexsparse.build_column_ranges.default,
+                          (startend, 100, 100, 16, 32, True)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_build_op_cases()))
+def test_build_ops_opcheck(name):
+    """torch.library.opcheck on each build op: schema, fake kernel (shapes, dtypes and
+    strides, including a layout's row-expanded partial lists), no autograd registration
+    needed, AOT dispatch with dynamic shapes."""
+    op, args = _build_op_cases()[name]
+    torch.library.opcheck(op, args)

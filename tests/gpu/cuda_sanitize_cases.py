@@ -91,7 +91,7 @@ def main():
             M.document([100, 220, 200]), bias=True)
         run("[debug 65536] forward bias loads hd64 causal", 1, 2, 2, 200, 200, 64, M.causal(), bias=True)
     if not only or "query buffers" in only:
-        # the forward's two query buffers (bit 17592186044416, C89): over 2 x 132 work tiles,
+        # the forward's two query buffers (bit 17592186044416, C89; hd64's default since C92): over 2 x 132 work tiles,
         # so that the persistent CTAs reuse each buffer (forward only: the backward is the
         # same as above)
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "17592186044416"
