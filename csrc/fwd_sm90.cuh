@@ -155,25 +155,16 @@ namespace flexsparse::sm90 {
 // Biased calls take bias tiles where fwd_bias_tiles_ok holds.
 // kQBuffers: 2 gives the query tile two buffers, so that the producer loads the next work
 // tile's queries as soon as it has issued this one's key and value loads, not after the
-// consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md, issue 15's
-// 41st-session note). Opt-in (FLEXSPARSE_CUDA_DEBUG bit 17592186044416) until a GPU has
-// timed it; the epilogue then stores from registers (the O staging buffer's shared
-// memory holds the second query buffer at hd128).
-// kCarry (with two query buffers): work tiles crossed inside the key-tile loop, so that a
-// work tile's first key tile is a step like the others (its Q K^T issued with the last
-// work tile's last P V, its softmax while that runs) and the finished work tile's output
-// is written at the next step's start (opt-in, FLEXSPARSE_CUDA_DEBUG bit
-// 140737488355328; docs/perf-notes.md C91).
+// consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md C89, C90,
+// C92). The default at hd64 (short work tiles gain most), opt-in at hd128; the epilogue
+// then stores from registers by 16-byte stores (the O staging buffer's shared memory
+// holds the second query buffer at hd128).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
-          bool kCarry_ = false>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr bool kCarry = kCarry_;
-  static_assert(!kCarry_ || (kQBuffers_ == 2 && kOverlap_ && kPlain_ && !kBiasTiles_ && kConsumerWarpgroups_ == 2),
-                "work tiles crossed in the key-tile loop: two query buffers, the plain overlapped two-warpgroup kernel");
   static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kTmaStore_ && !kBiasTiles_),
                 "two query buffers: without the O staging buffer and the bias tiles");
   static constexpr bool kBiasTiles = kBiasTiles_;
@@ -928,13 +919,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
     };
 
-    // This thread's rows of O (times scale[r]; zero: zeros) to the work tile (ob, oh,
-    // oi0)'s output by 16-byte stores: in each quad, lane q holds columns 8 j + 2 q, + 1
-    // of its two rows; a 4 x 4 transpose over the quad (four shuffles per group of four j)
-    // gives lane q all eight columns of j = 4 g + q. (The two-query-buffer kernels, which
-    // have no staging buffer.)
-    auto rows_out16 = [&](int ob, int oh, int oi0, float const (&scale)[kRows], bool zero)
-                          __attribute__((always_inline)) {
+    // This thread's rows of O to the work tile (ob, oh, oi0)'s output by 16-byte stores: in
+    // each quad, lane q holds columns 8 j + 2 q, + 1 of its two rows; a 4 x 4 transpose over
+    // the quad (four shuffles per group of four j) gives lane q all eight columns of
+    // j = 4 g + q. (The two-query-buffer kernels, which have no staging buffer.)
+    auto rows_out16 = [&](int ob, int oh, int oi0) __attribute__((always_inline)) {
       Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
       Element* out = static_cast<Element*>(p.out) + ((int64_t)ob * p.Hq + oh) * p.Lq * kHeadDim;
       const int q = tid % 4;
@@ -948,8 +937,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           for (int t = 0; t < 4; ++t) {
             const int c = 2 * (4 * g + t);
             auto pair = cutlass::NumericArrayConverter<Element, float, 2>()(
-                cutlass::Array<float, 2>{{O(r, c) * scale[r], O(r, c + 1) * scale[r]}});
-            pairs[t] = zero ? 0u : reinterpret_cast<const uint32_t&>(pair);
+                cutlass::Array<float, 2>{{O(r, c), O(r, c + 1)}});
+            pairs[t] = reinterpret_cast<const uint32_t&>(pair);
           }
           // Round s: lane q sends its pair for j = 4 g + ((q - s) & 3) and receives, from
           // lane (q + s) & 3, that lane's pair for j = 4 g + q (selects, not a dynamic
@@ -970,16 +959,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
       }
     };
-    // kCarry: this thread's rows of the lse (one thread per quad).
-    auto rows_lse = [&](int ob, int oh, int oi0, float const (&lse_v)[kRows]) __attribute__((always_inline)) {
-      float* lse_row = p.lse + ((int64_t)ob * p.Hq + oh) * p.Lq;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int i = oi0 + row_base + 8 * r;
-        if (tid % 4 == 0 && i < p.Lq) lse_row[i] = lse_v[r];
-      }
-    };
-
     // The lse of a row from its max (raw or log2-domain scores, as exp_scale says) and sum.
     auto row_lse = [&](float m, float l) __attribute__((always_inline)) {
       return l > 0.f ? (m * exp_scale + __log2f(l)) * 0.6931471805599453f : -INFINITY;
@@ -994,12 +973,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
     typename T::PipelineState read, read_k, read_v;
     FWD_TRACE_DECL();
-    // kCarry: the work tile whose output is written next (by the epilogue, or by a flush
-    // in the key-tile loop: pending, with its row statistics).
-    int out_b = 0, out_h = 0, out_i0 = 0;      // the work tile under way (b, h, i0 may be past it)
-    int pend_b = 0, pend_h = 0, pend_i0 = 0;   // the pending one
-    bool pending = false;
-    float pend_max[kRows], pend_sum[kRows];
     for (int k = 0;; ++k) {
     qbuf = k % T::kQBuffers;
     Barrier::wait(&ss.barrier_q[qbuf], (k / T::kQBuffers) & 1);
@@ -1008,11 +981,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     auto tSrQ = query_operand(qbuf);
     set_work_tile(w);
     set_tile_inputs();
-    if constexpr (T::kCarry) {
-      out_b = b;
-      out_h = h;
-      out_i0 = i0;
-    }
     // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
     FWD_TRACE_WORK(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0);
     FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 0, fwd_trace_clock());
@@ -1186,22 +1154,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         warpgroup_wait<1>();
         scores_to_p(tSrS, x, p_next, full);
       };
-      // kCarry: O holds a finished work tile's rows (its last P V complete): written, O
-      // cleared for the work tile under way.
-      auto flush_pending = [&]() __attribute__((always_inline)) {
-        if (!pending) return;
-        float inv[kRows], lse_v[kRows];
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          const float l = quad_sum(pend_sum[r]);
-          inv[r] = l > 0.f ? 1.f / l : 0.f;
-          lse_v[r] = row_lse(pend_max[r], l);
-        }
-        rows_lse(pend_b, pend_h, pend_i0, lse_v);
-        rows_out16(pend_b, pend_h, pend_i0, inv, false);
-        clear(tOrO);
-        pending = false;
-      };
       // The last tile's O += P V, from the buffer that holds its P.
       auto finish = [&](FragP& p_last) __attribute__((always_inline)) {
         release_q();
@@ -1274,78 +1226,11 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           while (next_tile(n, partial)) either_path(step_one_buffer);
           finish(tOrP0);
         } else {
-          if constexpr (T::kCarry) {
-            // Work tiles crossed in the key-tile loop: at a work tile's end the next one
-            // with a key tile (empty ones written as 0 and -inf on the way) is set up, and
-            // its first key tile is a step like any other (its Q K^T and this work tile's
-            // last P V in one turn, its softmax while that P V runs); this work tile's
-            // output is flushed at the next step's start, once that P V is done
-            // (docs/perf-notes.md C91).
-            auto next_work_tile = [&]() __attribute__((always_inline)) -> bool {
-              const int q_next = (k + 1) % T::kQBuffers;
-              Barrier::wait(&ss.barrier_q[q_next], ((k + 1) / T::kQBuffers) & 1);
-              const int w_next = *reinterpret_cast<volatile int*>(&ss.work_tile[q_next]);
-              if (w_next < 0) return false;
-              release_q();
-              ++k;
-              qbuf = q_next;
-              set_work_tile(w_next);
-              set_tile_inputs();
-              return true;
-            };
-            // advance(p_prev, p_next): the next key tile (of this or a later work tile), or
-            // finish: false.
-            auto advance = [&](FragP& p_prev, FragP& p_next) __attribute__((always_inline)) -> bool {
-              warpgroup_wait<0>();
-              warpgroup_fence_operand(tOrO);
-              if (v_in_flight) release_v();
-              v_in_flight = false;
-              flush_pending();   // (the work tile before: its last P V is done)
-              if (!next_tile(n, partial)) {
-                bool found = false;
-                while (next_work_tile()) {
-                  if (next_tile(n, partial)) {
-                    found = true;
-                    break;
-                  }
-                  float zeros[kRows], minus_inf[kRows];
-                  CUTLASS_PRAGMA_UNROLL
-                  for (int r = 0; r < kRows; ++r) { zeros[r] = 0.f; minus_inf[r] = -INFINITY; }
-                  rows_lse(b, h, i0, minus_inf);
-                  rows_out16(b, h, i0, zeros, true);
-                }
-                if (!found) {
-                  finish(p_prev);   // (the epilogue writes out_b, out_h, out_i0's rows)
-                  return false;
-                }
-                CUTLASS_PRAGMA_UNROLL
-                for (int r = 0; r < kRows; ++r) {
-                  pend_max[r] = row_max[r];
-                  pend_sum[r] = row_sum[r];
-                  row_max[r] = -INFINITY;
-                  row_sum[r] = 0.f;
-                }
-                pend_b = out_b;
-                pend_h = out_h;
-                pend_i0 = out_i0;
-                out_b = b;
-                out_h = h;
-                out_i0 = i0;
-                pending = true;   // O: this work tile's, once the step's P V is done
-                tSrQ = query_operand(qbuf);
-              }
-              either_path([&](auto full) __attribute__((always_inline)) { step(p_prev, p_next, full); });
-              return true;
-            };
-            while (advance(tOrP0, tOrP1) && advance(tOrP1, tOrP0)) {
-            }
-          } else {
-            while (true) {
-              if (!next_tile(n, partial)) { finish(tOrP0); break; }
-              either_path([&](auto full) __attribute__((always_inline)) { step(tOrP0, tOrP1, full); });
-              if (!next_tile(n, partial)) { finish(tOrP1); break; }
-              either_path([&](auto full) __attribute__((always_inline)) { step(tOrP1, tOrP0, full); });
-            }
+          while (true) {
+            if (!next_tile(n, partial)) { finish(tOrP0); break; }
+            either_path([&](auto full) __attribute__((always_inline)) { step(tOrP0, tOrP1, full); });
+            if (!next_tile(n, partial)) { finish(tOrP1); break; }
+            either_path([&](auto full) __attribute__((always_inline)) { step(tOrP1, tOrP0, full); });
           }
         }
       } else {
@@ -1365,9 +1250,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       }
     }
     // O / l and the lse per row (rows past Lq are never written), then O to memory.
-    // (kCarry: b, h and i0 may be a later, empty work tile's.)
-    const int eb = T::kCarry ? out_b : b, eh = T::kCarry ? out_h : h, ei0 = T::kCarry ? out_i0 : i0;
-    float* lse = p.lse + ((int64_t)eb * p.Hq + eh) * p.Lq;
+    float* lse = p.lse + ((int64_t)b * p.Hq + h) * p.Lq;
     Tensor O = make_tensor(tOrO.data(), rowcol(tOrO.layout()));
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -1375,7 +1258,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const float inv = l > 0.f ? 1.f / l : 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
-      const int i = ei0 + row_base + 8 * r;
+      const int i = i0 + row_base + 8 * r;
       if (tid % 4 == 0 && i < p.Lq)
         lse[i] = row_lse(row_max[r], l);
     }
@@ -1403,18 +1286,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         copy(kp.tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
         tma_store_arrive();
       }
-    } else if (T::kQBuffers == 2 && !(p.debug_high & 32768)) {
-      // 16-byte stores (FLEXSPARSE_CUDA_DEBUG bit 70368744177664: the 4-byte stores below).
-      const float ones[kRows] = {1.f, 1.f};
-      rows_out16(eb, eh, ei0, ones, false);
+    } else if constexpr (T::kQBuffers == 2) {
+      rows_out16(b, h, i0);
     } else {
       Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{});
       Tensor tOcO = thr_pv.partition_C(cO);
       Tensor ocoord = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
-      Element* out = static_cast<Element*>(p.out) + ((int64_t)eb * p.Hq + eh) * p.Lq * kHeadDim;
+      Element* out = static_cast<Element*>(p.out) + ((int64_t)b * p.Hq + h) * p.Lq * kHeadDim;
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int i = ei0 + get<0>(ocoord(r, 0));
+        const int i = i0 + get<0>(ocoord(r, 0));
         if (i < p.Lq) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < size<1>(O); c += 2) {
@@ -1540,16 +1421,9 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
   }
   if (overlap && p.bias == nullptr && plain) {
     if constexpr (kHeadDim <= 128) {
-      // FLEXSPARSE_CUDA_DEBUG bit 140737488355328: two query buffers and work tiles crossed
-      // in the key-tile loop (kCarry, opt-in).
-      if (p.debug_high & 65536) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2, true>>(
-            p, stream);
-        return;
-      }
       // Two query buffers (kQBuffers) by default at hd64, where a work tile is few key
       // tiles and its edge costs most (H200: +1% causal, +5% sliding 1024, +9% sliding
-      // 256, +3% documents; docs/perf-notes.md C90), FLEXSPARSE_CUDA_DEBUG bit
+      // 256, +3% documents; docs/perf-notes.md C90, C92), FLEXSPARSE_CUDA_DEBUG bit
       // 281474976710656 the one-buffer kernel instead (A/Bs); at hd128 opt-in, bit
       // 17592186044416 (-1% full, causal and documents, +1% sliding 1024).
       const bool two_query_buffers =
