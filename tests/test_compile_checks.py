@@ -380,3 +380,13 @@ def test_bad_block_size_of_symbolic_ints_compiled_names_it():
     with pytest.raises(torch._dynamo.exc.Unsupported,
                        match=r"raised exception ValueError\(['\"]block_size: must be positive"):
         f(q, -16)
+
+
+def test_check_sizes_op_opcheck():
+    """torch.library.opcheck on the check_sizes graph op (schema, fake kernel, AOT
+    dispatch), and its refusal: the ValueError with both sizes in the message."""
+    op = torch.ops.flexsparse.check_sizes.default
+    msg = "descriptor sizes {want}, inputs {got}"
+    torch.library.opcheck(op, ([2, 3], [2, 3], msg))
+    with pytest.raises(ValueError, match=r"descriptor sizes \(2, 4\), inputs \(2, 3\)"):
+        op([2, 3], [2, 4], msg)
