@@ -80,8 +80,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, q_strides, k_strides, v_strides, o_stride
     svb, svh, svn, svd = v_strides
     sob, soh, som, sod = o_strides
     sbb, sbh, sbq, sbk, b_hdiv = bias_strides
-    KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W = kv_partial
-    KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W = kv_full
+    KV_COUNT, KV_INDEX, kvp_sb, kvp_sh, kvp_hdiv, kvp_W, kvp_rs = kv_partial
+    KV_FULL_COUNT, KV_FULL_INDEX, kvf_sb, kvf_sh, kvf_hdiv, kvf_W, kvf_rs = kv_full
     pid_m = _tile_order(tl.program_id(0), tl.num_programs(0), rev_q)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
@@ -107,7 +107,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, q_strides, k_strides, v_strides, o_stride
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    row = b * kvp_sb + (h // kvp_hdiv) * kvp_sh + qb
+    row = b * kvp_sb + (h // kvp_hdiv) * kvp_sh + qb * kvp_rs
     n_iters = _list_count(KV_COUNT + row, kvp_W, tl.cdiv(Lk, block_k), KV_PARTIAL_RANGES) * SUB
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
@@ -115,7 +115,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, q_strides, k_strides, v_strides, o_stride
         qk_scale, cap_log2, preds,
         True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KV_PARTIAL_RANGES)
-    row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb
+    row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb * kvf_rs
     n_iters = _list_count(KV_FULL_COUNT + row, kvf_W, tl.cdiv(Lk, block_k), KV_FULL_RANGES) * SUB
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,

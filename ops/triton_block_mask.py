@@ -6,11 +6,13 @@ Block lists. The descriptor has four (docs/design.md): per query block, the key 
 element predicates (`kv_partial` = kv_count / kv_index) and without (`kv_full` =
 kv_full_count / kv_full_index); per key block, the transposed lists (`q_partial` = q_count /
 q_index, `q_full` = q_full_count / q_full_index). Each reaches a kernel as one tuple argument
-of six, `BlockListArgs` (count, index, batch stride, head stride, head divisor, row width),
-plus a RANGES constexpr: 0 for explicit indices, R for the range form with R range slots
-read, `EMPTY_LIST` when no row has a block (the loop is compiled out). A row starts at
-`row = b * batch_stride + (h // head_div) * head_stride + block`, `_list_count` clamps its
-count, and `_ranges_load` / `_list_tile` give its blocks.
+of seven, `BlockListArgs` (count, index, batch stride, head stride, head divisor, row
+width, row stride), plus a RANGES constexpr: 0 for explicit indices, R for the range form
+with R range slots read, `EMPTY_LIST` when no row has a block (the loop is compiled out). A
+row starts at `row = b * batch_stride + (h // head_div) * head_stride + block * row_stride`
+(row stride 0: lists whose rows are one row expanded, stride 0, as the full mask's and a
+layout's partial lists are, read as that one row without a copy), `_list_count` clamps
+its count, and `_ranges_load` / `_list_tile` give its blocks.
 
 Element predicates (applied in partial blocks only). Dense mask, column ranges and the
 partial-block bitmaps reach every attention kernel as one tuple of 20, `preds` (the fields of
@@ -277,6 +279,7 @@ class BlockListArgs(NamedTuple):
     head_stride: int
     head_div: int               # the list's head = query head // head_div
     row_width: int              # index entries per row: W, or 2R for the range form
+    row_stride: int             # 1, or 0 where every row is one stored row (expanded lists)
 
 
 class PredicateArgs(NamedTuple):
@@ -365,12 +368,17 @@ def _all_lists(mask, Lq, Lk, block_q, block_k, device):
 
 def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
     """BlockListArgs of one block list, and its RANGES constexpr (0: explicit indices
-    (Bd, Hd, n, W); R: range form (Bd, Hd, n, R, 2))."""
+    (Bd, Hd, n, W); R: range form (Bd, Hd, n, R, 2)). Lists whose rows are one row expanded
+    (stride 0 in both tensors) pass that row only, with row stride 0."""
+    Bd, Hd, n = count.shape
+    one_row = n > 1 and index.dim() >= 4 and count.stride(2) == 0 and index.stride(2) == 0
+    if one_row:
+        count, index = count[:, :, :1], index[:, :, :1]
     count = count.to(torch.int32).contiguous()
     index = index.to(torch.int32).contiguous()
-    Bd, Hd, n = count.shape
     ranges = index.shape[3] if index.dim() == 5 else 0
-    if (n != n_rows or tuple(index.shape[:3]) != (Bd, Hd, n) or index.dim() not in (4, 5)
+    stored = 1 if one_row else n
+    if (n != n_rows or tuple(index.shape[:3]) != (Bd, Hd, stored) or index.dim() not in (4, 5)
             or (ranges and index.shape[4] != 2)):
         raise ValueError(f"triton: {what} has shape {tuple(count.shape)} / "
                          f"{tuple(index.shape)}, expected (Bd, Hd, {n_rows}) / "
@@ -381,8 +389,8 @@ def _list_args(count, index, n_rows, Hq, Hkv, what, dummy):
     row = index[0, 0, 0].numel() if index.numel() else 1
     if index.numel() == 0:
         index = dummy
-    return BlockListArgs(count, index, 0 if Bd == 1 else Hd * n, n,
-                         _head_div(Hd, Hq, Hkv, what), row), ranges
+    return BlockListArgs(count, index, 0 if Bd == 1 else Hd * stored, stored,
+                         _head_div(Hd, Hq, Hkv, what), row, 0 if one_row else 1), ranges
 
 
 def _pred_args(mask, Hq, Hkv, Lq, dummy_i32, dummy_u8, read_kinds=True):

@@ -22,6 +22,7 @@ from flexsparse.ops import triton_block_bwd, triton_block_fwd  # noqa: E402
 from flexsparse.ops.triton_block_common import call_args  # noqa: E402
 from flexsparse.ops.triton_block_mask import EMPTY_LIST, ListRanges, _all_lists  # noqa: E402
 from flexsparse.ops.schema import MaskTensors  # noqa: E402
+from flexsparse.descriptor import Sizes, building_static  # noqa: E402
 
 DEV = "cpu"
 
@@ -320,6 +321,44 @@ def test_list_trimming_and_argument_cache():
     s = (q @ k[:, :, 32:].transpose(-1, -2)) * 0.2
     torch.testing.assert_close(out, torch.softmax(s, -1) @ v[:, :, 32:], atol=3e-5, rtol=1e-4)
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=3e-5, rtol=1e-4)
+
+
+def test_one_row_lists_are_read_as_one_row():
+    """Lists whose rows are one row expanded (stride 0: the full mask's; a block layout's
+    partial lists from the build op) reach the kernels as that one row with row stride 0,
+    not copied out to every row; the results equal the reference's, also with list
+    trimming off (the layout's empty partial lists then run their zero-length loops) and
+    with GQA (lists per kv head)."""
+    B, Hq, Hkv, L, D = 2, 4, 2, 96, 32
+    q, k, v = qkv(B, Hq, Hkv, L, L, D, seed=7)
+    full = M.full().compile(B, Hq, Hkv, L, L, device=DEV, block_size=(32, 32)).mask_tensors()
+    c = call_args(q, k, v, None, full, 32, 32, 0.2, 0.0)
+    assert c.mask.kv_full.row_stride == 0 and c.mask.kv_full.index.shape[2] == 1
+    assert c.mask.kv_full.count.shape[2] == 1
+    # the layout's partial lists as the build op returns them: one row per (b, h), expanded
+    lay = torch.rand(B, Hkv, 3, 3, generator=torch.Generator().manual_seed(2)) < 0.5
+    lay[0, 0, 1] = False                               # a query block with nothing listed
+    with building_static():                            # padded lists, as the op gives
+        mt = M.block_sparse(lay, 32)._descriptor(
+            Sizes(B, Hq, Hkv, L, L, 32, 32, torch.device(DEV))).mask_tensors()
+    one = dict(kv_count=mt.kv_count[:, :, :1].expand(B, Hkv, 3),
+               kv_index=mt.kv_index[:, :, :1].expand(B, Hkv, 3, 3),
+               q_count=mt.q_count[:, :, :1].expand(B, Hkv, 3),
+               q_index=mt.q_index[:, :, :1].expand(B, Hkv, 3, 3))
+    assert all(torch.equal(t, getattr(mt, n)) for n, t in one.items())   # (all empty)
+    mt = mt._replace(**one)
+    def attend(backend, tensors):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out, lse = torch.ops.flexsparse.attention(qq, kk, vv, None, *tensors, 32, 32, 0.2, 0.0,
+                                                  backend, False)
+        grads = torch.autograd.grad((out * out).sum() + lse.sum(), (qq, kk, vv))
+        return (out, lse) + grads
+
+    for tensors in (full, mt):
+        want = attend("reference", tensors)
+        for backend in ("triton", "triton;trim_lists=0"):
+            for a, b in zip(attend(backend, tensors), want):
+                torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- float16
