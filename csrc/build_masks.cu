@@ -228,10 +228,9 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   const bool kv = w < p.nQB;
   const int64_t row = kv ? w : w - p.nQB, n = kv ? p.nKB : p.nQB;
   const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
-  int32_t *part, *full;
-  int32_t *part_count, *full_count;
-  part = partial_list(p, kv, b, row);             // nullptr: nothing to store
-  part_count = partial_count(p, kv, b, row);
+  int32_t* part = partial_list(p, kv, b, row);    // nullptr: nothing to store
+  int32_t* part_count = partial_count(p, kv, b, row);
+  int32_t *full, *full_count;
   if (kv) {
     full = p.kv_full_index + (b * p.nQB + row) * n;
     full_count = p.kv_full_count + b * p.nQB + row;
@@ -274,7 +273,8 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
 }
 
 // Block grids (p.layout, p.states), in one launch (grid_list_kernel). Both list kinds
-// are bound by their writes (2 x 4 x n bytes per list row: 256 MB at 128K, B = 1, H = 16)
+// are bound by their writes (2 x 4 x n bytes per list row: 256 MB at 128K, B = 1, H = 16;
+// a layout's half, its partial lists being one stored row: BuildParams::partial_one_row)
 // and by the latency of their loops. By default each list row's grid is read once, 16
 // bytes per load, into bit masks held in registers: "slabs" of 32 adjacent blocks of the
 // row, two 32-bit words each (bit j: block 32 t + j of slab t is partial / full), slab t
