@@ -564,3 +564,22 @@ def test_build_ops_opcheck(name):
     needed, AOT dispatch with dynamic shapes."""
     op, args = _build_op_cases()[name]
     torch.library.opcheck(op, args)
+
+
+def test_block_layout_lists_convert_to_a_block_mask():
+    """A layout's descriptor from the op (its partial lists one stored row, expanded)
+    converts to a FlexAttention BlockMask with the static build's blocks and dense mask."""
+    from flexsparse import flex
+    lay = torch.rand(2, 2, 4, 4, generator=torch.Generator().manual_seed(0)) < 0.5
+    lay[0, 1, 2] = False                           # a query block with nothing listed
+    with build_op.use(True):
+        got = M.block_sparse(lay, 128).compile(2, 2, 2, 512, 512)
+    assert got.kv_index.stride(2) == 0 and got.q_index.stride(2) == 0
+    M.clear_cache()
+    with build_op.use(False), building_static():
+        want = M.block_sparse(lay, 128).compile(2, 2, 2, 512, 512)
+    bm, bm_want = flex.to_block_mask(got), flex.to_block_mask(want)
+    assert torch.equal(bm.to_dense(), bm_want.to_dense())
+    assert torch.equal(bm.to_dense(), lay)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(bm, name), getattr(bm_want, name)), name
