@@ -512,6 +512,30 @@ TORCH_LIBRARY_IMPL(flexsparse, CUDA, m) {
 #endif
 }
 
+#ifdef FLEXSPARSE_FWD_TRACE
+// Trace builds only (tests/gpu.sh trace): the forward's stamps of its last launch
+// (kernels.h), as an int32 CPU tensor (the uint32 clock values' bits).
+namespace {
+uint32_t g_fwd_trace[kFwdTraceCtas * kFwdTraceTiles * 4 * kFwdTraceEvents];
+Tensor fwd_trace() {
+  return at::from_blob(g_fwd_trace, {kFwdTraceCtas, kFwdTraceTiles, 4, kFwdTraceEvents}, at::kInt).clone();
+}
+}  // namespace
+uint32_t* fwd_trace_host() { return g_fwd_trace; }
+TORCH_LIBRARY_FRAGMENT(flexsparse, m) { m.def("fwd_trace() -> Tensor", &fwd_trace); }
+#endif
+#if defined(FLEXSPARSE_BWD_TRACE) && defined(FLEXSPARSE_HAS_BACKWARD)
+// Trace builds only (tests/gpu.sh btrace): the backward's stamps of its last launch.
+namespace {
+uint32_t g_bwd_trace[kBwdTraceCtas * (kBwdTraceSteps + 1) * 2 * kBwdTraceEvents];
+Tensor bwd_trace() {
+  return at::from_blob(g_bwd_trace, {kBwdTraceCtas, kBwdTraceSteps + 1, 2, kBwdTraceEvents}, at::kInt).clone();
+}
+}  // namespace
+uint32_t* bwd_trace_host() { return g_bwd_trace; }
+TORCH_LIBRARY_FRAGMENT(flexsparse, m) { m.def("bwd_trace() -> Tensor", &bwd_trace); }
+#endif
+
 }  // namespace flexsparse
 
 // The mask-build ops (flexsparse::build_document, build_prefix_lm; kernels in

@@ -45,17 +45,33 @@ namespace flexsparse::sm90 {
 // Timeline probe, compiled in only with -DFLEXSPARSE_BWD_TRACE (tests/gpu.sh btrace, which
 // builds a separate copy): the first thread of each consumer warpgroup stamps the SM clock
 // at fixed points of each of its first kBwdTraceSteps query steps, in the CTAs of key tiles
-// 0, 1 and gridDim.x / 2 of (kv head 0, batch 0), into a global buffer that those CTAs
-// print at exit (tests/gpu/bwd_trace.py reads it). Events per step: 0 query stage ready,
+// 0, 1 and gridDim.x / 2 of (kv head 0, batch 0), into a global buffer that the host
+// copies out after the launch (the op flexsparse::bwd_trace returns it to
+// tests/gpu/bwd_trace.py; no printf in the kernel: a function call there makes ptxas
+// serialize every wgmma, C7510, as the printing probe did until 2026-11-29). Row
+// kBwdTraceSteps, warpgroup 0 of a CTA's slot: the clock and global timer (ns) at the
+// consumers' first and last step (events 0-3) and the CTA's index (event 4). Events per
+// step: 0 query stage ready,
 // 1 S^T issued, 2 dO stage ready and dP^T issued, 3 S^T done, 4 P^T computed, 5 dP^T done,
 // 6 dS^T computed, dV issued and dS^T stored, 7 both warpgroups' dS^T stored (barrier),
 // 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed to the writer, 11 dK done.
 // As the forward's probe (C33), the stamps slow the loop: read durations as relative.
 #ifdef FLEXSPARSE_BWD_TRACE
-constexpr int kBwdTraceCtas = 3, kBwdTraceSteps = 130, kBwdTraceEvents = 12;
-static __device__ uint32_t bwd_trace_buf[kBwdTraceCtas][kBwdTraceSteps][2][kBwdTraceEvents];
-// clock and global timer (ns) at the consumers' first and last step, per traced CTA
-static __device__ uint32_t bwd_trace_cal[kBwdTraceCtas][4];
+using flexsparse::kBwdTraceCtas;
+using flexsparse::kBwdTraceSteps;
+using flexsparse::kBwdTraceEvents;
+static __device__ uint32_t bwd_trace_buf[kBwdTraceCtas][kBwdTraceSteps + 1][2][kBwdTraceEvents];
+// Host: before a launch, this translation unit's buffer zeroed (stream-ordered); after it,
+// copied to bwd_trace_host() (a synchronous copy: trace builds only).
+static void bwd_trace_clear(cudaStream_t stream) {
+  void* buf = nullptr;
+  CUDA_CHECK(cudaGetSymbolAddress(&buf, bwd_trace_buf));
+  CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(bwd_trace_buf), stream));
+}
+static void bwd_trace_fetch(cudaStream_t stream) {
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpyFromSymbol(flexsparse::bwd_trace_host(), bwd_trace_buf, sizeof(bwd_trace_buf)));
+}
 __device__ __forceinline__ int bwd_trace_cta() {
   if (blockIdx.y != 0 || blockIdx.z != 0) return -1;
   return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
@@ -69,8 +85,9 @@ __device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
   if (trace_cta >= 0 && tid == 0) {                                                             \
     uint32_t c, g;                                                                              \
     asm volatile("mov.u32 %0, %%clock;\n mov.u32 %1, %%globaltimer_lo;" : "=r"(c), "=r"(g)); \
-    bwd_trace_cal[trace_cta][2 * (i)] = c;                                                      \
-    bwd_trace_cal[trace_cta][2 * (i) + 1] = g;                                                  \
+    bwd_trace_buf[trace_cta][kBwdTraceSteps][0][2 * (i)] = c;                                   \
+    bwd_trace_buf[trace_cta][kBwdTraceSteps][0][2 * (i) + 1] = g;                               \
+    bwd_trace_buf[trace_cta][kBwdTraceSteps][0][4] = blockIdx.x;                                \
   }
 #else
 #define BWD_TRACE(e) \
@@ -1175,18 +1192,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
 #ifdef FLEXSPARSE_BWD_TRACE
     BWD_TRACE_CALIBRATE(1);
-    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // both warpgroups' stamps
-    if (tid == 0 && trace_cta >= 0) {
-      __threadfence_block();
-      const uint32_t* cal = bwd_trace_cal[trace_cta];
-      printf("BWDCAL %d %u %u %u %u\n", blockIdx.x, cal[0], cal[1], cal[2], cal[3]);
-      for (int w = 0; w < 2; ++w)
-        for (int s = 0; s < min(step, kBwdTraceSteps); ++s) {
-          const uint32_t* e = bwd_trace_buf[trace_cta][s][w];
-          printf("BWDTRACE %d %d %d %u %u %u %u %u %u %u %u %u %u %u %u\n", blockIdx.x, w, s, e[0], e[1], e[2],
-                 e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11]);
-        }
-    }
 #endif
     // kBiasTiles: the last dbias store has read its dS buffer before the epilogue reuses
     // shared memory (and before the CTA's shared memory goes).
@@ -1464,8 +1469,14 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   const int smem = T::kSmemBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
+#ifdef FLEXSPARSE_BWD_TRACE
+  bwd_trace_clear(stream);
+#endif
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
+#ifdef FLEXSPARSE_BWD_TRACE
+  bwd_trace_fetch(stream);
+#endif
 
   auto postprocess = dq_pairs ? bwd_postprocess<T, true> : bwd_postprocess<T>;
   postprocess<<<dim3(Lq_pad / T::kBlockM, p.Hq, p.B), 256, 0, stream>>>(bp, dq_accum, Lq_pad);

@@ -37,13 +37,26 @@
 // builds a separate copy): one thread of each role stamps the SM clock at fixed points of
 // each key tile of two consecutive work tiles (the CTA's (FLEXSPARSE_CUDA_DEBUG >> 16)-th
 // and the next), and at the edge of each (FWD_TRACE_EDGE), in CTAs 0, 1 and gridDim / 2,
-// into a global buffer that those CTAs print at exit (tests/gpu/fwd_trace.py reads it).
-// Roles: 0, 1 the consumer warpgroups, 2 the producer.
-// The probe itself slows the loop by about a third, whether the stamps go to shared or
-// global memory (docs/perf-notes.md C33): read its durations as relative.
+// into a global buffer that the host copies out after each launch (fwd_trace_fetch; the op
+// flexsparse::fwd_trace returns it to tests/gpu/fwd_trace.py). Roles: 0, 1 the consumer
+// warpgroups, 2 the producer. No printf in the kernel: a function call there makes ptxas
+// serialize every wgmma of the kernel (C7510), which is what the printing probe measured
+// until 2026-11-29 (docs/perf-notes.md, the 43rd session's note on the edge trace).
 #ifdef FLEXSPARSE_FWD_TRACE
-constexpr int kTraceCtas = 3, kTraceTiles = 260, kTraceEvents = 8;
+constexpr int kTraceCtas = flexsparse::kFwdTraceCtas, kTraceTiles = flexsparse::kFwdTraceTiles,
+              kTraceEvents = flexsparse::kFwdTraceEvents;
 static __device__ uint32_t fwd_trace_buf[kTraceCtas][kTraceTiles][4][kTraceEvents];
+// Host: before a launch, this translation unit's buffer zeroed (stream-ordered); after it,
+// copied to fwd_trace_host() (a synchronous copy: trace builds only).
+static void fwd_trace_clear(cudaStream_t stream) {
+  void* buf = nullptr;
+  CUDA_CHECK(cudaGetSymbolAddress(&buf, fwd_trace_buf));
+  CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(fwd_trace_buf), stream));
+}
+static void fwd_trace_fetch(cudaStream_t stream) {
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpyFromSymbol(flexsparse::fwd_trace_host(), fwd_trace_buf, sizeof(fwd_trace_buf)));
+}
 // Where the other threads' stamps go: one 32-byte row per warp of the first 256 CTAs, so
 // that they do not all store to one address.
 static __device__ uint32_t fwd_trace_sink[256 * 12][kTraceEvents];
@@ -96,13 +109,15 @@ __device__ __forceinline__ uint32_t fwd_trace_clock() {
   if ((on) && fwd_trace_cta() >= 0 && (role) < 3 && ((k) == (k0) || (k) == (k0) + 1))               \
     fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 2 - ((k) - (k0))][role][e] = (value)
 // Clock and global timer (ns) side by side at the traced work tile's start (i = 0) and end
-// (i = 1), to convert cycles to time: row kTraceTiles - 1 of the CTA's slot.
+// (i = 1), to convert cycles to time, and the CTA's index (event 4): row kTraceTiles - 1 of
+// the CTA's slot, role 3.
 #define FWD_TRACE_CALIBRATE(on, i)                                                          \
   if ((on) && fwd_trace_cta() >= 0) {                                                       \
     uint32_t c, g;                                                                          \
     asm volatile("mov.u32 %0, %%clock;\n mov.u32 %1, %%globaltimer_lo;" : "=r"(c), "=r"(g)); \
     fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][2 * (i)] = c;                        \
     fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][2 * (i) + 1] = g;                    \
+    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][4] = blockIdx.x;                     \
   }
 #else
 #define FWD_TRACE(e) \
@@ -1313,23 +1328,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     if constexpr (T::kTmaStore) {
       if (wg_tid == 0) tma_store_wait<0>();   // shared memory outlives the last store
     }
-#ifdef FLEXSPARSE_FWD_TRACE
-    // Printed by a consumer thread: the producer's warps run at 24 registers after
-    // setmaxnreg, too few for printf (an illegal instruction). The producer's last stamp
-    // precedes the consumers' last tile.
-    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 7);
-    const int trace_cta = fwd_trace_cta();
-    if (tid == 0 && trace_cta >= 0) {
-      __threadfence_block();
-      for (int role = 0; role < 4; ++role)
-        for (int t = role == 3 ? kTraceTiles - 1 : 0; t < kTraceTiles; ++t) {
-          const uint32_t* e = fwd_trace_buf[trace_cta][t][role];
-          if (role < 3 && e[0] == 0) continue;
-          printf("FWDTRACE %d %d %d %u %u %u %u %u %u %u %u\n", blockIdx.x, role, t, e[0], e[1], e[2],
-                 e[3], e[4], e[5], e[6], e[7]);
-        }
-    }
-#endif
   }
 
 #endif
@@ -1376,8 +1374,14 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   const int n_work = fwd_work_tiles(p, T::kBlockM);
   // (The redo pass's work tiles are known on the device only: a full persistent grid.)
   const int ctas = (p.debug & 64) && !p.redo_pass ? n_work : std::min(n_work, sm_count());
+#ifdef FLEXSPARSE_FWD_TRACE
+  fwd_trace_clear(stream);
+#endif
   kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
+#ifdef FLEXSPARSE_FWD_TRACE
+  fwd_trace_fetch(stream);
+#endif
 }
 
 // The calls FwdTraits::kBiasTiles kernels take: a bias TMA can read by tiles, no softcap

@@ -35,6 +35,13 @@ inline bool bias_tma_readable(AttentionTensors const& p) {
 
 // Hopper forward: out and lse for every query row (fully masked rows: 0 and -inf).
 void fwd_sm90(AttentionParams const& p, DType dtype, cudaStream_t stream);
+#ifdef FLEXSPARSE_FWD_TRACE
+// The forward's timeline probe (fwd_sm90.cuh, trace builds only): the stamps of the last
+// launch, [kFwdTraceCtas][kFwdTraceTiles][4][kFwdTraceEvents], copied to this host array
+// after each launch and returned by the op flexsparse::fwd_trace (tests/gpu/fwd_trace.py).
+constexpr int kFwdTraceCtas = 3, kFwdTraceTiles = 260, kFwdTraceEvents = 8;
+uint32_t* fwd_trace_host();
+#endif
 // Its tile sizes: the descriptor's block_q must be a multiple of fwd_tile_m(), block_k a
 // multiple of fwd_tile_n(head_dim).
 int fwd_tile_m();
@@ -57,6 +64,14 @@ inline int bwd_lq_pad(AttentionParams const& p, int step) {
   return step == 80 ? (p.Lq + 79) / 80 * 80 : (p.Lq + 127) / 128 * 128;
 }
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
+#ifdef FLEXSPARSE_BWD_TRACE
+// The backward's timeline probe (bwd_sm90.cuh, trace builds only): the stamps of the last
+// launch, [kBwdTraceCtas][kBwdTraceSteps + 1][2][kBwdTraceEvents], copied to this host
+// array after each launch and returned by the op flexsparse::bwd_trace
+// (tests/gpu/bwd_trace.py).
+constexpr int kBwdTraceCtas = 3, kBwdTraceSteps = 130, kBwdTraceEvents = 12;
+uint32_t* bwd_trace_host();
+#endif
 // Column ranges per key the backward stages in shared memory. The plain kernels
 // (BwdTraits::kPlain) have no path for more, so bwd_sm90 and BwdTraits read this one value.
 constexpr int kBwdMaxStagedRanges = 4;

@@ -128,6 +128,63 @@ def test_bwd_trace_summary_reads_the_stamps():
     assert bt.step_rows("full@8192@128", "268435456") == 80 and bt.step_rows("causal@8192@128", "268435456") == 64
 
 
+def test_bwd_trace_reads_the_stamps_from_the_op_buffer():
+    """tests/gpu/bwd_trace.py: the op flexsparse::bwd_trace's buffer (CTA slot, step,
+    warpgroup, event; uint32 clocks in int32; the calibration row last) becomes the lines
+    parse() reads."""
+    import importlib.util
+    import os
+
+    import torch
+    path = os.path.join(os.path.dirname(__file__), "gpu", "bwd_trace.py")
+    spec = importlib.util.spec_from_file_location("bwd_trace", path)
+    bt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+    S = bt.TRACE_STEPS
+    buf = torch.zeros(3, S + 1, 2, 12, dtype=torch.int64)
+    for s in range(6):
+        for wg in (0, 1):
+            buf[2, s, wg] = torch.tensor([1000 * (s + 1) + 10 * e + 5 * wg for e in range(12)])
+    buf[2, 4, 1, 11] = 2 ** 32 - 3
+    buf[2, S, 0, :5] = torch.tensor([0, 0, 1800, 1000, 66])   # clock, timer, clock, timer, CTA
+    text = "\n".join(["=== launch 0 done"] + bt.trace_lines(buf.to(torch.int32)) + ["=== launch 1 done"])
+    steps, cal = bt.parse(text)
+    assert set(steps) == {(66, 0), (66, 1)} and len(steps[(66, 0)]) == 6
+    assert cal == {66: [0, 0, 1800, 1000]} and steps[(66, 1)][4][11] == 2 ** 32 - 3
+
+
+def test_fwd_trace_reads_the_stamps_from_the_op_buffer():
+    """tests/gpu/fwd_trace.py (the forward's timeline probe): the op flexsparse::fwd_trace's
+    buffer (CTA slot, tile, role, event; uint32 clocks in int32) becomes the lines parse()
+    reads, with each slot's CTA index and its calibration row, and the summary gives the
+    steady period and the clock rate."""
+    import importlib.util
+    import os
+
+    import torch
+    path = os.path.join(os.path.dirname(__file__), "gpu", "fwd_trace.py")
+    spec = importlib.util.spec_from_file_location("fwd_trace", path)
+    ft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ft)
+    T = ft.TRACE_TILES
+    buf = torch.zeros(3, T, 4, 8, dtype=torch.int64)
+    for t in range(8):                   # slot 1 (CTA 1): key tiles 1000 cycles apart
+        for role in (0, 1):
+            buf[1, t, role] = torch.tensor([1000 * (t + 1) + 10 * e + 5 * role for e in range(8)])
+    buf[1, T - 1, 3, :5] = torch.tensor([100, 1000, 1900, 1500, 1])   # clock, timer, clock, timer, CTA
+    buf[1, 3, 0, 0] = 2 ** 32 - 7        # a clock past 2^31 (int32 bits): read back unsigned
+    lines = ft.trace_lines(buf.to(torch.int32))
+    assert all(ln.startswith("FWDTRACE 1 ") for ln in lines) and len(lines) == 8 + 8 + 1
+    assert f"FWDTRACE 1 0 3 {2 ** 32 - 7} " in "\n".join(lines) + " "
+    buf[1, 3, 0, 0] = 4000               # (its value again)
+    text = "\n".join(["=== launch 0 done"] + ft.trace_lines(buf.to(torch.int32)) + ["=== launch 1 done"])
+    trace = ft.parse(text)
+    assert set(trace) == {(1, 0), (1, 1), (1, 3)}
+    summary = ft.summarize("full@8192@128", trace)
+    assert "CTA 1: clock 3.600 cycles per ns" in summary
+    assert "wg0: 8 tiles, period 1000" in summary and "wg1: 8 tiles, period 1000" in summary
+
+
 def test_cuda_index_bench_variants_set_and_restore_the_debug_bits(monkeypatch):
     """--variants times the CUDA forward under each FLEXSPARSE_CUDA_DEBUG value: with_debug
     sets the value for the call only, and restores what was there (or its absence)."""

@@ -1,8 +1,9 @@
 """The CUDA backward's timeline, step by step, from a build with -DFLEXSPARSE_BWD_TRACE
 (tests/gpu.sh btrace builds one in a copy of the tree): the first thread of each consumer
 warpgroup stamps the SM clock at fixed points of its first query steps, in the CTAs of key
-tiles 0, 1 and gridDim.x / 2 of (kv head 0, batch 0), which print the stamps
-(csrc/bwd_sm90.cuh, BWD_TRACE).
+tiles 0, 1 and gridDim.x / 2 of (kv head 0, batch 0); the host copies the stamps out
+after the launch and the op flexsparse::bwd_trace returns them (csrc/bwd_sm90.cuh,
+BWD_TRACE; the kernel does not print: a printf made ptxas serialize its wgmmas).
 
     PYTHONPATH=<trace build> python3 tests/gpu/bwd_trace.py full@8192@128 ... [--bits 0,268435456]
 
@@ -11,8 +12,8 @@ step over the steady steps, the step period and the tensor cores' floor for the 
 five products. Events: 0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued,
 3 S^T done, 4 P^T computed, 5 dP^T done, 6 dS^T computed, dV issued, dS^T stored, 7 both
 warpgroups' dS^T stored, 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed
-to the writer, 11 dK done. The stamps slow the loop (as the forward's, C33): compare
-phases with each other and across variants, not with untraced times.
+to the writer, 11 dK done. The stamps slow the loop somewhat (spills): compare phases
+with each other and across variants, and the trace build's time with the plain one's.
 """
 import argparse
 import ctypes
@@ -47,8 +48,33 @@ def run_one(row):
     for rep in range(2):      # the second launch is the one read (the first warms up)
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
-        libc.fflush(None)     # the kernels' printf output, before the marker
+        if rep == 1:
+            print("\n".join(trace_lines(torch.ops.flexsparse.bwd_trace())))
+        sys.stdout.flush()
+        libc.fflush(None)
         os.write(1, f"=== launch {rep} done\n".encode())
+
+
+TRACE_STEPS = 130    # csrc/kernels.h, kBwdTraceSteps
+
+
+def trace_lines(buf):
+    """The stamps of the op flexsparse::bwd_trace ((CTA slot, step, warpgroup, event) int32
+    holding uint32 clocks; row TRACE_STEPS, warpgroup 0: the calibration and the CTA's
+    index) as lines "BWDCAL cta c0 g0 c1 g1" and "BWDTRACE cta wg step e0..e11"."""
+    lines = []
+    for slot in buf.long().bitwise_and(0xFFFFFFFF).tolist():
+        cal = slot[TRACE_STEPS][0]
+        if not any(cal):
+            continue                     # (a slot no CTA recorded)
+        cta = cal[4]
+        lines.append(f"BWDCAL {cta} " + " ".join(map(str, cal[:4])))
+        for wg in range(2):
+            for s in range(TRACE_STEPS):
+                e = slot[s][wg]
+                if any(e):
+                    lines.append(f"BWDTRACE {cta} {wg} {s} " + " ".join(map(str, e)))
+    return lines
 
 
 def parse(text):

@@ -1,8 +1,10 @@
 """The CUDA forward's timeline, tile by tile, from a build with -DFLEXSPARSE_FWD_TRACE
 (tests/gpu.sh trace builds one in a copy of the tree): one thread of each consumer
 warpgroup and the producer stamp the SM clock at fixed points of each key tile of two
-consecutive work tiles and at their edges, and CTAs 0, 1 and gridDim/2 print the stamps
-(csrc/fwd_sm90.cuh, FWD_TRACE, FWD_TRACE_EDGE).
+consecutive work tiles and at their edges, in CTAs 0, 1 and gridDim/2; the host copies the
+stamps out after each launch and the op flexsparse::fwd_trace returns them (csrc/fwd_sm90.cuh,
+FWD_TRACE, FWD_TRACE_EDGE; the kernel does not print: a printf made ptxas serialize its
+wgmmas).
 
     PYTHONPATH=<trace build> python3 tests/gpu/fwd_trace.py full@8192@128 full@8192@64 ...
 
@@ -52,6 +54,9 @@ def run_one(row, work_tile, plain=False):
     for rep in range(2):      # the second launch is the one read (the first warms up)
         flexsparse.attention(q, k, v, desc, backend="cuda")
         torch.cuda.synchronize()
+        if rep == 1 and not plain:
+            print("\n".join(trace_lines(torch.ops.flexsparse.fwd_trace())))
+        sys.stdout.flush()
         libc.fflush(None)
         os.write(1, f"=== launch {rep} done\n".encode())
     # this build's own speed (the stamps cost something; compare with the plain build)
@@ -64,6 +69,25 @@ def run_one(row, work_tile, plain=False):
     ms = start.elapsed_time(end) / 5
     libc.fflush(None)
     os.write(1, f"TIME {row}: {ms:.4f} ms per forward in the {'plain' if plain else 'trace'} build\n".encode())
+
+
+def trace_lines(buf):
+    """The stamps of the op flexsparse::fwd_trace ((CTA slot, tile, role, event) int32 holding
+    uint32 clocks) as lines "FWDTRACE cta role tile e0..e7": per slot its CTA index (role 3,
+    last tile, event 4), the key tiles each role stamped, and the calibration row."""
+    lines = []
+    for slot in buf.long().bitwise_and(0xFFFFFFFF).tolist():
+        calibration = slot[TRACE_TILES - 1][3]
+        if not any(calibration):
+            continue                     # (a slot no CTA recorded)
+        cta = calibration[4]
+        for role in range(4):
+            for t in (range(TRACE_TILES) if role < 3 else [TRACE_TILES - 1]):
+                e = slot[t][role]
+                if role < 3 and e[0] == 0:
+                    continue
+                lines.append(f"FWDTRACE {cta} {role} {t} " + " ".join(map(str, e)))
+    return lines
 
 
 def parse(text):
@@ -88,8 +112,8 @@ def summarize(row, trace):
     floor = 2 * 2 * 64 * 128 * D * 2 // 4096      # both warpgroups' QK^T + PV at 4096 flop/clk/SM
     lines = [f"### {row}: tensor-core floor per tile (both warpgroups) {floor} cycles"]
     for (cta, role), tiles in sorted(trace.items()):
-        if role == 3 and 129 in tiles:
-            c0, g0, c1, g1 = tiles[129][:4]
+        if role == 3 and TRACE_TILES - 1 in tiles:
+            c0, g0, c1, g1 = tiles[TRACE_TILES - 1][:4]
             if g1 != g0:
                 lines.append(f"CTA {cta}: clock {dt(c0, c1) / dt(g0, g1):.3f} cycles per ns over the work tile")
     trace = {key: val for key, val in trace.items() if key[1] != 3}
