@@ -45,26 +45,34 @@
 #ifdef FLEXSPARSE_FWD_TRACE
 constexpr int kTraceCtas = flexsparse::kFwdTraceCtas, kTraceTiles = flexsparse::kFwdTraceTiles,
               kTraceEvents = flexsparse::kFwdTraceEvents;
-static __device__ uint32_t fwd_trace_buf[kTraceCtas][kTraceTiles][4][kTraceEvents];
-// Host: before a launch, this translation unit's buffer zeroed (stream-ordered); after it,
+constexpr uint32_t kTraceRow = 4 * kTraceEvents;                     // words per key-tile slot
+constexpr uint32_t kTraceWords = kTraceCtas * kTraceTiles * kTraceRow;
+// The stamps ([CTA slot][tile][role][event], the first kTraceWords words), then the sink:
+// one 32-byte row per warp of the first 256 CTAs, where the threads that do not record
+// store, so that they do not all store to one address. A thread's place is one 32-bit
+// word index (trace_at), not a pointer and counters: the probe's registers are what make
+// the traced kernel spill.
+static __device__ uint32_t fwd_trace_mem[kTraceWords + 256 * 12 * kTraceEvents];
+// Host: before a launch, this translation unit's stamps zeroed (stream-ordered); after it,
 // copied to fwd_trace_host() (a synchronous copy: trace builds only).
 static void fwd_trace_clear(cudaStream_t stream) {
   void* buf = nullptr;
-  CUDA_CHECK(cudaGetSymbolAddress(&buf, fwd_trace_buf));
-  CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(fwd_trace_buf), stream));
+  CUDA_CHECK(cudaGetSymbolAddress(&buf, fwd_trace_mem));
+  CUDA_CHECK(cudaMemsetAsync(buf, 0, kTraceWords * sizeof(uint32_t), stream));
 }
 static void fwd_trace_fetch(cudaStream_t stream) {
   CUDA_CHECK(cudaStreamSynchronize(stream));
-  CUDA_CHECK(cudaMemcpyFromSymbol(flexsparse::fwd_trace_host(), fwd_trace_buf, sizeof(fwd_trace_buf)));
+  CUDA_CHECK(cudaMemcpyFromSymbol(flexsparse::fwd_trace_host(), fwd_trace_mem, kTraceWords * sizeof(uint32_t)));
 }
-// Where the other threads' stamps go: one 32-byte row per warp of the first 256 CTAs, so
-// that they do not all store to one address.
-static __device__ uint32_t fwd_trace_sink[256 * 12][kTraceEvents];
 __device__ __forceinline__ int fwd_trace_cta() {
   return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
 }
-__device__ __forceinline__ uint32_t* fwd_trace_sink_row() {
-  return fwd_trace_sink[(blockIdx.x % 256) * 12 + threadIdx.x / 32];
+// The word index of (CTA slot, tile, role, event 0), and of this warp's sink row.
+__device__ __forceinline__ uint32_t fwd_trace_word(int cta, int tile, int role) {
+  return (uint32_t(cta) * kTraceTiles + tile) * kTraceRow + role * kTraceEvents;
+}
+__device__ __forceinline__ uint32_t fwd_trace_sink_row() {
+  return kTraceWords + ((blockIdx.x % 256) * 12 + threadIdx.x / 32) * kTraceEvents;
 }
 __device__ __forceinline__ uint32_t fwd_trace_clock() {
   uint32_t c;
@@ -73,32 +81,27 @@ __device__ __forceinline__ uint32_t fwd_trace_clock() {
 }
 #define FWD_TRACE(e)                                                                    \
   asm volatile("{\n .reg .u32 c;\n mov.u32 c, %%clock;\n st.global.u32 [%0], c;\n}" \
-               ::"l"(trace_slot + (e)))
+               ::"l"(fwd_trace_mem + trace_at + (e)))
+// The key tile a recording thread's place is at (its slot's tile).
+#define FWD_TRACE_TILE() ((trace_at / kTraceRow) % kTraceTiles)
 // The next key tile's slot (threads that do not record stay on their sink; the last slots
 // are kept for the work-tile edges).
-#define FWD_TRACE_NEXT()                                              \
-  if (trace_step != 0 && ++trace_n >= kTraceTiles - 3) {              \
-    trace_slot = fwd_trace_sink_row();                                \
-    trace_step = 0;                                                   \
-  }                                                                   \
-  trace_slot += trace_step
+#define FWD_TRACE_NEXT()                                     \
+  if (trace_at < kTraceWords) {                              \
+    trace_at += kTraceRow;                                   \
+    if (FWD_TRACE_TILE() >= kTraceTiles - 3) trace_at = fwd_trace_sink_row(); \
+  }
 // Once per role, before its loop over work tiles.
-#define FWD_TRACE_DECL()                       \
-  uint32_t* trace_slot = fwd_trace_sink_row(); \
-  int trace_step = 0, trace_n = 0
+#define FWD_TRACE_DECL() uint32_t trace_at = fwd_trace_sink_row()
 // At work tile k: the traced ones are k0 = (FLEXSPARSE_CUDA_DEBUG >> 16) and k0 + 1, whose
 // key tiles take consecutive slots, so that the edge between them shows.
 #define FWD_TRACE_WORK(role, k, k0, on)                                          \
   {                                                                              \
     const bool rec_ = (on) && fwd_trace_cta() >= 0 && (role) < 3;                \
-    if (rec_ && (k) == (k0)) {                                                   \
-      trace_slot = &fwd_trace_buf[fwd_trace_cta()][0][role][0];                  \
-      trace_step = 4 * kTraceEvents;                                             \
-      trace_n = 0;                                                               \
-    } else if (!(rec_ && (k) == (k0) + 1 && trace_step != 0)) {                  \
-      trace_slot = fwd_trace_sink_row();                                         \
-      trace_step = 0;                                                            \
-    }                                                                            \
+    if (rec_ && (k) == (k0))                                                     \
+      trace_at = fwd_trace_word(fwd_trace_cta(), 0, role);                       \
+    else if (!(rec_ && (k) == (k0) + 1 && trace_at < kTraceWords))               \
+      trace_at = fwd_trace_sink_row();                                           \
   }
 // Edge event e of traced work tile k (row kTraceTiles - 2 - (k - k0)): consumers 0 queries
 // ready, 1 last key tile done (finish), 2 the P V before it done, 3 the last P V issued,
@@ -107,7 +110,7 @@ __device__ __forceinline__ uint32_t fwd_trace_clock() {
 // buffer, 1 after it, 2 the query load issued.
 #define FWD_TRACE_EDGE(role, k, k0, on, e, value)                                                    \
   if ((on) && fwd_trace_cta() >= 0 && (role) < 3 && ((k) == (k0) || (k) == (k0) + 1))               \
-    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 2 - ((k) - (k0))][role][e] = (value)
+    fwd_trace_mem[fwd_trace_word(fwd_trace_cta(), kTraceTiles - 2 - ((k) - (k0)), role) + (e)] = (value)
 // Clock and global timer (ns) side by side at the traced work tile's start (i = 0) and end
 // (i = 1), to convert cycles to time, and the CTA's index (event 4): row kTraceTiles - 1 of
 // the CTA's slot, role 3.
@@ -115,11 +118,13 @@ __device__ __forceinline__ uint32_t fwd_trace_clock() {
   if ((on) && fwd_trace_cta() >= 0) {                                                       \
     uint32_t c, g;                                                                          \
     asm volatile("mov.u32 %0, %%clock;\n mov.u32 %1, %%globaltimer_lo;" : "=r"(c), "=r"(g)); \
-    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][2 * (i)] = c;                        \
-    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][2 * (i) + 1] = g;                    \
-    fwd_trace_buf[fwd_trace_cta()][kTraceTiles - 1][3][4] = blockIdx.x;                     \
+    const uint32_t at_ = fwd_trace_word(fwd_trace_cta(), kTraceTiles - 1, 3);               \
+    fwd_trace_mem[at_ + 2 * (i)] = c;                                                       \
+    fwd_trace_mem[at_ + 2 * (i) + 1] = g;                                                   \
+    fwd_trace_mem[at_ + 4] = blockIdx.x;                                                    \
   }
 #else
+#define FWD_TRACE_TILE() 0
 #define FWD_TRACE(e) \
   do {               \
   } while (0)
@@ -999,7 +1004,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
     FWD_TRACE_WORK(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0);
     FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 0, fwd_trace_clock());
-    FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 7, uint32_t(trace_n));
+    FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 7, uint32_t(FWD_TRACE_TILE()));
     FWD_TRACE_CALIBRATE(k == (p.debug >> 16) && tid == 0, 0);
     clear(tOrO);
     CUTLASS_PRAGMA_UNROLL
