@@ -583,3 +583,27 @@ def test_block_layout_lists_convert_to_a_block_mask():
     assert torch.equal(bm.to_dense(), lay)
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(bm, name), getattr(bm_want, name)), name
+
+
+def test_block_layout_build_and_attention_through_inductor():
+    """A layout built inside a function compiled by Inductor (fullgraph, dynamic) and used
+    at once: the op's row-expanded partial lists (their strides from the fake kernel) reach
+    the attention op, which gives the eager result exactly at three lengths, one frame."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def f(layout, q):
+        B, H, L, _ = q.shape
+        desc = M.block_sparse(layout, 16).compile(B, H, H, L, L, block_size=(16, 16))
+        return flexsparse.attention(q, q, q, desc)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    cf = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    with build_op.use(True):
+        for L in (80, 96, 130):
+            n = -(-L // 16)
+            layout = torch.rand(2, 1, n, n, generator=g) < 0.4
+            q = torch.randn(2, 2, L, 8, generator=g, dtype=torch.float64)
+            torch.testing.assert_close(cf(layout, q), f(layout, q), rtol=0, atol=0)
+    assert counter.frame_count == 1
