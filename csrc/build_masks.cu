@@ -230,14 +230,8 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   const int32_t* bounds = p.layout || p.states ? nullptr : p.bounds + ws_at(p, b, 0, 0);
   int32_t* part = partial_list(p, kv, b, row);    // nullptr: nothing to store
   int32_t* part_count = partial_count(p, kv, b, row);
-  int32_t *full, *full_count;
-  if (kv) {
-    full = p.kv_full_index + (b * p.nQB + row) * n;
-    full_count = p.kv_full_count + b * p.nQB + row;
-  } else {
-    full = p.q_full_index + (b * p.nKB + row) * n;
-    full_count = p.q_full_count + b * p.nKB + row;
-  }
+  int32_t* full = full_list(p, kv, b, row);
+  int32_t* count_full = full_count(p, kv, b, row);
   auto state = [&](int64_t i) {                    // i: the block along the row
     int64_t qb = kv ? row : i, kb = kv ? i : row;
     if (p.layout != nullptr) return p.layout[(b * p.nQB + qb) * p.nKB + kb] ? int(kFull) : int(kSkip);
@@ -268,7 +262,7 @@ __global__ void __launch_bounds__(kQueryThreads) list_kernel(BuildParams p) {
   }
   if (lane == 0) {
     if (part_count != nullptr) *part_count = (int32_t)np;
-    *full_count = (int32_t)nf;
+    *count_full = (int32_t)nf;
   }
 }
 

@@ -116,6 +116,16 @@ FS_HD int32_t* partial_count(const BuildParams& p, bool kv, int64_t b, int64_t r
   return base + b * (kv ? p.nQB : p.nKB) + row;
 }
 
+// Where list row `row` of layout row b writes its full list and count (every row stores).
+FS_HD int32_t* full_list(const BuildParams& p, bool kv, int64_t b, int64_t row) {
+  const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
+  return (kv ? p.kv_full_index : p.q_full_index) + (b * rows + row) * n;
+}
+
+FS_HD int32_t* full_count(const BuildParams& p, bool kv, int64_t b, int64_t row) {
+  return (kv ? p.kv_full_count : p.q_full_count) + b * (kv ? p.nQB : p.nKB) + row;
+}
+
 FS_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 FS_HD int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 FS_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

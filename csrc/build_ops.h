@@ -39,7 +39,7 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
     const int64_t rows = kv ? p.nQB : p.nKB, n = kv ? p.nKB : p.nQB;
     for (int64_t row = 0; row < rows; ++row) {
       int32_t* part = partial_list(p, kv, b, row);   // nullptr: nothing to store
-      int32_t* full = (kv ? p.kv_full_index : p.q_full_index) + (b * rows + row) * n;
+      int32_t* full = full_list(p, kv, b, row);
       std::vector<int> st(n);
       int64_t np = 0, nf = 0;
       for (int64_t i = 0; i < n; ++i) {
@@ -57,7 +57,7 @@ void padded_lists_cpu(BuildParams& p, int64_t b) {
         bf += st[i] == kFull;
       }
       if (int32_t* c = partial_count(p, kv, b, row)) *c = (int32_t)np;
-      (kv ? p.kv_full_count : p.q_full_count)[b * rows + row] = (int32_t)nf;
+      *full_count(p, kv, b, row) = (int32_t)nf;
     }
   }
 }
