@@ -51,27 +51,16 @@ namespace flexsparse::sm90 {
 // serialize every wgmma, C7510, as the printing probe did until 2026-11-29). Row
 // kBwdTraceSteps, warpgroup 0 of a CTA's slot: the clock and global timer (ns) at the
 // consumers' first and last step (events 0-3) and the CTA's index (event 4). Events per
-// step: 0 query stage ready,
-// 1 S^T issued, 2 dO stage ready and dP^T issued, 3 S^T done, 4 P^T computed, 5 dP^T done,
-// 6 dS^T computed, dV issued and dS^T stored, 7 both warpgroups' dS^T stored (barrier),
-// 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed to the writer, 11 dK done.
-// As the forward's probe (C33), the stamps slow the loop: read durations as relative.
+// step: 0 query stage ready, 1 S^T issued, 2 dO stage ready and dP^T issued, 3 S^T done,
+// 4 P^T computed, 5 dP^T done, 6 dS^T computed, dV issued and dS^T stored, 7 both
+// warpgroups' dS^T stored (barrier), 8 dQ issued and dV done, 9 dK issued and dQ done,
+// 10 dQ handed to the writer, 11 dK done. The stamps cost registers (spills): compare the
+// trace build's time with the plain build's before reading durations.
 #ifdef FLEXSPARSE_BWD_TRACE
 using flexsparse::kBwdTraceCtas;
 using flexsparse::kBwdTraceSteps;
 using flexsparse::kBwdTraceEvents;
 static __device__ uint32_t bwd_trace_buf[kBwdTraceCtas][kBwdTraceSteps + 1][2][kBwdTraceEvents];
-// Host: before a launch, this translation unit's buffer zeroed (stream-ordered); after it,
-// copied to bwd_trace_host() (a synchronous copy: trace builds only).
-static void bwd_trace_clear(cudaStream_t stream) {
-  void* buf = nullptr;
-  CUDA_CHECK(cudaGetSymbolAddress(&buf, bwd_trace_buf));
-  CUDA_CHECK(cudaMemsetAsync(buf, 0, sizeof(bwd_trace_buf), stream));
-}
-static void bwd_trace_fetch(cudaStream_t stream) {
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  CUDA_CHECK(cudaMemcpyFromSymbol(flexsparse::bwd_trace_host(), bwd_trace_buf, sizeof(bwd_trace_buf)));
-}
 __device__ __forceinline__ int bwd_trace_cta() {
   if (blockIdx.y != 0 || blockIdx.z != 0) return -1;
   return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
@@ -1470,12 +1459,12 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
 #ifdef FLEXSPARSE_BWD_TRACE
-  bwd_trace_clear(stream);
+  trace_clear(bwd_trace_buf, sizeof(bwd_trace_buf), stream);
 #endif
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 #ifdef FLEXSPARSE_BWD_TRACE
-  bwd_trace_fetch(stream);
+  trace_fetch(bwd_trace_buf, bwd_trace_host(), sizeof(bwd_trace_buf), stream);
 #endif
 
   auto postprocess = dq_pairs ? bwd_postprocess<T, true> : bwd_postprocess<T>;

@@ -37,7 +37,7 @@
 // builds a separate copy): one thread of each role stamps the SM clock at fixed points of
 // each key tile of two consecutive work tiles (the CTA's (FLEXSPARSE_CUDA_DEBUG >> 16)-th
 // and the next), and at the edge of each (FWD_TRACE_EDGE), in CTAs 0, 1 and gridDim / 2,
-// into a global buffer that the host copies out after each launch (fwd_trace_fetch; the op
+// into a global buffer that the host copies out after each launch (trace_fetch; the op
 // flexsparse::fwd_trace returns it to tests/gpu/fwd_trace.py). Roles: 0, 1 the consumer
 // warpgroups, 2 the producer. No printf in the kernel: a function call there makes ptxas
 // serialize every wgmma of the kernel (C7510), which is what the printing probe measured
@@ -53,17 +53,6 @@ constexpr uint32_t kTraceWords = kTraceCtas * kTraceTiles * kTraceRow;
 // word index (trace_at), not a pointer and counters: the probe's registers are what make
 // the traced kernel spill.
 static __device__ uint32_t fwd_trace_mem[kTraceWords + 256 * 12 * kTraceEvents];
-// Host: before a launch, this translation unit's stamps zeroed (stream-ordered); after it,
-// copied to fwd_trace_host() (a synchronous copy: trace builds only).
-static void fwd_trace_clear(cudaStream_t stream) {
-  void* buf = nullptr;
-  CUDA_CHECK(cudaGetSymbolAddress(&buf, fwd_trace_mem));
-  CUDA_CHECK(cudaMemsetAsync(buf, 0, kTraceWords * sizeof(uint32_t), stream));
-}
-static void fwd_trace_fetch(cudaStream_t stream) {
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  CUDA_CHECK(cudaMemcpyFromSymbol(flexsparse::fwd_trace_host(), fwd_trace_mem, kTraceWords * sizeof(uint32_t)));
-}
 __device__ __forceinline__ int fwd_trace_cta() {
   return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
 }
@@ -1380,12 +1369,12 @@ void launch_fwd(AttentionParams const& p, cudaStream_t stream) {
   // (The redo pass's work tiles are known on the device only: a full persistent grid.)
   const int ctas = (p.debug & 64) && !p.redo_pass ? n_work : std::min(n_work, sm_count());
 #ifdef FLEXSPARSE_FWD_TRACE
-  fwd_trace_clear(stream);
+  trace_clear(fwd_trace_mem, kTraceWords * sizeof(uint32_t), stream);
 #endif
   kernel<<<dim3(std::max(ctas, 1)), T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 #ifdef FLEXSPARSE_FWD_TRACE
-  fwd_trace_fetch(stream);
+  trace_fetch(fwd_trace_mem, fwd_trace_host(), kTraceWords * sizeof(uint32_t), stream);
 #endif
 }
 

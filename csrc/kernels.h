@@ -35,6 +35,22 @@ inline bool bias_tma_readable(AttentionTensors const& p) {
 
 // Hopper forward: out and lse for every query row (fully masked rows: 0 and -inf).
 void fwd_sm90(AttentionParams const& p, DType dtype, cudaStream_t stream);
+#if defined(FLEXSPARSE_FWD_TRACE) || defined(FLEXSPARSE_BWD_TRACE)
+// A timeline probe's stamp buffer (a __device__ array of its translation unit, `symbol`;
+// its first `bytes`): zeroed before a launch (stream-ordered), and copied to the host
+// array that the probe's op returns after it (a synchronous copy: trace builds only).
+template <class Symbol>
+void trace_clear(const Symbol& symbol, size_t bytes, cudaStream_t stream) {
+  void* buf = nullptr;
+  CUDA_CHECK(cudaGetSymbolAddress(&buf, symbol));
+  CUDA_CHECK(cudaMemsetAsync(buf, 0, bytes, stream));
+}
+template <class Symbol>
+void trace_fetch(const Symbol& symbol, void* host, size_t bytes, cudaStream_t stream) {
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpyFromSymbol(host, symbol, bytes));
+}
+#endif
 #ifdef FLEXSPARSE_FWD_TRACE
 // The forward's timeline probe (fwd_sm90.cuh, trace builds only): the stamps of the last
 // launch, [kFwdTraceCtas][kFwdTraceTiles][4][kFwdTraceEvents], copied to this host array
