@@ -104,15 +104,22 @@ def test_cuda_bench_row_spec_skips_option_values():
     assert row_spec([]) == DEFAULT
 
 
+def _gpu_script(name):
+    """tests/gpu/<name>.py (a device-side probe script) loaded as a module, for its
+    host-side readers."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "gpu", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_bwd_trace_summary_reads_the_stamps():
     """tests/gpu/bwd_trace.py (the backward's timeline probe): the stamps of the second
     launch are read, and each phase's median over the steady steps comes out."""
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(__file__), "gpu", "bwd_trace.py")
-    spec = importlib.util.spec_from_file_location("bwd_trace", path)
-    bt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bt)
+    bt = _gpu_script("bwd_trace")
     lines = ["BWDTRACE 0 0 0 " + " ".join(["1"] * 12), "=== launch 0 done", "BWDCAL 0 0 0 1800 1000"]
     for s in range(6):      # steps 1000 cycles apart, event e at 10 * e (+5 for wg 1)
         for wg in (0, 1):
@@ -132,14 +139,8 @@ def test_bwd_trace_reads_the_stamps_from_the_op_buffer():
     """tests/gpu/bwd_trace.py: the op flexsparse::bwd_trace's buffer (CTA slot, step,
     warpgroup, event; uint32 clocks in int32; the calibration row last) becomes the lines
     parse() reads."""
-    import importlib.util
-    import os
-
     import torch
-    path = os.path.join(os.path.dirname(__file__), "gpu", "bwd_trace.py")
-    spec = importlib.util.spec_from_file_location("bwd_trace", path)
-    bt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bt)
+    bt = _gpu_script("bwd_trace")
     S = bt.TRACE_STEPS
     buf = torch.zeros(3, S + 1, 2, 12, dtype=torch.int64)
     for s in range(6):
@@ -158,14 +159,8 @@ def test_fwd_trace_reads_the_stamps_from_the_op_buffer():
     buffer (CTA slot, tile, role, event; uint32 clocks in int32) becomes the lines parse()
     reads, with each slot's CTA index and its calibration row, and the summary gives the
     steady period and the clock rate."""
-    import importlib.util
-    import os
-
     import torch
-    path = os.path.join(os.path.dirname(__file__), "gpu", "fwd_trace.py")
-    spec = importlib.util.spec_from_file_location("fwd_trace", path)
-    ft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ft)
+    ft = _gpu_script("fwd_trace")
     T = ft.TRACE_TILES
     buf = torch.zeros(3, T, 4, 8, dtype=torch.int64)
     for t in range(8):                   # slot 1 (CTA 1): key tiles 1000 cycles apart
