@@ -156,13 +156,14 @@ def _build_block_lists_fake(layout):
     Bd, Hd, nQB, nKB = layout.shape
     out = []
     for kind, (n, N) in enumerate(((nQB, nKB), (nQB, nKB), (nKB, nQB), (nKB, nQB))):
-        count = layout.new_empty((Bd, Hd, n), dtype=torch.int32)
-        index = layout.new_empty((Bd, Hd, n, N), dtype=torch.int32)
-        if layout.dtype == torch.bool and kind % 2 == 0:
-            # a layout's partial lists (all empty): one row per (b, h), expanded over the
-            # rows, as the kernels store them (csrc/build_masks.h, partial_one_row)
-            count = layout.new_empty((Bd, Hd, 1), dtype=torch.int32).expand(Bd, Hd, n)
-            index = layout.new_empty((Bd, Hd, 1, N), dtype=torch.int32).expand(Bd, Hd, n, N)
+        # a layout's partial lists (all empty): one row per (b, h), expanded over the rows,
+        # as the kernels store them (csrc/build_masks.h, partial_one_row)
+        one_row = layout.dtype == torch.bool and kind % 2 == 0
+        rows = 1 if one_row else n
+        count = layout.new_empty((Bd, Hd, rows), dtype=torch.int32)
+        index = layout.new_empty((Bd, Hd, rows, N), dtype=torch.int32)
+        if one_row:
+            count, index = count.expand(Bd, Hd, n), index.expand(Bd, Hd, n, N)
         out += [count, index]
     return tuple(out)
 
