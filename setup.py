@@ -90,19 +90,23 @@ def cuda_extensions():
     # Fp16Element). Not a usable build; the device's builds are full.
     check_only = os.environ.get("FLEXSPARSE_COMPILE_CHECK") == "1"
     check_defines = ["-DFLEXSPARSE_COMPILE_CHECK_BF16_ONLY"] if check_only else []
+    # FLEXSPARSE_NVCC_FLAGS: extra nvcc flags for probe builds (tests/gpu.sh trace:
+    # -DFLEXSPARSE_FWD_TRACE). Its defines go to the C++ files too: attention_ops.cpp
+    # registers the probes' ops and defines the host arrays their kernels' launchers fill;
+    # without them the .so has an undefined symbol and does not load.
+    probe_flags = os.environ.get("FLEXSPARSE_NVCC_FLAGS", "").split()
+    probe_defines = [f for f in probe_flags if f.startswith("-D")]
     ext = CUDAExtension(
         "flexsparse._C", sources,
         include_dirs=[os.path.abspath("csrc"), cutlass],
-        extra_compile_args={"cxx": ["-O3"] + defines + check_defines,
+        extra_compile_args={"cxx": ["-O3"] + defines + check_defines + probe_defines,
                             # NDEBUG: CUTLASS/CuTe's device-side asserts compiled out (they put
                             # a compare, a branch and a trap three times in every tile of the
                             # forward's main loop), as FlashAttention-3 builds.
-                            # FLEXSPARSE_NVCC_FLAGS: extra nvcc flags for probe builds
-                            # (tests/gpu.sh trace: -DFLEXSPARSE_FWD_TRACE).
                             "nvcc": ["-O3", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
                                      "-gencode=arch=compute_90a,code="
                                      + ("compute_90a" if check_only else "sm_90a")] + check_defines
-                                    + os.environ.get("FLEXSPARSE_NVCC_FLAGS", "").split()})
+                                    + probe_flags})
     return [ext], {"build_ext": BuildExtension}
 
 
