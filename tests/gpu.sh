@@ -263,7 +263,7 @@ if [[ " $parts " == *" trace "* ]]; then
   # A call inside a kernel (a printf) makes ptxas serialize all its wgmmas (C7510): the
   # trace would then time another kernel than the plain build's.
   grep -q C7510 "$OUT/trace_build.log" && echo "WARNING: the trace build has serialized wgmmas (ptxas C7510)"
-  PYTHONPATH="$trb" python3 -c "import flexsparse._C" 2>&1 | tail -1 | grep -i error && echo "the trace build does not load"
+  (cd "$trb" && python3 -c "import flexsparse._C")  2>&1 | tail -1 | grep -i error && echo "the trace build does not load"
   PYTHONPATH="$trb${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
     ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
 fi
@@ -276,7 +276,7 @@ if [[ " $parts " == *" btrace "* ]]; then
     || { echo "backward trace build failed"; grep -E "error" "$OUT/btrace_build.log" | head; }
   echo "backward trace build done $(( $(date +%s) - bt0 )) s after it started"
   grep -q C7510 "$OUT/btrace_build.log" && echo "WARNING: the backward trace build has serialized wgmmas (ptxas C7510)"
-  PYTHONPATH="$btr" python3 -c "import flexsparse._C" 2>&1 | tail -1 | grep -i error && echo "the backward trace build does not load"
+  (cd "$btr" && python3 -c "import flexsparse._C")  2>&1 | tail -1 | grep -i error && echo "the backward trace build does not load"
   PYTHONPATH="$btr${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_BTRACE:-240}" python3 tests/gpu/bwd_trace.py \
     ${BTRACE_ROWS:-} --bits "${BTRACE_BITS:-0}" --raw "$OUT" 2>&1 | tee "$OUT/bwd_trace.txt"
 fi
