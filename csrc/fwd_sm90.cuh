@@ -168,23 +168,12 @@ namespace flexsparse::sm90 {
 // C92). The default at hd64 (short work tiles gain most), opt-in at hd128; the epilogue
 // then stores from registers by 16-byte stores (the O staging buffer's shared memory
 // holds the second query buffer at hd128).
-// kSoftmaxIlp: the row max and the row sum of a tile as four independent chains per row
-// instead of one (the max is latency-bound otherwise: 32 dependent FMNMX per row).
-// kEx2Emulated: of every 8 columns, this many take exp2 as a degree-3 polynomial on the FMA
-// pipe instead of MUFU.EX2 (FlashAttention-4's Blackwell forward does so; MUFU's 16 per
-// clock per SM is the softmax's floor). Both probes (issue 15), chosen by
-// FLEXSPARSE_CUDA_DEBUG bits in launch_fwd_schedule.
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
-          bool kSoftmaxIlp_ = false, int kEx2Emulated_ = 0>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr bool kSoftmaxIlp = kSoftmaxIlp_;
-  static constexpr int kEx2Emulated = kEx2Emulated_;
-  static_assert(kEx2Emulated_ >= 0 && kEx2Emulated_ <= 8 && (!kSoftmaxIlp_ || !kBiasTiles_),
-                "kEx2Emulated: 0..8 of 8 columns; kSoftmaxIlp: not with the bias tiles");
   static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kTmaStore_ && !kBiasTiles_),
                 "two query buffers: without the O staging buffer and the bias tiles");
   static constexpr bool kBiasTiles = kBiasTiles_;
@@ -903,15 +892,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
         float m = row_max[r];
-        if constexpr (T::kSoftmaxIlp && kCols % 4 == 0) {
-          float m4[4] = {S(r, 0), S(r, 1), S(r, 2), S(r, 3)};
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 4; c < kCols; ++c) m4[c % 4] = fmaxf(m4[c % 4], S(r, c));
-          m = fmaxf(m, fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3])));
-        } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; ++c) m = T::kBiasMma ? fmax_nan(m, S(r, c)) : fmaxf(m, S(r, c));
-        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kCols; ++c) m = T::kBiasMma ? fmax_nan(m, S(r, c)) : fmaxf(m, S(r, c));
         // (Rows past Lq may read a bias half that was not loaded: not theirs to report.)
         if constexpr (T::kBiasMma) nan_scores |= m != m && i0 + row_base + 8 * r < p.Lq;
         m = quad_max(m);
@@ -921,21 +903,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         alpha[r] = moves ? exp2f((row_max[r] - m) * exp_scale) : 1.f;
         if (moves) row_max[r] = m;
         const float m_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * exp_scale;
-        constexpr int kSums = T::kSoftmaxIlp && kCols % 4 == 0 ? 4 : 1;
-        float sum[kSums];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kSums; ++j) sum[j] = 0.f;
+        float sum = 0.f;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kCols; ++c) {
-          const float x = S(r, c) * exp_scale - m_scaled;
-          const float e = c % 8 >= 8 - T::kEx2Emulated ? exp2_polynomial(x) : exp2f(x);
+          const float e = exp2f(S(r, c) * exp_scale - m_scaled);
           S(r, c) = e;
-          sum[c % kSums] += e;
+          sum += e;
         }
-        float tile_sum = sum[0];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 1; j < kSums; ++j) tile_sum += sum[j];
-        row_sum[r] = row_sum[r] * alpha[r] + tile_sum;
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
       }
     };
     // O *= alpha, where a row of this warp moved its max (a warp-uniform branch: the
@@ -1456,28 +1431,6 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
             p, stream);
         return;
       }
-    }
-    if constexpr (kHeadDim == 128 && std::is_same_v<Element, cutlass::bfloat16_t>) {
-      // Softmax probes (issue 15, bf16 hd128 only): FLEXSPARSE_CUDA_DEBUG bit
-      // 562949953421312 (2^49) the four-chain row max and sum (kSoftmaxIlp), 2^50 that and
-      // 1 of 8 exp2 as a polynomial (kEx2Emulated), 2^51 that and 2 of 8.
-      using Plain = FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>;
-      if (p.debug_high & (1 << 18)) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true,
-                             false, 2, 1, true, 0>>(p, stream);
-        return;
-      }
-      if (p.debug_high & (1 << 19)) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true,
-                             false, 2, 1, true, 1>>(p, stream);
-        return;
-      }
-      if (p.debug_high & (1 << 20)) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true,
-                             false, 2, 1, true, 2>>(p, stream);
-        return;
-      }
-      static_assert(!Plain::kSoftmaxIlp && Plain::kEx2Emulated == 0, "the default softmax");
     }
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
     return;

@@ -200,20 +200,6 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return r;
 }
 
-// 2^x on the FMA and ALU pipes, without MUFU (for x <= 127; x <= -127, -inf included, gives
-// 0): x = n + f with n = floor(x), 2^f in [1, 2) as a degree-3 polynomial (FlashAttention-4's
-// coefficients, relative error about 1e-4, below bf16's 4e-3), and n added to its exponent.
-__device__ __forceinline__ float exp2_polynomial(float x) {
-  constexpr float kRound = 12582912.f;   // 1.5 * 2^23: adding it leaves floor(x) in the low bits
-  x = fmaxf(x, -127.f);
-  const float rounded = __fadd_rd(x, kRound);
-  const float f = x - (rounded - kRound);
-  float p = fmaf(0.077119089663028717041015625f, f, 0.227564394474029541015625f);
-  p = fmaf(p, f, 0.695146143436431884765625f);
-  p = fmaf(p, f, 1.f);
-  return __int_as_float((__float_as_int(rounded) << 23) + __float_as_int(p));
-}
-
 // Max / sum over the 4 threads of a quad, which hold one accumulator row between them.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));

@@ -823,21 +823,3 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
         for bits in (ONE_Q_BUFFER, TWO_Q_BUFFERS):
             monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
             check(1, 8, Hkv, L, L, D, mask, torch.bfloat16)
-
-
-SOFTMAX_PROBES = {"ilp": 1 << 49, "ilp_emulated_1of8": 1 << 50, "ilp_emulated_2of8": 1 << 51}
-
-
-@pytest.mark.parametrize("probe", list(SOFTMAX_PROBES))
-@pytest.mark.parametrize("kind", ["causal", "sliding", "document", "full"])
-def test_forward_softmax_probes(probe, kind, monkeypatch):
-    """The bf16 hd128 forward's softmax probes (FLEXSPARSE_CUDA_DEBUG 2^49: the row max and
-    sum as four chains; 2^50 / 2^51: that and 1 or 2 of every 8 exp2 as a polynomial on
-    the FMA pipe) meet the FlashAttention rule against float64 (check()): masked scores
-    (partial tiles, -inf into the polynomial), odd lengths, GQA."""
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(SOFTMAX_PROBES[probe]))
-    torch.manual_seed(7)
-    L = 1531
-    mask = {"causal": M.causal(), "sliding": M.sliding_window(300),
-            "document": M.document([700, 1, 830]), "full": M.full()}[kind]
-    check(2, 8, 2, L, L, 128, mask, torch.bfloat16, backward=False)
