@@ -260,7 +260,7 @@ fi
 # build, with -DFLEXSPARSE_FWD_TRACE, in a copy of the tree, started beside the main build;
 # not part of "all"): TRACE_ROWS="full@8192@128 sliding@8192@128" bash tests/gpu.sh trace
 if [[ " $parts " == *" trace "* ]]; then
-  [ "${SKIP_MAIN_BUILD:-0}" = 1 ] || timeout 120 python3 tests/gpu/fwd_trace.py ${TRACE_ROWS:-} --plain-time 2>&1 \
+  [ "${SKIP_MAIN_BUILD:-0}" = 1 ] || timeout 120 python3 tests/gpu/fwd_trace.py ${TRACE_ROWS:-} ${TRACE_ARGS:-} --plain-time 2>&1 \
     | grep TIME | tee "$OUT/fwd_trace_plain.txt"
   wait "$trace_pid"
   [ "$(cat "$trb.rc" 2>/dev/null)" = 0 ] \
@@ -271,7 +271,7 @@ if [[ " $parts " == *" trace "* ]]; then
   grep -q C7510 "$OUT/trace_build.log" && echo "WARNING: the trace build has serialized wgmmas (ptxas C7510)"
   (cd "$trb" && python3 -c "import flexsparse._C")  2>&1 | tail -1 | grep -i error && echo "the trace build does not load"
   PYTHONPATH="$trb${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_TRACE:-240}" python3 tests/gpu/fwd_trace.py \
-    ${TRACE_ROWS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
+    ${TRACE_ROWS:-} ${TRACE_ARGS:-} --raw "$OUT" 2>&1 | tee "$OUT/fwd_trace.txt"
 fi
 # The CUDA backward's timeline per query step (a second build, with -DFLEXSPARSE_BWD_TRACE, in
 # a copy of the tree; not part of "all"):

@@ -195,14 +195,20 @@ def main():
     ap.add_argument("--work-tile", type=int, default=2, help="which of a CTA's work tiles to trace")
     ap.add_argument("--raw", help="also write the raw stamps to this directory")
     ap.add_argument("--plain-time", action="store_true", help="only time the rows (any build)")
+    ap.add_argument("--bits", type=int, default=0,
+                    help="FLEXSPARSE_CUDA_DEBUG bits to run with, besides the work tile's "
+                         "(bits 16-30); e.g. 2^44 for hd128's two query buffers")
     args = ap.parse_args()
+    if args.bits & (0x7fff << 16):
+        ap.error(f"--bits: {args.bits} uses bits 16-30, which pick the traced work tile")
     if args.run:
         return run_one(args.run, args.work_tile)
     if args.plain_time:
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(args.bits)
         for row in args.rows:
             run_one(row, 0, plain=True)
         return
-    env = dict(os.environ, FLEXSPARSE_CUDA_DEBUG=str(args.work_tile << 16))
+    env = dict(os.environ, FLEXSPARSE_CUDA_DEBUG=str(args.bits | (args.work_tile << 16)))
     for row in args.rows:
         res = subprocess.run([sys.executable, __file__, "--run", row], env=env, capture_output=True, text=True)
         if res.returncode != 0:
