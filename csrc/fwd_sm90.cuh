@@ -162,6 +162,12 @@ namespace flexsparse::sm90 {
 // loads (docs/perf-notes.md C49, C51). Serial schedule: read with ldmatrix while QK^T
 // runs. Overlapped schedule (kBiasMma): added to S by the tensor cores, see below.
 // Biased calls take bias tiles where fwd_bias_tiles_ok holds.
+// kWalkEarly (a probe, issue 15; FLEXSPARSE_CUDA_DEBUG 2^49, launch_fwd_schedule): the
+// producer walks the next work tile's lists (set_work_tile and its first next_tile:
+// dependent global loads of the list's count and entries, ~2,500 cycles in the traces,
+// docs/perf-notes.md C96) before it waits for the query buffer instead of after, so that
+// the walk overlaps that wait and the query load is issued as soon as the buffer is free.
+// Same loads, same results.
 // kQBuffers: 2 gives the query tile two buffers, so that the producer loads the next work
 // tile's queries as soon as it has issued this one's key and value loads, not after the
 // consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md C89, C90,
@@ -170,10 +176,12 @@ namespace flexsparse::sm90 {
 // holds the second query buffer at hd128).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
+          bool kWalkEarly_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kQBuffers = kQBuffers_;
+  static constexpr bool kWalkEarly = kWalkEarly_;
   static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kTmaStore_ && !kBiasTiles_),
                 "two query buffers: without the O staging buffer and the bias tiles");
   static constexpr bool kBiasTiles = kBiasTiles_;
@@ -438,6 +446,16 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const int qbuf = k % T::kQBuffers;
         FWD_TRACE_WORK(2, k, int(p.debug >> 16), true);
         FWD_TRACE_EDGE(2, k, int(p.debug >> 16), true, 0, fwd_trace_clock());
+        // kWalkEarly: the walk's results, from before the wait.
+        int early_wt = -1, early_n = 0;
+        bool early_partial = false, early_listed = false;
+        if constexpr (T::kWalkEarly) {
+          if (w < n_work) {
+            early_wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
+            set_work_tile(early_wt);
+            early_listed = next_tile(early_n, early_partial);
+          }
+        }
         if (k >= T::kQBuffers)
           cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty[qbuf], (k / T::kQBuffers - 1) & 1);
         FWD_TRACE_EDGE(2, k, int(p.debug >> 16), true, 1, fwd_trace_clock());
@@ -446,8 +464,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Barrier::arrive(&ss.barrier_q[qbuf]);
           break;
         }
-        const int wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
-        set_work_tile(wt);
+        const int wt = T::kWalkEarly ? early_wt : p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
+        if constexpr (!T::kWalkEarly) set_work_tile(wt);
         ss.work_tile[qbuf] = wt;
         // The next work tile is taken once this one's loads are issued (about kStages
         // tiles before the consumers finish it), not earlier: a CTA holding a claimed
@@ -456,8 +474,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           w = p.tile_counter != nullptr ? gridDim.x + atomicAdd(p.tile_counter, 1) : w + gridDim.x;
         };
         int n;
-        bool partial;
-        if (!next_tile(n, partial)) {     // nothing listed: the consumers write 0 / -inf
+        bool partial, listed;
+        if constexpr (T::kWalkEarly) {
+          n = early_n;
+          partial = early_partial;
+          listed = early_listed;
+        } else {
+          listed = next_tile(n, partial);
+        }
+        if (!listed) {     // nothing listed: the consumers write 0 / -inf
           Barrier::arrive(&ss.barrier_q[qbuf]);
           take_next();
           continue;
@@ -1426,10 +1451,28 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       // 17592186044416 (-1% full, causal and documents, +1% sliding 1024).
       const bool two_query_buffers =
           kHeadDim == 64 ? !(p.debug_high & 131072) : bool(p.debug_high & 8192);
+      // FLEXSPARSE_CUDA_DEBUG 2^49 (a probe, bf16 only): the producer's early list walk
+      // (kWalkEarly) in these two kernels, hd64's two-buffer and hd128's one-buffer default.
+      constexpr bool kProbeWalk = std::is_same_v<Element, cutlass::bfloat16_t>;
+      const bool walk_early = kProbeWalk && (p.debug_high & (1 << 18));
       if (two_query_buffers) {
+        if constexpr (kProbeWalk && kHeadDim == 64) {
+          if (walk_early) {
+            launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2,
+                                 true>>(p, stream);
+            return;
+          }
+        }
         launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
             p, stream);
         return;
+      }
+      if constexpr (kProbeWalk && kHeadDim == 128) {
+        if (walk_early) {
+          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true, false, 2, 1,
+                               true>>(p, stream);
+          return;
+        }
       }
     }
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);
