@@ -166,8 +166,10 @@ namespace flexsparse::sm90 {
 // producer walks the next work tile's lists (set_work_tile and its first next_tile:
 // dependent global loads of the list's count and entries, ~2,500 cycles in the traces,
 // docs/perf-notes.md C96) before it waits for the query buffer instead of after, so that
-// the walk overlaps that wait and the query load is issued as soon as the buffer is free.
-// Same loads, same results.
+// the walk overlaps that wait and the query load is issued as soon as the buffer is free;
+// and it hands the started cursor to the consumers through shared memory (SharedStorage::
+// cursor), whose own start of the walk was the same loads at each work tile's start.
+// Same lists, same results.
 // kQBuffers: 2 gives the query tile two buffers, so that the producer loads the next work
 // tile's queries as soon as it has issued this one's key and value loads, not after the
 // consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md C89, C90,
@@ -286,6 +288,15 @@ struct FwdTraits {
     // tile apart in the overlapped schedule, free and refill their halves independently.
     cutlass::arch::ClusterTransactionBarrier::ValueType bias_full[2];
     cutlass::arch::ClusterBarrier::ValueType bias_empty[2];
+    // kWalkEarly: work tile k's list cursor at its start (TileCursor::start done), slot
+    // k % (2 kQBuffers), written by the producer before its arrival at barrier_q and copied
+    // by the consumers after their wait on it, so that they need not load the list's count
+    // and ranges themselves. The producer writes tile k's before its wait for tile
+    // k - kQBuffers's buffer; its previous wait saw the consumers done with tile
+    // k - 1 - kQBuffers, so every tile up to that one has been started and has read its
+    // slot, and the slot's previous tile is k - 2 kQBuffers. (Last member: the other
+    // members' offsets are the same in every kernel.)
+    std::conditional_t<kWalkEarly_, TileCursor[2 * kQBuffers_], char> cursor;
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
   // in a buffer past SharedStorage, as two halves of (64, kBlockN), one per warpgroup.
@@ -362,14 +373,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   int m_block = 0, h = 0, b = 0, hk = 0, qb = 0;
   TileCursor walk;
   auto next_tile = [&](int& n, bool& partial) { return walk.next(p.kv_full, b, h, qb, sub, n, partial); };
-  auto set_work_tile = [&](int w) {
+  // Work tile w's coordinates, and its list cursor: started here (loads), or given.
+  auto set_work_tile = [&](int w, const TileCursor* started = nullptr) {
     const int m = w % n_m;
     m_block = p.reverse_tiles ? n_m - 1 - m : m;
     h = (w / n_m) % p.Hq;
     b = w / n_m / p.Hq;
     hk = h / (p.Hq / p.Hkv);
     qb = m_block * kBlockM / p.block_q;
-    walk = TileCursor(p.kv_partial, b, h, qb);
+    walk = started != nullptr ? *started : TileCursor(p.kv_partial, b, h, qb);
   };
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
@@ -453,6 +465,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if (w < n_work) {
             early_wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
             set_work_tile(early_wt);
+            ss.cursor[k % (2 * T::kQBuffers)] = walk;
             early_listed = next_tile(early_n, early_partial);
           }
         }
@@ -1013,7 +1026,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int w = *reinterpret_cast<volatile int*>(&ss.work_tile[qbuf]);
     if (w < 0) break;
     auto tSrQ = query_operand(qbuf);
-    set_work_tile(w);
+    if constexpr (T::kWalkEarly) {
+      const TileCursor started = ss.cursor[k % (2 * T::kQBuffers)];
+      set_work_tile(w, &started);
+    } else {
+      set_work_tile(w);
+    }
     set_tile_inputs();
     // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
     FWD_TRACE_WORK(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0);
