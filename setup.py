@@ -29,6 +29,14 @@ def cutlass_include():
 EXT_SHAPES = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
 
 
+def compile_weight(path):
+    """Sort key, heaviest translation units first: the forward's per-head-dim files (each a
+    dozen kernels), then the backward's, then the rest. The extension lists its sources in
+    this order, so that where the build starts them in list order and there are more files
+    than jobs (MAX_JOBS), the light ones wait, not the heavy ones."""
+    return (0 if "fwd_sm90_hd" in path else 1 if "bwd_sm90_hd" in path else 2, path)
+
+
 def unity_sources(sources):
     """FLEXSPARSE_UNITY_TUS=N: the .cu files compiled as N translation units that include
     them (build/unity/), for CI's compile check on two cores. Each nvcc run pays ~50 s of
@@ -36,10 +44,9 @@ def unity_sources(sources):
     apart, 95 s together), so on few cores a handful of large units builds faster than a
     file each; with many cores (the device's 16) a file each builds fastest."""
     n = int(os.environ.get("FLEXSPARSE_UNITY_TUS", "0") or 0)
-    # Dealt round-robin, the heaviest files first (a forward file holds six kernels, a
-    # backward file two), so that the units take about the same time.
-    weight = lambda f: (0 if "fwd_sm90_hd" in f else 1 if "bwd_sm90_hd" in f else 2, f)  # noqa: E731
-    cu = sorted((s for s in sources if s.endswith(".cu")), key=weight)
+    # Dealt round-robin, the heaviest files first (compile_weight), so that the units take
+    # about the same time.
+    cu = sorted((s for s in sources if s.endswith(".cu")), key=compile_weight)
     if n <= 0 or not cu:
         return sources
     os.makedirs(os.path.join("build", "unity"), exist_ok=True)
@@ -81,8 +88,8 @@ def cuda_extensions():
     cutlass = cutlass_include()
     if cutlass is None:
         return skip("no CUTLASS headers: pip install nvidia-cutlass")
-    sources = unity_sources(sorted(os.path.join("csrc", f) for f in os.listdir("csrc")
-                                   if f.endswith((".cu", ".cpp"))))
+    sources = unity_sources(sorted((os.path.join("csrc", f) for f in os.listdir("csrc")
+                                    if f.endswith((".cu", ".cpp"))), key=compile_weight))
     # The backward op is registered only once its kernels exist.
     defines = ["-DFLEXSPARSE_HAS_BACKWARD"] if os.path.exists(os.path.join("csrc", "bwd_sm90.cu")) else []
     # FLEXSPARSE_COMPILE_CHECK=1: CI's proof that csrc compiles, on two cores (.ci/run):

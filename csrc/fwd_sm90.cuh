@@ -1532,4 +1532,26 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
   launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, false, 232, kTma>>(p, stream);
 }
 
+// One head dim's forward kernels, for one element type (fwd_sm90_hd*.cu: a file per head dim
+// and type, so that the build runs them in parallel). The overlapped schedule
+// (docs/perf-notes.md, C14) unless FLEXSPARSE_CUDA_DEBUG bit 32 asks for the serial one
+// (same-run A/Bs).
+// - hd64: 240 registers per consumer thread (at 232 the overlapped loop spilled 8 B; same
+//   speed, C15); three consumer warpgroups at 160 where the descriptor allows (C65).
+// - hd128: 240 registers (as FlashAttention-4's Hopper forward): 2-4% over 232 in the
+//   same run (C23).
+// - hd256: 64-key tiles, 240 registers, the plain kernel where the call allows: 2-5% over
+//   the serial schedule in the same run (C38; at 232 registers, before the plain kernel, it
+//   spilled 84 B and measured 3% slower, C14).
+template <class Element, int kHeadDim>
+void launch_fwd_head_dim(AttentionParams const& p, cudaStream_t stream) {
+  const bool overlap = !(p.debug & 32);
+  if constexpr (kHeadDim == 64)
+    launch_fwd_schedule<Element, 64, 128, 3, 240, 160>(p, stream, overlap);
+  else if constexpr (kHeadDim == 128)
+    launch_fwd_schedule<Element, 128, 128, 2, 240>(p, stream, overlap);
+  else
+    launch_fwd_schedule<Element, 256, 64, 2, 240>(p, stream, overlap);
+}
+
 }  // namespace flexsparse::sm90

@@ -62,13 +62,17 @@ uint32_t* fwd_trace_host();
 // multiple of fwd_tile_n(head_dim).
 int fwd_tile_m();
 int fwd_tile_n(int head_dim);
-template <int kHeadDim>
-void fwd_sm90_hd(AttentionParams const& p, DType dtype, cudaStream_t stream);
-// Defined in fwd_sm90_hd{64,128,256}.cu (declared here, before fwd_sm90 uses them, as C++
-// asks of explicit specializations).
-template <> void fwd_sm90_hd<64>(AttentionParams const& p, DType dtype, cudaStream_t stream);
-template <> void fwd_sm90_hd<128>(AttentionParams const& p, DType dtype, cudaStream_t stream);
-template <> void fwd_sm90_hd<256>(AttentionParams const& p, DType dtype, cudaStream_t stream);
+template <int kHeadDim, DType kDType>
+void fwd_sm90_hd(AttentionParams const& p, cudaStream_t stream);
+// Defined in fwd_sm90_hd{64,128,256}.cu (bf16) and fwd_sm90_hd{64,128,256}_fp16.cu, one file
+// per head dim and type so that they build in parallel (declared here, before fwd_sm90 uses
+// them, as C++ asks of explicit specializations).
+template <> void fwd_sm90_hd<64, DType::kBFloat16>(AttentionParams const& p, cudaStream_t stream);
+template <> void fwd_sm90_hd<64, DType::kFloat16>(AttentionParams const& p, cudaStream_t stream);
+template <> void fwd_sm90_hd<128, DType::kBFloat16>(AttentionParams const& p, cudaStream_t stream);
+template <> void fwd_sm90_hd<128, DType::kFloat16>(AttentionParams const& p, cudaStream_t stream);
+template <> void fwd_sm90_hd<256, DType::kBFloat16>(AttentionParams const& p, cudaStream_t stream);
+template <> void fwd_sm90_hd<256, DType::kFloat16>(AttentionParams const& p, cudaStream_t stream);
 
 // Hopper backward (bwd_sm90.cu). The caller allocates bwd_sm90_workspace_bytes(p) bytes of
 // device memory for p.workspace (uninitialised); nothing else is allocated inside.
