@@ -141,13 +141,17 @@ struct TileCursor {
   // tiles per listed block) and whether it needs element predicates. Blocks outside
   // [0, n_blocks) are skipped whole. The full lists and (b, h, row) are passed again here
   // rather than held, to save registers; they must be the same on every call.
+  // full_started: where given, a cursor already started on the full lists' row (its
+  // loads done elsewhere, e.g. by the forward's producer), copied in place of start().
   __device__ __forceinline__ bool next(const BlockListParams& full_lists, int b, int h, int row,
-                                       int sub, int& t, bool& is_partial) {
+                                       int sub, int& t, bool& is_partial,
+                                       const TileCursor* full_started = nullptr) {
     while (tiles_left == 0) {
       if (left == 0) {
         if (!in_partial) return false;
+        if (full_started != nullptr) *this = *full_started;
+        else start(full_lists, b, h, row);
         in_partial = false;
-        start(full_lists, b, h, row);
         continue;
       }
       int first, n;

@@ -288,15 +288,16 @@ struct FwdTraits {
     // tile apart in the overlapped schedule, free and refill their halves independently.
     cutlass::arch::ClusterTransactionBarrier::ValueType bias_full[2];
     cutlass::arch::ClusterBarrier::ValueType bias_empty[2];
-    // kWalkEarly: work tile k's list cursor at its start (TileCursor::start done), slot
-    // k % (2 kQBuffers), written by the producer before its arrival at barrier_q and copied
-    // by the consumers after their wait on it, so that they need not load the list's count
-    // and ranges themselves. The producer writes tile k's before its wait for tile
+    // kWalkEarly: work tile k's list cursors at their start (TileCursor::start done on the
+    // partial lists, [0], and on the full lists, [1]), slot k % (2 kQBuffers), written by
+    // the producer before its arrival at barrier_q and read by the consumers after their
+    // wait on it (the partial one at the work tile's start, the full one where the walk
+    // turns to the full lists), so that they need not load the lists' counts and ranges. The producer writes tile k's before its wait for tile
     // k - kQBuffers's buffer; its previous wait saw the consumers done with tile
     // k - 1 - kQBuffers, so every tile up to that one has been started and has read its
     // slot, and the slot's previous tile is k - 2 kQBuffers. (Last member: the other
     // members' offsets are the same in every kernel.)
-    std::conditional_t<kWalkEarly_, TileCursor[2 * kQBuffers_], char> cursor;
+    std::conditional_t<kWalkEarly_, TileCursor[2][2 * kQBuffers_], char> cursor;
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
   // in a buffer past SharedStorage, as two halves of (64, kBlockN), one per warpgroup.
@@ -372,7 +373,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int sub = p.block_k / kBlockN;
   int m_block = 0, h = 0, b = 0, hk = 0, qb = 0;
   TileCursor walk;
-  auto next_tile = [&](int& n, bool& partial) { return walk.next(p.kv_full, b, h, qb, sub, n, partial); };
+  const TileCursor* full_started = nullptr;   // kWalkEarly consumers: the full lists' started cursor
+  auto next_tile = [&](int& n, bool& partial) {
+    return walk.next(p.kv_full, b, h, qb, sub, n, partial, T::kWalkEarly ? full_started : nullptr);
+  };
   // Work tile w's coordinates, and its list cursor: started here (loads), or given.
   auto set_work_tile = [&](int w, const TileCursor* started = nullptr) {
     const int m = w % n_m;
@@ -465,7 +469,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if (w < n_work) {
             early_wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
             set_work_tile(early_wt);
-            ss.cursor[k % (2 * T::kQBuffers)] = walk;
+            ss.cursor[0][k % (2 * T::kQBuffers)] = walk;
+            ss.cursor[1][k % (2 * T::kQBuffers)] = TileCursor(p.kv_full, b, h, qb);
             early_listed = next_tile(early_n, early_partial);
           }
         }
@@ -1027,8 +1032,9 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     if (w < 0) break;
     auto tSrQ = query_operand(qbuf);
     if constexpr (T::kWalkEarly) {
-      const TileCursor started = ss.cursor[k % (2 * T::kQBuffers)];
+      const TileCursor started = ss.cursor[0][k % (2 * T::kQBuffers)];
       set_work_tile(w, &started);
+      full_started = &ss.cursor[1][k % (2 * T::kQBuffers)];
     } else {
       set_work_tile(w);
     }
