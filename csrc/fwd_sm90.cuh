@@ -292,11 +292,12 @@ struct FwdTraits {
     // partial lists, [0], and on the full lists, [1]), slot k % (2 kQBuffers), written by
     // the producer before its arrival at barrier_q and read by the consumers after their
     // wait on it (the partial one at the work tile's start, the full one where the walk
-    // turns to the full lists), so that they need not load the lists' counts and ranges. The producer writes tile k's before its wait for tile
-    // k - kQBuffers's buffer; its previous wait saw the consumers done with tile
-    // k - 1 - kQBuffers, so every tile up to that one has been started and has read its
-    // slot, and the slot's previous tile is k - 2 kQBuffers. (Last member: the other
-    // members' offsets are the same in every kernel.)
+    // turns to the full lists, both before the consumers release the work tile's query
+    // buffer), so that they need not load the lists' counts and ranges. The producer
+    // writes tile k's before its wait for tile k - kQBuffers's buffer; its previous wait
+    // saw the consumers done with tile k - 1 - kQBuffers, so every tile up to that one is
+    // done with its slot, and the slot's previous tile is k - 2 kQBuffers. (Last member:
+    // the other members' offsets are the same in every kernel.)
     std::conditional_t<kWalkEarly_, TileCursor[2][2 * kQBuffers_], char> cursor;
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
