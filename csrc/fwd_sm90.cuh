@@ -374,7 +374,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int sub = p.block_k / kBlockN;
   int m_block = 0, h = 0, b = 0, hk = 0, qb = 0;
   TileCursor walk;
-  const TileCursor* full_started = nullptr;   // kWalkEarly consumers: the full lists' started cursor
+  // kWalkEarly consumers: the full lists' cursor, started by the producer.
+  const TileCursor* full_started = nullptr;
   auto next_tile = [&](int& n, bool& partial) {
     return walk.next(p.kv_full, b, h, qb, sub, n, partial, T::kWalkEarly ? full_started : nullptr);
   };
@@ -483,7 +484,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Barrier::arrive(&ss.barrier_q[qbuf]);
           break;
         }
-        const int wt = T::kWalkEarly ? early_wt : p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
+        const int wt = T::kWalkEarly ? early_wt
+                       : p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
         if constexpr (!T::kWalkEarly) set_work_tile(wt);
         ss.work_tile[qbuf] = wt;
         // The next work tile is taken once this one's loads are issued (about kStages
