@@ -1479,11 +1479,12 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       const bool two_query_buffers =
           kHeadDim == 64 ? !(p.debug_high & 131072) : bool(p.debug_high & 8192);
       // FLEXSPARSE_CUDA_DEBUG 2^49 (a probe, bf16 only): the producer's early list walk
-      // (kWalkEarly) in these two kernels, hd64's two-buffer and hd128's one-buffer default.
+      // (kWalkEarly) in the two-buffer kernels (hd64's default, hd128's with 2^44) and
+      // hd128's one-buffer default.
       constexpr bool kProbeWalk = std::is_same_v<Element, cutlass::bfloat16_t>;
       const bool walk_early = kProbeWalk && (p.debug_high & (1 << 18));
       if (two_query_buffers) {
-        if constexpr (kProbeWalk && kHeadDim == 64) {
+        if constexpr (kProbeWalk) {
           if (walk_early) {
             launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2,
                                  true>>(p, stream);

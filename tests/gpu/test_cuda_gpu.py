@@ -794,9 +794,10 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     tiles with nothing listed); and against float64 (check()). Its epilogue: 16-byte stores
     after a transpose within each quad. The reference is the one-buffer kernel
     (ONE_Q_BUFFER: at hd64 two buffers are the default, at hd128 TWO_Q_BUFFERS asks).
-    WALK_EARLY (kWalkEarly: the producer's list walk before its wait for the query buffer;
-    hd64's two-buffer and hd128's one-buffer kernels) changes only the order of the
-    producer's loads, so it too must match bit for bit."""
+    WALK_EARLY (kWalkEarly: the producer's list walk before its wait for the query buffer,
+    its started cursors handed to the consumers; the two-buffer kernels and hd128's
+    one-buffer one) changes only where the lists are loaded, so it too must match bit for
+    bit."""
     kind, D, L = case.split("_")
     D, L = int(D), int(L)
     torch.manual_seed(D + L)
@@ -813,7 +814,7 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
     results = {}
-    variants = (0, TWO_Q_BUFFERS, WALK_EARLY)
+    variants = (0, TWO_Q_BUFFERS, WALK_EARLY, TWO_Q_BUFFERS | WALK_EARLY)
     for bits in (ONE_Q_BUFFER, *variants):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(2 * B * Hq * L * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
