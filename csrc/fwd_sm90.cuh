@@ -20,6 +20,7 @@
 // zeros and are masked here; out and lse of rows past Lq are not written.
 // Layout after FlashAttention-3's hopper/ forward (collective mainloop + epilogue).
 #include <cmath>
+#include <stdexcept>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -1553,15 +1554,26 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
 // - hd256: 64-key tiles, 240 registers, the plain kernel where the call allows: 2-5% over
 //   the serial schedule in the same run (C38; at 232 registers, before the plain kernel, it
 //   spilled 84 B and measured 3% slower, C14).
-template <class Element, int kHeadDim>
+// DType::kFloat16 in CI's compile-check build (FLEXSPARSE_COMPILE_CHECK_BF16_ONLY) launches
+// nothing: its fp16 kernels would be the bf16 file's again (sm90_utils.cuh), and that build
+// refuses fp16 inputs before any kernel (attention_ops.cpp).
+template <DType kDType, int kHeadDim>
 void launch_fwd_head_dim(AttentionParams const& p, cudaStream_t stream) {
-  const bool overlap = !(p.debug & 32);
-  if constexpr (kHeadDim == 64)
-    launch_fwd_schedule<Element, 64, 128, 3, 240, 160>(p, stream, overlap);
-  else if constexpr (kHeadDim == 128)
-    launch_fwd_schedule<Element, 128, 128, 2, 240>(p, stream, overlap);
+  using Element = std::conditional_t<kDType == DType::kBFloat16, cutlass::bfloat16_t, Fp16Element>;
+#ifdef FLEXSPARSE_COMPILE_CHECK_BF16_ONLY
+  if constexpr (kDType == DType::kFloat16)
+    throw std::logic_error("flexsparse: the compile-check build has no fp16 kernels");
   else
-    launch_fwd_schedule<Element, 256, 64, 2, 240>(p, stream, overlap);
+#endif
+  {
+    const bool overlap = !(p.debug & 32);
+    if constexpr (kHeadDim == 64)
+      launch_fwd_schedule<Element, 64, 128, 3, 240, 160>(p, stream, overlap);
+    else if constexpr (kHeadDim == 128)
+      launch_fwd_schedule<Element, 128, 128, 2, 240>(p, stream, overlap);
+    else
+      launch_fwd_schedule<Element, 256, 64, 2, 240>(p, stream, overlap);
+  }
 }
 
 }  // namespace flexsparse::sm90

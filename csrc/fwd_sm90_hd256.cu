@@ -5,7 +5,7 @@ namespace flexsparse {
 
 template <>
 void fwd_sm90_hd<256, DType::kBFloat16>(AttentionParams const& p, cudaStream_t stream) {
-  sm90::launch_fwd_head_dim<cutlass::bfloat16_t, 256>(p, stream);
+  sm90::launch_fwd_head_dim<DType::kBFloat16, 256>(p, stream);
 }
 
 }  // namespace flexsparse
