@@ -163,14 +163,6 @@ namespace flexsparse::sm90 {
 // loads (docs/perf-notes.md C49, C51). Serial schedule: read with ldmatrix while QK^T
 // runs. Overlapped schedule (kBiasMma): added to S by the tensor cores, see below.
 // Biased calls take bias tiles where fwd_bias_tiles_ok holds.
-// kWalkEarly (a probe, issue 15; FLEXSPARSE_CUDA_DEBUG 2^49, launch_fwd_schedule): the
-// producer walks the next work tile's lists (set_work_tile and its first next_tile:
-// dependent global loads of the list's count and entries, ~2,500 cycles in the traces,
-// docs/perf-notes.md C96) before it waits for the query buffer instead of after, so that
-// the walk overlaps that wait and the query load is issued as soon as the buffer is free;
-// and it hands the started cursor to the consumers through shared memory (SharedStorage::
-// cursor), whose own start of the walk was the same loads at each work tile's start.
-// Same lists, same results.
 // kQBuffers: 2 gives the query tile two buffers, so that the producer loads the next work
 // tile's queries as soon as it has issued this one's key and value loads, not after the
 // consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md C89, C90,
@@ -179,12 +171,10 @@ namespace flexsparse::sm90 {
 // holds the second query buffer at hd128).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
-          bool kWalkEarly_ = false>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr bool kWalkEarly = kWalkEarly_;
   static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kTmaStore_ && !kBiasTiles_),
                 "two query buffers: without the O staging buffer and the bias tiles");
   static constexpr bool kBiasTiles = kBiasTiles_;
@@ -289,17 +279,20 @@ struct FwdTraits {
     // tile apart in the overlapped schedule, free and refill their halves independently.
     cutlass::arch::ClusterTransactionBarrier::ValueType bias_full[2];
     cutlass::arch::ClusterBarrier::ValueType bias_empty[2];
-    // kWalkEarly: work tile k's list cursors at their start (TileCursor::start done on the
-    // partial lists, [0], and on the full lists, [1]), slot k % (2 kQBuffers), written by
-    // the producer before its arrival at barrier_q and read by the consumers after their
-    // wait on it (the partial one at the work tile's start, the full one where the walk
-    // turns to the full lists, both before the consumers release the work tile's query
-    // buffer), so that they need not load the lists' counts and ranges. The producer
-    // writes tile k's before its wait for tile k - kQBuffers's buffer; its previous wait
-    // saw the consumers done with tile k - 1 - kQBuffers, so every tile up to that one is
-    // done with its slot, and the slot's previous tile is k - 2 kQBuffers. (Last member:
-    // the other members' offsets are the same in every kernel.)
-    std::conditional_t<kWalkEarly_, TileCursor[2][2 * kQBuffers_], char> cursor;
+    // Work tile k's list cursors at their start (TileCursor::start done on the partial
+    // lists, [0], and on the full lists, [1]), slot k % (2 kQBuffers). The producer walks
+    // the lists (the list's count and entries: dependent global loads, ~2,500 cycles in the
+    // traces, docs/perf-notes.md C96) before it waits for the query buffer, so that the
+    // walk overlaps that wait, and hands the started cursors to the consumers, who would
+    // otherwise repeat those loads at each work tile's start. Written before the producer's
+    // arrival at barrier_q, read by the consumers after their wait on it (the partial one
+    // at the work tile's start, the full one where the walk turns to the full lists; both
+    // before the consumers release the work tile's query buffer). The producer writes tile
+    // k's before its wait for tile k - kQBuffers's buffer; its previous wait saw the
+    // consumers done with tile k - 1 - kQBuffers, so every tile up to that one is done with
+    // its slot, and the slot's previous tile is k - 2 kQBuffers. (Last member: the other
+    // members' offsets do not depend on its size.)
+    TileCursor cursor[2][2 * kQBuffers_];
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
   // in a buffer past SharedStorage, as two halves of (64, kBlockN), one per warpgroup.
@@ -375,10 +368,10 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   const int sub = p.block_k / kBlockN;
   int m_block = 0, h = 0, b = 0, hk = 0, qb = 0;
   TileCursor walk;
-  // kWalkEarly consumers: the full lists' cursor, started by the producer.
-  const TileCursor* full_started = nullptr;
-  auto next_tile = [&](int& n, bool& partial) {
-    return walk.next(p.kv_full, b, h, qb, sub, n, partial, T::kWalkEarly ? full_started : nullptr);
+  // The next tile of the work tile; full_started: the full lists' cursor, started by the
+  // producer (the consumers' walk), or nullptr (the producer's: it starts its own).
+  auto walk_next = [&](int& n, bool& partial, const TileCursor* full_started) {
+    return walk.next(p.kv_full, b, h, qb, sub, n, partial, full_started);
   };
   // Work tile w's coordinates, and its list cursor: started here (loads), or given.
   auto set_work_tile = [&](int w, const TileCursor* started = nullptr) {
@@ -465,17 +458,15 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const int qbuf = k % T::kQBuffers;
         FWD_TRACE_WORK(2, k, int(p.debug >> 16), true);
         FWD_TRACE_EDGE(2, k, int(p.debug >> 16), true, 0, fwd_trace_clock());
-        // kWalkEarly: the walk's results, from before the wait.
-        int early_wt = -1, early_n = 0;
-        bool early_partial = false, early_listed = false;
-        if constexpr (T::kWalkEarly) {
-          if (w < n_work) {
-            early_wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
-            set_work_tile(early_wt);
-            ss.cursor[0][k % (2 * T::kQBuffers)] = walk;
-            ss.cursor[1][k % (2 * T::kQBuffers)] = TileCursor(p.kv_full, b, h, qb);
-            early_listed = next_tile(early_n, early_partial);
-          }
+        // The walk, before the wait (see SharedStorage::cursor).
+        int wt = -1, n = 0;
+        bool partial = false, listed = false;
+        if (w < n_work) {
+          wt = p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
+          set_work_tile(wt);
+          ss.cursor[0][k % (2 * T::kQBuffers)] = walk;
+          ss.cursor[1][k % (2 * T::kQBuffers)] = TileCursor(p.kv_full, b, h, qb);
+          listed = walk_next(n, partial, nullptr);
         }
         if (k >= T::kQBuffers)
           cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty[qbuf], (k / T::kQBuffers - 1) & 1);
@@ -485,9 +476,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           Barrier::arrive(&ss.barrier_q[qbuf]);
           break;
         }
-        const int wt = T::kWalkEarly ? early_wt
-                       : p.redo_pass ? p.redo[1 + redo_words(n_m * p.Hq * p.B) + w] : w;
-        if constexpr (!T::kWalkEarly) set_work_tile(wt);
         ss.work_tile[qbuf] = wt;
         // The next work tile is taken once this one's loads are issued (about kStages
         // tiles before the consumers finish it), not earlier: a CTA holding a claimed
@@ -495,15 +483,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         auto take_next = [&] {
           w = p.tile_counter != nullptr ? gridDim.x + atomicAdd(p.tile_counter, 1) : w + gridDim.x;
         };
-        int n;
-        bool partial, listed;
-        if constexpr (T::kWalkEarly) {
-          n = early_n;
-          partial = early_partial;
-          listed = early_listed;
-        } else {
-          listed = next_tile(n, partial);
-        }
         if (!listed) {     // nothing listed: the consumers write 0 / -inf
           Barrier::arrive(&ss.barrier_q[qbuf]);
           take_next();
@@ -573,7 +552,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           FWD_TRACE(3);
           ++write;
           FWD_TRACE_NEXT();
-        } while (next_tile(n, partial));
+        } while (walk_next(n, partial, nullptr));
         take_next();
       }
     }
@@ -1035,13 +1014,12 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const int w = *reinterpret_cast<volatile int*>(&ss.work_tile[qbuf]);
     if (w < 0) break;
     auto tSrQ = query_operand(qbuf);
-    if constexpr (T::kWalkEarly) {
-      const TileCursor started = ss.cursor[0][k % (2 * T::kQBuffers)];
-      set_work_tile(w, &started);
-      full_started = &ss.cursor[1][k % (2 * T::kQBuffers)];
-    } else {
-      set_work_tile(w);
-    }
+    const TileCursor started = ss.cursor[0][k % (2 * T::kQBuffers)];
+    set_work_tile(w, &started);
+    // (The slot's address from k, which the loop holds anyway, rather than a pointer.)
+    auto next_tile = [&](int& n, bool& partial) __attribute__((always_inline)) {
+      return walk_next(n, partial, &ss.cursor[1][k % (2 * T::kQBuffers)]);
+    };
     set_tile_inputs();
     // (Roles 0, 1: the first two consumer warpgroups; a third records nothing.)
     FWD_TRACE_WORK(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0);
@@ -1479,29 +1457,10 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       // 17592186044416 (-1% full, causal and documents, +1% sliding 1024).
       const bool two_query_buffers =
           kHeadDim == 64 ? !(p.debug_high & 131072) : bool(p.debug_high & 8192);
-      // FLEXSPARSE_CUDA_DEBUG 2^49 (a probe, bf16 only): the producer's early list walk
-      // (kWalkEarly) in the two-buffer kernels (hd64's default, hd128's with 2^44) and
-      // hd128's one-buffer default.
-      constexpr bool kProbeWalk = std::is_same_v<Element, cutlass::bfloat16_t>;
-      const bool walk_early = kProbeWalk && (p.debug_high & (1 << 18));
       if (two_query_buffers) {
-        if constexpr (kProbeWalk) {
-          if (walk_early) {
-            launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2,
-                                 true>>(p, stream);
-            return;
-          }
-        }
         launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
             p, stream);
         return;
-      }
-      if constexpr (kProbeWalk && kHeadDim == 128) {
-        if (walk_early) {
-          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true, false, 2, 1,
-                               true>>(p, stream);
-          return;
-        }
       }
     }
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);

@@ -324,8 +324,7 @@ fi
 # fwdedges (issue 15): the forward's work-tile edges. The two-query-buffer kernel's bitwise
 # test (against the one-buffer kernel), then forward TFLOP/s in turns: the default, 2^44
 # (two buffers at hd128, opt-in) and 2^48 = 281474976710656 (one buffer at hd64, where two
-# are the default since C92). 2^49 = 562949953421312: the producer's early list walk
-# (kWalkEarly, perf-notes C96; the bitwise test covers it).
+# are the default since C92).
 # EDGE_VARIANTS adds e.g. the probes 2^42 = 4398046511104 (queries loaded once per
 # buffer) and 2^43 = 8796093022208 (no O store) (wrong results by design: their error
 # column is large).
