@@ -31,7 +31,7 @@ from .triton_block_common import (
     _DB, _DBQ, _DELTA, _DK, _DO, _DQ, _DQA, _DV, _GLSE, _K, _LSE, _LSE2, _OUT, _Q, _V,
     CallPlan, _cdiv, _config, _even, _load_tile, _score, _strides, _tile_order, call_args)
 from .triton_block_mask import (
-    _cr_prefetch, _head_div, _in_ranges, _list_count, _list_tile, _query_tile_visible,
+    _cr_prefetch, _head_div, _in_ranges, _list_count, _list_row, _list_tile, _query_tile_visible,
     _ranges_load, _slots_on_rows, _visible)
 
 # dbias modes of the dK/dV pass
@@ -247,7 +247,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
         DQAh = DQA + (b64 * Hq + h64) * Lq * D
         dbacc = tl.zeros([BLOCK_N], tl.float32)
         slots = _cr_prefetch(preds, b, h, j, Lk, N_COL_RANGES, CR_KINDS, True)
-        row = b * qp_sb + (h // qp_hdiv) * qp_sh + kb * qp_rs
+        row = _list_row(b, h, kb, qp_sb, qp_sh, qp_hdiv, qp_rs)
         n_iters = _list_count(Q_COUNT + row, qp_W, tl.cdiv(Lq, block_q), Q_PARTIAL_RANGES) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
             dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
@@ -256,7 +256,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             block_k, scale, qk_scale, cap_log2, preds, slots,
             True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP,
             DB_MODE, EVEN_M, EVEN_D, BLOCK_M, Q_PARTIAL_RANGES, DQ_ATOMIC)
-        row = b * qf_sb + (h // qf_hdiv) * qf_sh + kb * qf_rs
+        row = _list_row(b, h, kb, qf_sb, qf_sh, qf_hdiv, qf_rs)
         n_iters = _list_count(Q_FULL_COUNT + row, qf_W, tl.cdiv(Lq, block_q), Q_FULL_RANGES) * SUB
         dk, dv, dbacc = _bwd_kv_inner(
             dk, dv, dbacc, k, v, j, offs_m, offs_d, b, h,
@@ -269,7 +269,7 @@ def _bwd_dkdv_program(pid_n, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DB, DK, DV, D
             tl.store(DBh + j * sdbk, dbacc, mask=j < Lk)
         if ZERO_SKIPPED:
             # both rows of this key block (`row` is still the full list's), block counts
-            prow = b * qp_sb + (h // qp_hdiv) * qp_sh + kb * qp_rs     # the partial list's
+            prow = _list_row(b, h, kb, qp_sb, qp_sh, qp_hdiv, qp_rs)     # the partial list's
             _zero_skipped(DBh, sdbq, sdbk, j, offs_m,
                           Q_INDEX + prow.to(tl.int64) * qp_W,
                           _list_count(Q_COUNT + prow, qp_W, tl.cdiv(Lq, block_q), Q_PARTIAL_RANGES),
@@ -419,13 +419,13 @@ def _bwd_dq_program(pid_m, pid_bh, Q, K, V, DO, LSE2, DEL, Bias, DBQ, DQ, DS,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if DQ_FROM_DS:
         DSh = DS + b64 * sdsb + h64 * sdsh
-        row = b * kvp_sb + (h // kvp_hdiv) * kvp_sh + qb * kvp_rs
+        row = _list_row(b, h, qb, kvp_sb, kvp_sh, kvp_hdiv, kvp_rs)
         dq = _bwd_q_from_ds_inner(
             dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
             KV_INDEX + row.to(tl.int64) * kvp_W,
             _list_count(KV_COUNT + row, kvp_W, tl.cdiv(Lk, block_k), KV_PARTIAL_RANGES) * SUB,
             SUB, Lq, Lk, D, block_k, EVEN_N, EVEN_D, BLOCK_N, KV_PARTIAL_RANGES)
-        row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb * kvf_rs
+        row = _list_row(b, h, qb, kvf_sb, kvf_sh, kvf_hdiv, kvf_rs)
         dq = _bwd_q_from_ds_inner(
             dq, i, offs_n, offs_d, Kh, skn, skd, DSh, sdsq, sdsk,
             KV_FULL_INDEX + row.to(tl.int64) * kvf_W,
@@ -482,7 +482,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
     Bh = Bias + b64 * sbb + (h // b_hdiv).to(tl.int64) * sbh
     dbacc = tl.zeros([BLOCK_M], tl.float32)
 
-    row = b * kvp_sb + (h // kvp_hdiv) * kvp_sh + qb * kvp_rs
+    row = _list_row(b, h, qb, kvp_sb, kvp_sh, kvp_hdiv, kvp_rs)
     n_iters = _list_count(KV_COUNT + row, kvp_W, tl.cdiv(Lk, block_k), KV_PARTIAL_RANGES) * SUB
     dq, dbacc = _bwd_q_inner(
         dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,
@@ -491,7 +491,7 @@ def _bwd_dq_recompute(dq, Q, DO, LSE2, DEL, Kh, V, Bias, DBQ, rbase, b, h, b64, 
         qk_scale, cap_log2, preds,
         True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP,
         DB_COLSUM, EVEN_N, EVEN_D, BLOCK_N, KV_PARTIAL_RANGES)
-    row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb * kvf_rs
+    row = _list_row(b, h, qb, kvf_sb, kvf_sh, kvf_hdiv, kvf_rs)
     n_iters = _list_count(KV_FULL_COUNT + row, kvf_W, tl.cdiv(Lk, block_k), KV_FULL_RANGES) * SUB
     dq, dbacc = _bwd_q_inner(
         dq, dbacc, q, do, lse2, delta, i, offs_n, offs_d, b, h,

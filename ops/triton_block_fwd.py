@@ -14,7 +14,7 @@ from .triton_block_common import (
     _K, _LSE, _OUT, _Q, _V, FWD_SHORT_BLOCKS, CallArgs, CallPlan, _cdiv, _config, _even,
     _load_tile, _score, _strides, _tile_order, call_args)
 from .triton_block_mask import (
-    _cached_fact, _list_count, _list_tile, _query_tile_visible, _ranges_load)
+    _cached_fact, _list_count, _list_row, _list_tile, _query_tile_visible, _ranges_load)
 
 
 # ======================================================================================= kernel
@@ -107,7 +107,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, q_strides, k_strides, v_strides, o_stride
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    row = b * kvp_sb + (h // kvp_hdiv) * kvp_sh + qb * kvp_rs
+    row = _list_row(b, h, qb, kvp_sb, kvp_sh, kvp_hdiv, kvp_rs)
     n_iters = _list_count(KV_COUNT + row, kvp_W, tl.cdiv(Lk, block_k), KV_PARTIAL_RANGES) * SUB
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,
@@ -115,7 +115,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Bias, q_strides, k_strides, v_strides, o_stride
         qk_scale, cap_log2, preds,
         True, HAS_DM, N_COL_RANGES, CR_KINDS, HAS_BITS, HAS_BIAS, SOFTCAP, EVEN_N, EVEN_D, BLOCK_N,
         KV_PARTIAL_RANGES)
-    row = b * kvf_sb + (h // kvf_hdiv) * kvf_sh + qb * kvf_rs
+    row = _list_row(b, h, qb, kvf_sb, kvf_sh, kvf_hdiv, kvf_rs)
     n_iters = _list_count(KV_FULL_COUNT + row, kvf_W, tl.cdiv(Lk, block_k), KV_FULL_RANGES) * SUB
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, i, offs_n, offs_d, b, h, Kh, Vh, skn, skd, svn, svd, Bh, sbq, sbk,

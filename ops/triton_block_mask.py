@@ -114,6 +114,13 @@ def _list_tile(idx_ptr, walk, it, SUB: tl.constexpr, L, block: tl.constexpr,
 
 
 @triton.jit
+def _list_row(b, h, r, sb, sh, hdiv, rs):
+    """The offset of block row r's list for batch b and query head h: the lists' heads hold
+    hdiv query heads each (GQA-shared lists), rs 0 where every row reads one list."""
+    return b * sb + (h // hdiv) * sh + r * rs
+
+
+@triton.jit
 def _list_count(count_ptr, width, n_blocks, RANGES: tl.constexpr):
     """A list row's block count, clamped to what can be read: [0, width] for explicit
     lists (the row's index entries), [0, n_blocks] for range-form ones (no row lists a
