@@ -55,8 +55,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // staged in 8-byte pieces (before C87) (bwd_sm90.cuh); probes of the forward (wrong
 // results, timing only): 2^42 queries loaded for a CTA's first work tiles only, 2^43 no O
 // store; 2^44 the forward's two query buffers at hd128 (kQBuffers, opt-in) and 2^48 its one
-// query buffer at hd64 (before C92), 2^52 no L2 prefetch of the next query tile in the
-// one-buffer kernels (C99) (fwd_sm90.cuh). (2^46 and 2^47 were C89's 4-byte
+// query buffer at hd64 (before C92), 2^52 an L2 prefetch of the next query tile in the
+// one-buffer kernels (C99, a probe) (fwd_sm90.cuh). (2^46 and 2^47 were C89's 4-byte
 // stores and C91's crossed work tiles, removed; 2^49 was C96's early list walk probe, now
 // every forward kernel's walk; 2^49-2^51 were C95's softmax probes, removed:
 // docs/perf-notes.md.)
