@@ -2,7 +2,8 @@
 and run on random lists against the descriptor's semantics (docs/design.md): a row's
 partial list, then its full list; explicit entries in order up to the count, or range-form
 blocks range after range up to the count; entries outside [0, n_blocks) skipped whole;
-each block split into `sub` kernel tiles. Random lists include what a corrupted or
+each block split into `sub` kernel tiles. Every walk is also taken from cursors started
+beforehand and copied (the forward producer's hand-off to its consumers) and must match. Random lists include what a corrupted or
 hand-made descriptor may hold: negative and too-large entries, counts past the width or
 past the blocks the ranges hold, empty and reversed ranges."""
 import subprocess
@@ -24,7 +25,12 @@ def walker(tmp_path_factory):
         out = subprocess.run([str(exe)], input=text, capture_output=True, text=True,
                              check=True).stdout.split("\n")
         end = out.index("end")
-        return [tuple(map(int, line.split())) for line in out[:end]]
+        end2 = out.index("end", end + 1)
+        tiles = [tuple(map(int, line.split())) for line in out[:end]]
+        # the forward consumers' walk, from cursors started by the producer and copied
+        handed = [tuple(map(int, line.split())) for line in out[end + 1:end2]]
+        assert handed == tiles, (tiles, handed)
+        return tiles
     return walk
 
 

@@ -1,7 +1,9 @@
 // Walks block lists with the kernels' TileCursor (csrc/block_lists.cuh) on the host, for
 // tests/test_tile_cursor.py. Reads from stdin: sub, n_blocks, then per list (partial,
 // full): count, ranges (0: explicit), width, and width index entries; prints each tile as
-// "tile partial", one per line, then "end".
+// "tile partial", one per line, then "end"; then the same walk as the forward's consumers
+// take it (the cursors started elsewhere and copied, the full one passed as next()'s
+// full_started: fwd_sm90.cuh's SharedStorage::cursor), then "end" again.
 #include <cstdio>
 #include <vector>
 
@@ -28,6 +30,13 @@ int main() {
   int t;
   bool partial;
   while (walk.next(lists[1], 0, 0, 0, sub, t, partial)) std::printf("%d %d\n", t, int(partial));
+  std::printf("end\n");
+  // The hand-off: the producer's started cursors (as it stores them before its own walk),
+  // copied by value, the full one read only where the walk turns to the full lists.
+  const flexsparse::TileCursor started[2] = {flexsparse::TileCursor(lists[0], 0, 0, 0),
+                                             flexsparse::TileCursor(lists[1], 0, 0, 0)};
+  flexsparse::TileCursor copy = started[0];
+  while (copy.next(lists[1], 0, 0, 0, sub, t, partial, &started[1])) std::printf("%d %d\n", t, int(partial));
   std::printf("end\n");
   return 0;
 }
