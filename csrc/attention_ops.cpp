@@ -52,7 +52,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // preprocess with 2-byte loads (before C81) and 2^39 its transposed lists on the
 // caller's stream only (before C83) (index_bwd.cu); to the block kernels' `debug_high`:
 // 2^40 the backward's dS^T stores through CuTe's partition (before C86) and 2^41 its dQ
-// staged in 8-byte pieces (before C87) (bwd_sm90.cuh); probes of the forward (wrong
+// staged in 8-byte pieces (before C87), and 2^53 its consumers without the dS barrier
+// (kNoDsBarrier, C100: a probe, wrong dQ, bf16 hd128) (bwd_sm90.cuh); probes of the forward (wrong
 // results, timing only): 2^42 queries loaded for a CTA's first work tiles only, 2^43 no O
 // store; 2^44 the forward's two query buffers at hd128 (kQBuffers, opt-in) and 2^48 its one
 // query buffer at hd64 (before C92), 2^52 an L2 prefetch of the next query tile in the
