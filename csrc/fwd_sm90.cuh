@@ -1262,15 +1262,20 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             pipe_v.consumer_wait(read_v);
             gemm<false, -1>(mma_pv, tOrP0, tOrV(_, _, _, read_v.index()), tOrO);
             issue_end();
+            FWD_TRACE(4);
             warpgroup_wait<1>();
             warpgroup_fence_operand(tSrS);
+            FWD_TRACE(5);
             release_k();
             finish_scores(tSrS, x, full);
             softmax(tSrS, alpha);
-            warpgroup_wait<0>();
+            FWD_TRACE(6);
+            warpgroup_wait<0>();   // (so event 7 holds the wait for P V as well)
             warpgroup_fence_operand(tOrO);
             release_v();
             keep_p(tSrS, tOrP0);
+            FWD_TRACE(7);
+            FWD_TRACE_NEXT();
           };
           while (next_tile(n, partial)) either_path(step_one_buffer);
           finish(tOrP0);
