@@ -102,10 +102,21 @@ def dt(a, b):
     return (b - a) % (1 << 32)
 
 
-def summarize(row, trace):
+def consumer_warpgroups(row, bits):
+    """The forward kernel's consumer warpgroups for a row: three for the full mask at hd64
+    (the three-warpgroup kernel takes masks whose kv lists are one row for all, unless
+    FLEXSPARSE_CUDA_DEBUG bit 134217728), else two. Its key-tile loop keeps one P buffer
+    and waits for P V before keeping P: there event 7 holds that wait too."""
+    kind, D = row.split("@")[0], int(row.split("@")[2]) if row.count("@") >= 2 else 128
+    return 3 if kind == "full" and D == 64 and not bits & 134217728 else 2
+
+
+def summarize(row, trace, warpgroups=2):
     D = int(row.split("@")[2]) if row.count("@") >= 2 else 128
-    floor = 2 * 2 * 64 * 128 * D * 2 // 4096      # both warpgroups' QK^T + PV at 4096 flop/clk/SM
-    lines = [f"### {row}: tensor-core floor per tile (both warpgroups) {floor} cycles"]
+    # the warpgroups' QK^T + PV (64 query rows each) at 4096 flop/clk/SM
+    floor = warpgroups * 2 * 64 * 128 * D * 2 // 4096
+    lines = [f"### {row}: tensor-core floor per tile ({warpgroups} consumer warpgroups; the first two "
+             f"traced) {floor} cycles"]
     for (cta, role), tiles in sorted(trace.items()):
         if role == 3 and TRACE_TILES - 1 in tiles:
             c0, g0, c1, g1 = tiles[TRACE_TILES - 1][:4]
@@ -217,7 +228,7 @@ def main():
         if args.raw:
             with open(os.path.join(args.raw, f"trace_{row.replace('@', '_')}.txt"), "w") as f:
                 f.write(res.stdout)
-        print(summarize(row, parse(res.stdout)), flush=True)
+        print(summarize(row, parse(res.stdout), consumer_warpgroups(row, args.bits)), flush=True)
         print([ln for ln in res.stdout.splitlines() if ln.startswith("TIME")], flush=True)
 
 
