@@ -510,10 +510,10 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // where T::kDsStoreByHand (the code before C86; FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
 // kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
 // kNoDsBarrier (a probe, FLEXSPARSE_CUDA_DEBUG 2^53; wrong dQ, timing only; bf16 hd128's
-// 64-row kernel without bias tiles): the consumer warpgroups skip the barrier between their dS^T stores and
-// the dQ product, so that they are no longer held in step and one's dS work can overlap
-// the other's products. What it gains bounds what a barrier-free dQ (each warpgroup's dQ
-// over its own keys) could gain (docs/perf-notes.md C100).
+// 64-row kernel without bias tiles): the consumer warpgroups skip the barrier between
+// their dS^T stores and the dQ product, so that they are no longer held in step and one's
+// dS work can overlap the other's products. What it gains bounds what a barrier-free dQ
+// (each warpgroup's dQ over its own keys) could gain (docs/perf-notes.md C100).
 template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kNoDsBarrier = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
