@@ -58,8 +58,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // store; 2^44 the forward's two query buffers at hd128 (kQBuffers, opt-in) and 2^48 its one
 // query buffer at hd64 (before C92), 2^52 an L2 prefetch of the next query tile in the
 // one-buffer kernels (C99, a probe) (fwd_sm90.cuh). (2^46 and 2^47 were C89's 4-byte
-// stores and C91's crossed work tiles, removed; 2^49 was C96's early list walk probe, now
-// every forward kernel's walk; 2^49-2^51 were C95's softmax probes, removed:
+// stores and C91's crossed work tiles, removed; 2^49-2^51 were C95's softmax probes,
+// removed, and 2^49 then C96's early list walk probe, now every forward kernel's walk:
 // docs/perf-notes.md.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
