@@ -509,12 +509,7 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // kCuteDsStore: the dS^T stores and the lse/delta columns through CuTe's partitions even
 // where T::kDsStoreByHand (the code before C86; FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
 // kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
-// kNoDsBarrier (a probe, FLEXSPARSE_CUDA_DEBUG 2^53; wrong dQ, timing only; bf16 hd128's
-// 64-row kernel without bias tiles): the consumer warpgroups skip the barrier between
-// their dS^T stores and the dQ product, so that they are no longer held in step and one's
-// dS work can overlap the other's products. What it gains bounds what a barrier-free dQ
-// (each warpgroup's dQ over its own keys) could gain (docs/perf-notes.md C100).
-template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kNoDsBarrier = false>
+template <class T, bool kCuteDsStore = false, bool kDqPairs = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1126,8 +1121,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if constexpr (T::kBiasTiles) {
             if (store_dbias && tid == 0) tma_store_wait<0>();
           }
-          // (kNoDsBarrier, a probe: no barrier.)
-          if constexpr (!kNoDsBarrier) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
           BWD_TRACE(7);
           if constexpr (T::kBiasTiles) {
             if (tid == 0) {
@@ -1459,10 +1453,6 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
   if constexpr (T::kDsStoreByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
-  }
-  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t> && T::kHeadDim == 128 && T::kBlockM == 64 &&
-                !T::kBiasTiles && !T::kSplitQueries) {
-    if (p.debug_high & (1 << 22)) kernel = bwd_kernel<T, false, false, true>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

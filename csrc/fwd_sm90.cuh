@@ -467,15 +467,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           ss.cursor[0][k % (2 * T::kQBuffers)] = walk;
           ss.cursor[1][k % (2 * T::kQBuffers)] = TileCursor(p.kv_full, b, h, qb);
           listed = walk_next(n, partial, nullptr);
-          // One query buffer: the query tile's load waits for the buffer, and then took
-          // 2,800-5,400 cycles to land (perf-notes C98: a tile never read before, from
-          // DRAM, queued behind the key/value loads). Prefetched to L2 here, about two key
-          // tiles before the buffer frees, it would land from L2. (The first work tile loads
-          // at once; two buffers load a tile early anyway.) A probe, not yet timed:
-          // FLEXSPARSE_CUDA_DEBUG 2^52 turns it on (perf-notes C99).
-          if (T::kQBuffers == 1 && k > 0 && listed && (p.debug_high & (1 << 21)))
-            prefetch(kp.tma_q, cta_q.partition_S(local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                                            make_coord(m_block, 0))));
         }
         if (k >= T::kQBuffers)
           cutlass::arch::ClusterBarrier::wait(&ss.barrier_q_empty[qbuf], (k / T::kQBuffers - 1) & 1);
