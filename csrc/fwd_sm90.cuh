@@ -1007,16 +1007,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     auto release_q = [&] { cutlass::arch::ClusterBarrier::arrive(&ss.barrier_q_empty[qbuf]); };
     // The key/value pipeline runs on across work tiles (read, or read_k and read_v).
     typename T::PipelineState read, read_k, read_v;
-    // The turn ring (below) across work tiles. By default it restarts at each work tile:
-    // warpgroup 0 keeps the last warpgroup's final hand-over, and the last warpgroup hands
-    // warpgroup 0 its first turn again when it starts the next work tile (after its
-    // epilogue). With ring_continues (FLEXSPARSE_CUDA_DEBUG 2^46, perf-notes C101) it runs
-    // on: the last warpgroup opens it once here and warpgroup 0 closes it once after the
-    // last work tile, so warpgroup 0 takes the next work tile's first turn as soon as the
-    // last warpgroup has issued its last P V.
-    const bool ring_continues = T::kOverlap && (p.debug_high & (1 << 15));
-    if (ring_continues && wg == kWarpgroups - 1)
-      bar_arrive_wg<2 * 128, kBarrierSchedule, kWarpgroups>(0);
     FWD_TRACE_DECL();
     for (int k = 0;; ++k) {
     qbuf = k % T::kQBuffers;
@@ -1221,14 +1211,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 3, fwd_trace_clock());
         // Warpgroup 0 takes the last turn that the last warpgroup handed it, so that every
         // arrival at a scheduler barrier is matched when the CTA exits.
-        if (wg == 0 && !ring_continues) issue_begin();
+        if (wg == 0) issue_begin();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 4, fwd_trace_clock());
         release_v();
       };
       if (next_tile(n, partial)) {
-        if (wg == kWarpgroups - 1 && !ring_continues) issue_end();   // warpgroup 0's first turn
+        if (wg == kWarpgroups - 1) issue_end();   // warpgroup 0's first turn
         {
           TileExtras x;
           x.n = n;
@@ -1365,7 +1355,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
     FWD_TRACE_EDGE(wg < 2 ? wg : 3, k, int(p.debug >> 16), wg_tid == 0, 6, fwd_trace_clock());
     }   // work tiles
-    if (ring_continues && wg == 0) bar_sync_wg<2 * 128, kBarrierSchedule, kWarpgroups>(0);
     if constexpr (T::kTmaStore) {
       if (wg_tid == 0) tma_store_wait<0>();   // shared memory outlives the last store
     }

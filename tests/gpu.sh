@@ -400,13 +400,15 @@ if [[ " $parts " == *" profile "* ]]; then
 fi
 # Nsight Compute on the backward kernels of one row, ours vs FlexAttention's (hardware
 # counters; clocks left alone): NCU_ROW=full@8192 bash tests/gpu.sh ncu
-# (the CUDA forward alone: NCU_KERNELS=fwd_kernel NCU_ARGS="--backend cuda --no-flex")
+# (the CUDA forward alone: NCU_KERNELS=fwd_kernel NCU_ARGS="--backend cuda --no-flex";
+# NCU_EXTRA adds ncu arguments, e.g. "--section MemoryWorkloadAnalysis_Tables" for the
+# shared-memory table; the whole report is in $OUT/ncu.log)
 if [[ " $parts " == *" ncu "* ]]; then
   timeout "${T_NCU:-300}" ncu --clock-control none --profile-from-start off \
     -k "regex:${NCU_KERNELS:-_attn_bwd_one_launch|triton_tem_fused_flex_attention_backward}" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" ${NCU_EXTRA:-} \
     python3 tests/gpu/ncu_row.py "${NCU_ROW:-full@8192}" ${NCU_ARGS:-} > "$OUT/ncu.log" 2>&1
   echo "ncu rc=$?"
   grep -E "^  [a-z_]+.*\(|Duration|Elapsed Cycles|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Active Warps Per|Eligible Warps|Executed Ipc A|DRAM Throughput|stalled" "$OUT/ncu.log" \

@@ -781,12 +781,10 @@ def test_backward_80_row_steps_dq_pieces(monkeypatch):
 
 TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
 ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64's default)
-RING_CONTINUES = 1 << 46    # the consumers' turn ring runs on across work tiles (C101)
 
 
 @pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",
-                                  "causal_64_4096", "layout_128_2000", "layout_64_1000",
-                                  "full_64_4096"])
+                                  "causal_64_4096", "layout_128_2000", "layout_64_1000"])
 def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     """The forward with two query buffers (kQBuffers = 2: the next work tile's queries load
     while this one runs; the epilogue stores from registers) computes what the default
@@ -797,11 +795,7 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     (ONE_Q_BUFFER: at hd64 two buffers are the default, at hd128 TWO_Q_BUFFERS asks).
     Both kernels hand the producer's started list cursors to the consumers through shared
     memory (SharedStorage::cursor), one slot per work tile for two (one buffer) or four
-    (two buffers) work tiles: the many work tiles per CTA here reuse every slot.
-    RING_CONTINUES changes only the order in which the consumer warpgroups issue their
-    wgmmas (the turn ring runs on across work tiles), so it too must give the same bits;
-    a miscounted scheduler barrier would hang here (full at hd64: the three-warpgroup
-    kernel's ring)."""
+    (two buffers) work tiles: the many work tiles per CTA here reuse every slot."""
     kind, D, L = case.split("_")
     D, L = int(D), int(L)
     torch.manual_seed(D + L)
@@ -812,14 +806,13 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
         lay[..., 1, :] = False                     # a query block with nothing listed
         mask = M.block_sparse(lay.to(T.DEV), 128)
     else:
-        mask = {"causal": M.causal(), "sliding": M.sliding_window(700), "full": M.full(),
+        mask = {"causal": M.causal(), "sliding": M.sliding_window(700),
                 "document": M.document([1000, 1, 1500, 500])}[kind]
     desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
     results = {}
-    variants = (0, TWO_Q_BUFFERS, RING_CONTINUES, TWO_Q_BUFFERS | RING_CONTINUES,
-                ONE_Q_BUFFER | RING_CONTINUES)
+    variants = (0, TWO_Q_BUFFERS)
     for bits in (ONE_Q_BUFFER, *variants):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(2 * B * Hq * L * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
