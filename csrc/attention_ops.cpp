@@ -57,10 +57,9 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // 2^44 the forward's two query buffers at hd128 (kQBuffers, opt-in) and 2^48 its one query
 // buffer at hd64 (before C92) (fwd_sm90.cuh). (Removed, docs/perf-notes.md: 2^46 was
 // C89's 4-byte stores, then C101's turn ring run on across work tiles; 2^47 C91's crossed
-// work tiles; 2^49-2^51 C95's softmax probes,
-// then 2^49 C96's early list walk probe, now every forward kernel's walk; 2^52 C99's L2
-// prefetch of the next query tile and 2^53 C100's backward without the dS barrier, both
-// timed no better.)
+// work tiles; 2^49-2^51 C95's softmax probes, then 2^49 C96's early list walk probe, now
+// every forward kernel's walk; 2^52 C99's L2 prefetch of the next query tile and 2^53
+// C100's backward without the dS barrier, both timed no better.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
 int64_t debug_bits() {
