@@ -3,9 +3,10 @@ and run on random lists against the descriptor's semantics (docs/design.md): a r
 partial list, then its full list; explicit entries in order up to the count, or range-form
 blocks range after range up to the count; entries outside [0, n_blocks) skipped whole;
 each block split into `sub` kernel tiles. Every walk is also taken from cursors started
-beforehand and copied (the forward producer's hand-off to its consumers) and must match. Random lists include what a corrupted or
-hand-made descriptor may hold: negative and too-large entries, counts past the width or
-past the blocks the ranges hold, empty and reversed ranges."""
+beforehand and copied (the forward producer's hand-off to its consumers) and must match.
+Random lists include what a corrupted or hand-made descriptor may hold: negative and
+too-large entries, counts past the width or past the blocks the ranges hold, empty and
+reversed ranges."""
 import subprocess
 
 import pytest

@@ -104,17 +104,23 @@ def dt(a, b):
     return (b - a) % (1 << 32)
 
 
+def row_kind_dim(row):
+    """A row's mask kind and head dim: kind@L[@D], D 128 where not given."""
+    parts = row.split("@")
+    return parts[0], int(parts[2]) if len(parts) >= 3 else 128
+
+
 def consumer_warpgroups(row, bits):
     """The forward kernel's consumer warpgroups for a row: three for the full mask at hd64
     (the three-warpgroup kernel takes masks whose kv lists are one row for all, unless
     FLEXSPARSE_CUDA_DEBUG bit 134217728), else two. Its key-tile loop keeps one P buffer
     and waits for P V before keeping P: there event 7 holds that wait too."""
-    kind, D = row.split("@")[0], int(row.split("@")[2]) if row.count("@") >= 2 else 128
+    kind, D = row_kind_dim(row)
     return 3 if kind == "full" and D == 64 and not bits & 134217728 else 2
 
 
 def summarize(row, trace, warpgroups=2):
-    D = int(row.split("@")[2]) if row.count("@") >= 2 else 128
+    D = row_kind_dim(row)[1]
     # the warpgroups' QK^T + PV (64 query rows each) at 4096 flop/clk/SM
     floor = warpgroups * 2 * 64 * 128 * D * 2 // 4096
     lines = [f"### {row}: tensor-core floor per tile ({warpgroups} consumer warpgroups; the first two "
