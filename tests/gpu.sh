@@ -429,12 +429,13 @@ fi
 # Executed instructions per opcode, our CUDA kernels against FLASH's (FA4 wheels installed,
 # PYTHONPATH set as in the two-call carry), rows: NCU_ROW=full@8192,sliding@8192 bash tests/gpu.sh ncuhist
 # (docs/perf-notes.md C24; the counts are per 128x128 forward tile and per 64-row backward
-# step of a CTA for B*L = 16K, H = 16).
+# step of a CTA for B*L = 16K, H = 16). NCUHIST_KERNELS="FlashAttentionBackwardSm90|bwd_kernel":
+# the backward kernels only (the forward's histogram then reports no rows).
 if [[ " $parts " == *" ncuhist "* ]]; then
   for row in $(echo "${NCU_ROW:-full@8192}" | tr ',' ' '); do
     d="$OUT/ncuhist_${row//@/_}"; mkdir -p "$d"
     timeout "${T_NCU:-300}" ncu --clock-control none --profile-from-start off \
-      -k "regex:FlashAttentionForwardSm90|FlashAttentionBackwardSm90|fwd_kernel|bwd_kernel" \
+      -k "regex:${NCUHIST_KERNELS:-FlashAttentionForwardSm90|FlashAttentionBackwardSm90|fwd_kernel|bwd_kernel}" \
       --section SourceCounters -o "$d/src" -f python3 tests/gpu/ncu_row.py "$row" \
       --backend cuda --flash > "$d/ncuhist.log" 2>&1
     echo "ncuhist $row rc=$?"
