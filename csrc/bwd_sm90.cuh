@@ -190,16 +190,6 @@ struct BwdTraits {
   static_assert(!kRowSteps || decltype(size<1>(typename TiledMmaSdP::AtomShape_MNK{}))::value == kBlockM,
                 "80-row steps take 64x80 wgmma atoms: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED "
                 "before the first CuTe include (bwd_sm90_hd128_m80.cu)");
-  // dQ by one warpgroup per step over the whole head dim, the warpgroups taking turns
-  // (warpgroup step % 2; FLEXSPARSE_CUDA_DEBUG bit 2^54, bf16, an A/B). Both operands come
-  // from shared memory, and the hd128 backward is bound by shared-memory reads, most of
-  // them wgmma operands (docs/perf-notes.md C104): a 64 x 128 dQ wgmma reads dS once for
-  // the whole head dim, where two 64 x 64 ones read it once each (per 64-row step, 1,920
-  // instead of 2,048 wavefronts at hd128). Its accumulator takes 64 registers, not 32.
-  using TiledMmadQOneWg = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, _1, _1>>{}));
   // The dQ accumulator's shape: (queries, head dim), or (head dim, queries) transposed.
   using DqShape = conditional_t<kDqSwapAB, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
 
@@ -519,9 +509,7 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // kCuteDsStore: the dS^T stores and the lse/delta columns through CuTe's partitions even
 // where T::kDsStoreByHand (the code before C86; FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
 // kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
-// kDqOneWg: each step's dQ by one warpgroup (T::TiledMmadQOneWg; bit 2^54), where
-// T::kDsStoreByHand.
-template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDqOneWg = false>
+template <class T, bool kCuteDsStore = false, bool kDqPairs = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -775,18 +763,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     auto tdQrK = [&] {
       if constexpr (T::kDqSwapAB) return wg_dq.partition_fragment_A(sKt);
       else return wg_dq.partition_fragment_B(sKt);
-    }();
-    // kDqOneWg: dS and K^T over the whole head dim (one warpgroup's product, so any
-    // thread's descriptors are the warpgroup's).
-    static_assert(!kDqOneWg || (T::kDsStoreByHand && !kDqPairs), "one-warpgroup dQ: the 64-row kernels");
-    typename T::TiledMmadQOneWg mma_dq1;
-    auto tdQ1rdS = [&] {
-      if constexpr (kDqOneWg) return mma_dq1.get_thread_slice(0).partition_fragment_A(sdS);
-      else return 0;
-    }();
-    auto tdQ1rK = [&] {
-      if constexpr (kDqOneWg) return mma_dq1.get_thread_slice(0).partition_fragment_B(sKt);
-      else return 0;
     }();
     // Split queries: P^T and dS^T as the A operands of dV and dK, from shared memory.
     auto tdVrPt = [&] {
@@ -1107,12 +1083,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // ptxas keeps the dQ product's descriptors in uniform registers.
         const int buf = __shfl_sync(0xffffffff, step, 0) & 1;
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
-        // kDqOneWg: this step's dQ is this warpgroup's (warp-uniform: buf and wg are)
-        const bool dq_here = !kDqOneWg || buf == wg;
-        auto tdQ1rdQ = [&] {
-          if constexpr (kDqOneWg) return partition_fragment_C(mma_dq1, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-          else return 0;
-        }();
         if constexpr (T::kSplitQueries) {
           // Both warpgroups' halves of P^T and dS^T to shared memory, then dV, dQ and dK
           // over all of the step's queries. (The buffer written here was last read by the
@@ -1177,34 +1147,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           if constexpr (T::kDqSwapAB)
             gemm<true, 1>(mma_dq, a_operand(tdQrK, wg_dq, ss.k.data(), typename T::SmemLayoutKt{}),
                           tdQrdS(_, _, _, buf), tdQrdQ);
-          else if constexpr (kDqOneWg) {
-            if (dq_here) gemm<true, 1>(mma_dq1, tdQ1rdS(_, _, _, buf), tdQ1rK, tdQ1rdQ);   // dV done
-          } else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+          else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
           BWD_TRACE(8);
           pipe_do.consumer_release(read);
           gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
           BWD_TRACE(9);
         }
-        if constexpr (kDqOneWg) {
-          // Both halves of sdQ, in the order the two-warpgroup product's threads hold them:
-          // the 64 x kHeadDim accumulator's first half of entries is the head dim's first
-          // half (columns 8 j + ..., j < kHeadDim / 16), as warpgroup 0's thread of the same
-          // index holds it there, the second half warpgroup 1's.
-          if (dq_here) {
-            warpgroup_fence_operand(tdQ1rdQ);
-            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty);
-            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + 1);
-            constexpr int kHalf = decltype(size(tdQ1rdQ))::value / 2;
-            static_assert(kHalf % 4 == 0 && kHalf == decltype(size(tdQrdQ))::value, "dQ halves in runs of four");
-            CUTLASS_PRAGMA_UNROLL
-            for (int x = 0; x < 2 * kHalf; x += 4)
-              *reinterpret_cast<float4*>(ss.dq + (x / kHalf) * (kBlockM * kHeadDim / 2) + dq_slot<false>(x % kHalf, tid)) =
-                  make_float4(tdQ1rdQ(x), tdQ1rdQ(x + 1), tdQ1rdQ(x + 2), tdQ1rdQ(x + 3));
-            cutlass::arch::fence_view_async_shared();
-            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull);
-            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + 1);
-          }
-        } else {
         warpgroup_fence_operand(tdQrdQ);
         // dQ to shared memory for the dQ writer warp, once it has freed this half.
         cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
@@ -1221,7 +1169,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         }
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
-        }
         BWD_TRACE(10);
         warpgroup_wait<0>();                    // dK done
         warpgroup_fence_operand(tdVrdV);
@@ -1506,10 +1453,6 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
   if constexpr (T::kDsStoreByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
-    // bit 2^54: dQ by one warpgroup per step (bf16 only, while it is an A/B)
-    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      if (p.debug_high & (1 << 23)) kernel = bwd_kernel<T, false, false, true>;
-    }
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;
