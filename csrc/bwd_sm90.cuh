@@ -141,6 +141,10 @@ struct BwdTraits {
   // 64-row steps over 128 keys with dS^T stored queries contiguous (no bias tiles): the
   // layout whose stmatrix addresses ds_store_offset gives (below).
   static constexpr bool kDsStoreByHand = kBlockM == 64 && !kSplitQueries && !kBiasTiles;
+  // 80-row steps: dS^T stored keys contiguous (stmatrix.trans) at addresses computed by hand
+  // as well (ds_store_offset_keys_contiguous; docs/perf-notes.md C105). The bias-tile
+  // kernels, the same layout at 64 rows, keep CuTe's stores until a GPU test has run on it.
+  static constexpr bool kDsStoreTransByHand = kBlockM == 80;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
@@ -415,6 +419,27 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// The same for dS^T stored transposed, keys contiguous (kDsStoreTransByHand): (kBlockM
+// queries, 128 keys) in 8 x 64 atoms of 128-byte rows, 128-byte swizzle, the atoms of keys
+// 64-127 kBlockM * 128 bytes on. Lane l of warp w (of its warpgroup g) gives the row of
+// stmatrix.trans matrix l / 8: query (l % 8) + 8 (l / 16), keys 64 g + 16 w + 8 ((l / 8) % 2)
+// + 0..7, i.e. 16-byte chunk 2 w + (l / 8) % 2 of the row, XORed with query % 8. The k-th
+// store (queries + 16 k) is 2048 bytes on (16 rows: past the swizzle's bits), the second
+// buffer kBlockM * 256. Checked against CuTe's partition for every thread
+// (tests/cpu_ops/ds_store_layout.cu).
+template <int kBlockM>
+__host__ __device__ __forceinline__ uint32_t ds_store_offset_keys_contiguous(uint32_t t) {
+  const uint32_t lane = t & 31, warp = (t >> 5) & 3;
+  const uint32_t query = (lane & 7) + 8 * (lane >> 4);
+  const uint32_t chunk = (2 * warp + ((lane >> 3) & 1)) ^ (query & 7);
+  return (t >> 7) * (kBlockM * 128) + 128 * query + 16 * chunk;
+}
+
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // Spin until *flag == value (bounded: a descriptor whose q and kv lists disagree would
 // otherwise hang the kernel; past the bound the order is simply not enforced).
 __device__ __forceinline__ void wait_turn(const int* flag, int value) {
@@ -507,7 +532,8 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 }
 
 // kCuteDsStore: the dS^T stores and the lse/delta columns through CuTe's partitions even
-// where T::kDsStoreByHand (the code before C86; FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
+// where T::kDsStoreByHand or T::kDsStoreTransByHand (the code before C86 and C105;
+// FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
 // kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
 template <class T, bool kCuteDsStore = false, bool kDqPairs = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -1111,6 +1137,17 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
               Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
               stmatrix_x4(at ^ (32 * k), r(0), r(1), r(2), r(3));
             }
+          } else if constexpr (T::kDsStoreTransByHand && !kCuteDsStore) {
+            // (the stores at CuTe's addresses took ~30 instructions of 64-bit swizzle
+            // arithmetic per step on the path to the dS barrier, C105)
+            const uint32_t at = cute::cast_smem_ptr_to_uint(ss.ds.data()) + buf * (kBlockM * kBlockN * sizeof(Element)) +
+                                ds_store_offset_keys_contiguous<kBlockM>(thread_index_here() - 128);
+            Tensor src = thr_copy_ds.retile_S(tdKrdS_);   // ((8, kBlockM / 16), 1, 1)
+            CUTLASS_PRAGMA_UNROLL
+            for (int k = 0; k < kBlockM / 16; ++k) {
+              Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
+              stmatrix_x4_trans(at + 2048 * k, r(0), r(1), r(2), r(3));
+            }
           } else {
             copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
           }
@@ -1451,7 +1488,7 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   // 8-byte pieces (before C87). A/Bs.
   const bool dq_pairs = p.debug_high & 1024;
   auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
-  if constexpr (T::kDsStoreByHand) {
+  if constexpr (T::kDsStoreByHand || T::kDsStoreTransByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");

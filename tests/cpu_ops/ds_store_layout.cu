@@ -6,6 +6,10 @@
 // Built and run by .ci/run (nvcc, no GPU: the layouts are evaluated on the host):
 //   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -I csrc -I <cutlass include> \
 //        tests/cpu_ops/ds_store_layout.cu -o /tmp/ds_store_layout && /tmp/ds_store_layout
+// The 80-row kernel's transposed stores (ds_store_offset_keys_contiguous, C105) too: its
+// 64 x 80 wgmma atoms need CuTe's extended shapes, as in bwd_sm90_hd128_m80.cu (the other
+// traits' atoms have power-of-two N, which the flag does not change).
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cstdio>
 
 #include "bwd_sm90.cuh"
@@ -48,6 +52,41 @@ int check(const char* name) {
   return bad;
 }
 
+// kDsStoreTransByHand: stmatrix.trans of the keys-contiguous layout, kBlockM / 16 stores
+// per thread, each a row of 8 contiguous values at ds_store_offset_keys_contiguous + 2048 k.
+template <class T>
+int check_trans(const char* name) {
+  static_assert(T::kDsStoreTransByHand && T::kDsKeysContiguous, "a kernel that takes the transposed stores");
+  using Element = typename T::Element;
+  constexpr int kStores = T::kBlockM / 16;
+  typename T::TiledMmaSdP mma_sdp;
+  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+  static Element storage[cosize_v<typename T::SmemLayoutdS> + 1024];
+  Element* base = reinterpret_cast<Element*>((reinterpret_cast<uintptr_t>(storage) + 1023) & ~uintptr_t(1023));
+  Tensor sdSt = make_tensor(make_smem_ptr(base), typename T::SmemLayoutdSt{});
+  const long buf_bytes = long(T::kBlockM) * T::kBlockN * sizeof(Element);
+  int checked = 0, bad = 0;
+  for (int t = 0; t < T::kMmaThreads; ++t) {
+    Tensor d = smem_copy_ds.get_thread_slice(t).partition_D(sdSt);
+    static_assert(decltype(size<0>(d))::value == 8 * kStores && decltype(size<1>(d))::value == 1 &&
+                  decltype(size<2>(d))::value == 1, "kBlockM / 16 stores of 8 values per thread");
+    for (int b = 0; b < 2; ++b)
+      for (int k = 0; k < kStores; ++k)
+        for (int e = 0; e < 8; ++e) {
+          const long cute_at = reinterpret_cast<char*>(raw_pointer_cast(&d(make_coord(e, k), 0, 0, b))) -
+                               reinterpret_cast<char*>(base);
+          const long ours = long(flexsparse::sm90::ds_store_offset_keys_contiguous<T::kBlockM>(t)) + 2048 * k +
+                            b * buf_bytes + 2 * e;
+          ++checked;
+          if (cute_at != ours && bad++ < 5)
+            printf("%s: thread %d buffer %d store %d value %d: CuTe %ld, ds_store_offset_keys_contiguous %ld\n",
+                   name, t, b, k, e, cute_at, ours);
+        }
+  }
+  printf("%s: %d checks, %d mismatches\n", name, checked, bad);
+  return bad;
+}
+
 int main() {
   using flexsparse::sm90::BwdTraits;
   using flexsparse::sm90::Fp16Element;
@@ -56,6 +95,10 @@ int main() {
   bad += check<BwdTraits<Fp16Element, 128, 2>>("hd128 fp16");
   bad += check<BwdTraits<cutlass::bfloat16_t, 64, 2>>("hd64 bf16, 64-row steps");
   bad += check<BwdTraits<Fp16Element, 64, 2, 64, true>>("hd64 fp16 plain, 64-row steps");
+  bad += check_trans<BwdTraits<cutlass::bfloat16_t, 128, 2, 80, true>>("hd128 bf16, 80-row steps");
+  bad += check_trans<BwdTraits<Fp16Element, 128, 2, 80, true>>("hd128 fp16, 80-row steps");
+  static_assert(!BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, true>::kDsStoreTransByHand,
+                "the bias-tile kernels keep CuTe's transposed stores");
   static_assert(!BwdTraits<cutlass::bfloat16_t, 64, 2, 128, true>::kDsStoreByHand &&
                 !BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, true>::kDsStoreByHand &&
                 !BwdTraits<cutlass::bfloat16_t, 256, 1>::kDsStoreByHand,

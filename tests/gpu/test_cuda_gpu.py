@@ -779,6 +779,51 @@ def test_backward_80_row_steps_dq_pieces(monkeypatch):
         assert err < 2e-2, (name, err.item())
 
 
+@pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
+def test_backward_80_row_steps_store_variants(monkeypatch):
+    """The 80-row backward's dS^T stores at hand-computed addresses (C105:
+    ds_store_offset_keys_contiguous, stmatrix.trans at one 32-bit base plus 2 KB per store)
+    against CuTe's (bit 2^40): the kernel names say which ran; dk and dv equal bit for bit
+    (they do not read the stored dS), dq (which does, through dQ^T = K^T dS^T) to the
+    rounding of its unordered reductions, and all three match float64, with GQA and a
+    length no step divides."""
+    torch.manual_seed(105)
+    B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    desc = M.full().compile(B, Hq, Hkv, L, L, device=T.DEV)
+
+    def grads(inputs, backend="cuda"):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = flexsparse.attention(*leaves, desc, backend=backend)
+        return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+    from torch.profiler import ProfilerActivity, profile
+    results = {}
+    for bits in (268435456, 268435456 | CUTE_DS_STORE):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+        torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            results[bits] = grads((q, k, v))
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "bwd_kernel<" in e.name]
+        cute = "true" if bits & CUTE_DS_STORE else "false"
+        assert names and all(re.search(r"BwdTraits<[^,]+, 128, 2, 80, true, false>, " + cute + ", false>", n)
+                             for n in names), names
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    ref = grads((q.double(), k.double(), v.double()), backend="reference")
+    by_hand, cute = results[268435456], results[268435456 | CUTE_DS_STORE]
+    for name, a, b, r in zip(("dq", "dk", "dv"), by_hand, cute, ref):
+        assert torch.isfinite(a).all(), name
+        if name == "dq":
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        else:
+            assert torch.equal(a, b), name
+        err = (a.double() - r).norm() / r.norm()
+        assert err < 2e-2, (name, err.item())
+
+
 TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
 ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64's default)
 
