@@ -535,7 +535,10 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // where T::kDsStoreByHand or T::kDsStoreTransByHand (the code before C86 and C105;
 // FLEXSPARSE_CUDA_DEBUG bit 2^40, A/Bs).
 // kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
-template <class T, bool kCuteDsStore = false, bool kDqPairs = false>
+// kDsFirst: dS^T stored before the dV product is issued, not after (FlashAttention-3/4's
+// order), so that the stores complete while dV issues instead of under the fence before
+// the dS barrier (docs/perf-notes.md C106; bit 2^46, bf16, an A/B).
+template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1124,7 +1127,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           gemm<false, 1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
         } else {
           Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
-          gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
+          if constexpr (!kDsFirst) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
           Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
           if constexpr (kByHand) {
             // CuTe's copy computed the four swizzled addresses on a 64-bit pointer every
@@ -1151,6 +1154,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           } else {
             copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
           }
+          if constexpr (kDsFirst) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
           cutlass::arch::fence_view_async_shared();
           BWD_TRACE(6);
           // kBiasTiles: the last step's dbias store has read its dS buffer before anyone
@@ -1490,6 +1494,10 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
   if constexpr (T::kDsStoreByHand || T::kDsStoreTransByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
+    // bit 2^46: dS^T stored before the dV product is issued (C106; bf16 only, an A/B)
+    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+      if (p.debug_high & (1 << 15)) kernel = bwd_kernel<T, false, false, true>;
+    }
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

@@ -779,14 +779,60 @@ def test_backward_80_row_steps_dq_pieces(monkeypatch):
         assert err < 2e-2, (name, err.item())
 
 
+DS_FIRST = 1 << 46    # FLEXSPARSE_CUDA_DEBUG: dS^T stored before the dV product is issued (C106)
+
+
+def _bwd_kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if "bwd_kernel<" in e.name]
+
+
+@pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
+@pytest.mark.parametrize("case", ["causal_hd128_gqa", "full_hd128", "document_hd128", "causal_hd64_softcap"])
+def test_backward_ds_first_bitwise(case, monkeypatch):
+    """Bit 2^46 (C106, bf16, the kernels with hand-computed dS^T stores): dS^T stored
+    before the dV product is issued instead of after. Only the order of independent work
+    changes, so with deterministic=True every gradient equals the default kernel's bit for
+    bit; the kernel names say the variant ran; and against float64 (check())."""
+    kind, hd = case.split("_hd")
+    D = int(hd.split("_")[0])
+    torch.manual_seed(D + len(case))
+    B, Hq, Hkv, L = 2, 4, 2 if case.endswith("gqa") else 4, 1000
+    mask = T.mask_kinds(B, Hkv, L)[kind] or M.full()
+    softcap = 20.0 if case.endswith("softcap") else None
+    desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
+    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flexsparse.attention(*leaves, desc, softcap=softcap, backend="cuda", deterministic=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    base = grads()
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(DS_FIRST))
+    torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
+    first, names = _bwd_kernel_names(grads)
+    assert names and all(re.search(r">, false, false, true>", n) for n in names), names
+    for name, a, b in zip(("dq", "dk", "dv"), base, first):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+    check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, desc=desc, deterministic=True, softcap=softcap)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+
+
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
 def test_backward_80_row_steps_store_variants(monkeypatch):
     """The 80-row backward's dS^T stores at hand-computed addresses (C105:
     ds_store_offset_keys_contiguous, stmatrix.trans at one 32-bit base plus 2 KB per store)
-    against CuTe's (bit 2^40): the kernel names say which ran; dk and dv equal bit for bit
-    (they do not read the stored dS), dq (which does, through dQ^T = K^T dS^T) to the
-    rounding of its unordered reductions, and all three match float64, with GQA and a
-    length no step divides."""
+    against CuTe's (bit 2^40), and stored before the dV product is issued (bit 2^46, C106):
+    the kernel names say which ran; dk and dv equal bit for bit (they do not read the
+    stored dS), dq (which does, through dQ^T = K^T dS^T) to the rounding of its unordered
+    reductions, and all three match float64, with GQA and a length no step divides."""
     torch.manual_seed(105)
     B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
@@ -799,29 +845,27 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
         out = flexsparse.attention(*leaves, desc, backend=backend)
         return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
-    from torch.profiler import ProfilerActivity, profile
     results = {}
-    for bits in (268435456, 268435456 | CUTE_DS_STORE):
+    for bits in (268435456, 268435456 | CUTE_DS_STORE, 268435456 | DS_FIRST):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            results[bits] = grads((q, k, v))
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if "bwd_kernel<" in e.name]
-        cute = "true" if bits & CUTE_DS_STORE else "false"
-        assert names and all(re.search(r"BwdTraits<[^,]+, 128, 2, 80, true, false>, " + cute + ", false>", n)
+        results[bits], names = _bwd_kernel_names(lambda: grads((q, k, v)))
+        args = {268435456: "false, false, false", 268435456 | CUTE_DS_STORE: "true, false, false",
+                268435456 | DS_FIRST: "false, false, true"}[bits]
+        assert names and all(re.search(r"BwdTraits<[^,]+, 128, 2, 80, true, false>, " + args + ">", n)
                              for n in names), names
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
     ref = grads((q.double(), k.double(), v.double()), backend="reference")
-    by_hand, cute = results[268435456], results[268435456 | CUTE_DS_STORE]
-    for name, a, b, r in zip(("dq", "dk", "dv"), by_hand, cute, ref):
-        assert torch.isfinite(a).all(), name
-        if name == "dq":
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-        else:
-            assert torch.equal(a, b), name
-        err = (a.double() - r).norm() / r.norm()
-        assert err < 2e-2, (name, err.item())
+    by_hand = results[268435456]
+    for other in (268435456 | CUTE_DS_STORE, 268435456 | DS_FIRST):
+        for name, a, b, r in zip(("dq", "dk", "dv"), by_hand, results[other], ref):
+            assert torch.isfinite(b).all(), (other, name)
+            if name == "dq":
+                torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+            else:
+                assert torch.equal(a, b), (other, name)
+            err = (b.double() - r).norm() / r.norm()
+            assert err < 2e-2, (other, name, err.item())
 
 
 TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
