@@ -52,16 +52,16 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // preprocess with 2-byte loads (before C81) and 2^39 its transposed lists on the
 // caller's stream only (before C83) (index_bwd.cu); to the block kernels' `debug_high`:
 // 2^40 the backward's dS^T stores through CuTe's partition (before C86 and C105), 2^41 its
-// dQ staged in 8-byte pieces (before C87) and 2^46 its dS^T stored before the dV product is
-// issued (C106, bf16, opt-in) (bwd_sm90.cuh); probes of the forward (wrong results,
-// timing only): 2^42 queries loaded for a CTA's first work tiles only, 2^43 no O store;
-// 2^44 the forward's two query buffers at hd128 (kQBuffers, opt-in) and 2^48 its one query
-// buffer at hd64 (before C92) (fwd_sm90.cuh). (Removed, docs/perf-notes.md: 2^46 was
-// C89's 4-byte stores, then C101's turn ring run on across work tiles (now C106's); 2^47 C91's crossed
-// work tiles; 2^49-2^51 C95's softmax probes, then 2^49 C96's early list walk probe, now
-// every forward kernel's walk; 2^52 C99's L2 prefetch of the next query tile and 2^53
-// C100's backward without the dS barrier, both timed no better; 2^54 C104's one-warpgroup
-// dQ, slower.)
+// dQ staged in 8-byte pieces (before C87), 2^46 its dS^T stored before the dV product is
+// issued (C106) and 2^47 its exponentials interleaved with dS (C107), both bf16 and opt-in
+// (bwd_sm90.cuh); probes of the forward (wrong results, timing only): 2^42 queries loaded
+// for a CTA's first work tiles only, 2^43 no O store; 2^44 the forward's two query buffers
+// at hd128 (kQBuffers, opt-in) and 2^48 its one query buffer at hd64 (before C92)
+// (fwd_sm90.cuh). (Earlier uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores,
+// then C101's turn ring run on across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51
+// C95's softmax probes, then 2^49 C96's early list walk probe, now every forward kernel's
+// walk; 2^52 C99's L2 prefetch of the next query tile and 2^53 C100's backward without the
+// dS barrier, both timed no better; 2^54 C104's one-warpgroup dQ, slower.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
 int64_t debug_bits() {

@@ -538,7 +538,10 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // kDsFirst: dS^T stored before the dV product is issued, not after (FlashAttention-3/4's
 // order), so that the stores complete while dV issues instead of under the fence before
 // the dS barrier (docs/perf-notes.md C106; bit 2^46, bf16, an A/B).
-template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = false>
+// kDsInterleaved: the dP^T wait after a quarter of the exponentials, the rest of them
+// interleaved with dS (FlashAttention-4's SASS order; C107; bit 2^47, bf16, an A/B).
+template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = false,
+          bool kDsInterleaved = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1039,8 +1042,27 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                         typename T::SmemLayoutBiasT{});
             copy(s2r_bias, thr.partition_S(sBiasT), thr.retile_D(tBrB));
           }
+          // kDsInterleaved: only the first kEarly columns' exponentials before the dP^T
+          // wait, then each column pair's dS^T right after the exponentials of a later pair.
+          constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
+          auto exp_pair = [&](int c) {
+            const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
+              S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
+            }
+          };
+          auto ds_pair = [&](int c) {
+            const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              dP(r, c) = S(r, c) * (dP(r, c) - d.x);
+              dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
+            }
+          };
           CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; c += 2) {
+          for (int c = 0; c < kEarly; c += 2) {
             const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
@@ -1062,14 +1084,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           warpgroup_wait<0>();                  // dP^T done
           warpgroup_fence_operand(tdPrdP);
           BWD_TRACE(5);
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; c += 2) {
-            const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+          if constexpr (kEarly < kCols) {
             CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              dP(r, c) = S(r, c) * (dP(r, c) - d.x);
-              dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
+            for (int c = 0; c < kCols; c += 2) {
+              if (c + kEarly < kCols) exp_pair(c + kEarly);
+              ds_pair(c);
             }
+          } else {
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kCols; c += 2) ds_pair(c);
           }
         } else if constexpr (!T::kBiasTiles) {
           // bias, softcap or dbias: P^T and dS^T in one pass once dP^T is done
@@ -1494,9 +1517,13 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
   if constexpr (T::kDsStoreByHand || T::kDsStoreTransByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
-    // bit 2^46: dS^T stored before the dV product is issued (C106; bf16 only, an A/B)
+    // bit 2^46: dS^T stored before the dV product is issued (C106); 2^47: the exponentials
+    // and dS interleaved (C107); bf16 only, A/Bs
     if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      if (p.debug_high & (1 << 15)) kernel = bwd_kernel<T, false, false, true>;
+      const bool ds_first = p.debug_high & (1 << 15), interleaved = p.debug_high & (1 << 16);
+      if (ds_first && interleaved) kernel = bwd_kernel<T, false, false, true, true>;
+      else if (ds_first) kernel = bwd_kernel<T, false, false, true>;
+      else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
     }
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");

@@ -780,6 +780,7 @@ def test_backward_80_row_steps_dq_pieces(monkeypatch):
 
 
 DS_FIRST = 1 << 46    # FLEXSPARSE_CUDA_DEBUG: dS^T stored before the dV product is issued (C106)
+DS_INTERLEAVED = 1 << 47   # and the exponentials interleaved with dS after the dP^T wait (C107)
 
 
 def _bwd_kernel_names(fn):
@@ -791,12 +792,16 @@ def _bwd_kernel_names(fn):
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
+@pytest.mark.parametrize("bits", [DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED],
+                         ids=["ds_first", "interleaved", "both"])
 @pytest.mark.parametrize("case", ["causal_hd128_gqa", "full_hd128", "document_hd128", "causal_hd64_softcap"])
-def test_backward_ds_first_bitwise(case, monkeypatch):
-    """Bit 2^46 (C106, bf16, the kernels with hand-computed dS^T stores): dS^T stored
-    before the dV product is issued instead of after. Only the order of independent work
-    changes, so with deterministic=True every gradient equals the default kernel's bit for
-    bit; the kernel names say the variant ran; and against float64 (check())."""
+def test_backward_ds_first_bitwise(case, bits, monkeypatch):
+    """Bits 2^46 (C106) and 2^47 (C107), bf16, the kernels with hand-computed dS^T stores:
+    dS^T stored before the dV product is issued instead of after; the dP^T wait after a
+    quarter of the exponentials and the rest of them interleaved with dS. Only the order
+    of independent work changes (each value is computed by the same operations), so with
+    deterministic=True every gradient equals the default kernel's bit for bit; the kernel
+    names say the variant ran; and against float64 (check())."""
     kind, hd = case.split("_hd")
     D = int(hd.split("_")[0])
     torch.manual_seed(D + len(case))
@@ -814,10 +819,12 @@ def test_backward_ds_first_bitwise(case, monkeypatch):
         return torch.autograd.grad(out, leaves, dout)
 
     base = grads()
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(DS_FIRST))
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
     torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
     first, names = _bwd_kernel_names(grads)
-    assert names and all(re.search(r">, false, false, true>", n) for n in names), names
+    args = ">, false, false, {}, {}>".format("true" if bits & DS_FIRST else "false",
+                                             "true" if bits & DS_INTERLEAVED else "false")
+    assert names and all(args in n for n in names), (args, names)
     for name, a, b in zip(("dq", "dk", "dv"), base, first):
         assert torch.isfinite(b).all(), name
         assert torch.equal(a, b), name
@@ -850,8 +857,8 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], names = _bwd_kernel_names(lambda: grads((q, k, v)))
-        args = {268435456: "false, false, false", 268435456 | CUTE_DS_STORE: "true, false, false",
-                268435456 | DS_FIRST: "false, false, true"}[bits]
+        args = {268435456: "false, false, false, false", 268435456 | CUTE_DS_STORE: "true, false, false, false",
+                268435456 | DS_FIRST: "false, false, true, false"}[bits]
         assert names and all(re.search(r"BwdTraits<[^,]+, 128, 2, 80, true, false>, " + args + ">", n)
                              for n in names), names
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
