@@ -1517,14 +1517,15 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   auto kernel = dq_pairs ? bwd_kernel<T, false, true> : bwd_kernel<T>;
   if constexpr (T::kDsStoreByHand || T::kDsStoreTransByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
-    // bit 2^46: dS^T stored before the dV product is issued (C106); 2^47: the exponentials
-    // and dS interleaved (C107); bf16 only, A/Bs
-    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      const bool ds_first = p.debug_high & (1 << 15), interleaved = p.debug_high & (1 << 16);
-      if (ds_first && interleaved) kernel = bwd_kernel<T, false, false, true, true>;
-      else if (ds_first) kernel = bwd_kernel<T, false, false, true>;
-      else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
-    }
+  }
+  // bit 2^46: dS^T stored before the dV product is issued (C106); 2^47: the exponentials and
+  // dS interleaved (C107); bf16 only, A/Bs, in every kernel whose warpgroups keep P^T and
+  // dS^T in registers (not head dim 256's) and that has no bias tiles
+  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t> && !T::kSplitQueries && !T::kBiasTiles) {
+    const bool ds_first = p.debug_high & (1 << 15), interleaved = p.debug_high & (1 << 16);
+    if (ds_first && interleaved) kernel = bwd_kernel<T, false, false, true, true>;
+    else if (ds_first) kernel = bwd_kernel<T, false, false, true>;
+    else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

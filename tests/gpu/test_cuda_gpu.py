@@ -794,9 +794,11 @@ def _bwd_kernel_names(fn):
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
 @pytest.mark.parametrize("bits", [DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED],
                          ids=["ds_first", "interleaved", "both"])
-@pytest.mark.parametrize("case", ["causal_hd128_gqa", "full_hd128", "document_hd128", "causal_hd64_softcap"])
+@pytest.mark.parametrize("case", ["causal_hd128_gqa", "full_hd128", "document_hd128", "causal_hd64_softcap",
+                                  "full_hd64"])
 def test_backward_ds_first_bitwise(case, bits, monkeypatch):
-    """Bits 2^46 (C106) and 2^47 (C107), bf16, the kernels with hand-computed dS^T stores:
+    """Bits 2^46 (C106) and 2^47 (C107), bf16, every kernel that keeps P^T and dS^T in
+    registers and has no bias tiles (here hd128's, hd64's 64-row and its 128-row plain one):
     dS^T stored before the dV product is issued instead of after; the dP^T wait after a
     quarter of the exponentials and the rest of them interleaved with dS. Only the order
     of independent work changes (each value is computed by the same operations), so with
