@@ -1045,24 +1045,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // kDsInterleaved: only the first kEarly columns' exponentials before the dP^T
           // wait, then each column pair's dS^T right after the exponentials of a later pair.
           constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
+          // P^T of columns c, c + 1 (adjacent queries: their lse2 read as a pair)
           auto exp_pair = [&](int c) {
-            const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
-              S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
-            }
-          };
-          auto ds_pair = [&](int c) {
-            const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              dP(r, c) = S(r, c) * (dP(r, c) - d.x);
-              dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
-            }
-          };
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kEarly; c += 2) {
             const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
@@ -1079,7 +1063,17 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                 S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
               }
             }
-          }
+          };
+          auto ds_pair = [&](int c) {
+            const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) {
+              dP(r, c) = S(r, c) * (dP(r, c) - d.x);
+              dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
+            }
+          };
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < kEarly; c += 2) exp_pair(c);
           BWD_TRACE(4);
           warpgroup_wait<0>();                  // dP^T done
           warpgroup_fence_operand(tdPrdP);

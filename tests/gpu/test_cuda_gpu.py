@@ -508,14 +508,19 @@ def test_full_mask_takes_three_warpgroups_at_default_blocks(Lq, Lk, monkeypatch)
     assert _consumer_warpgroups(lambda: call(causal)) == {2}
 
 
+def _bwd_kernel_names(fn):
+    """fn()'s result and the names of the CUDA backward kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if "bwd_kernel<" in e.name]
+
+
 def _bwd_step_rows(fn):
     """The query-step sizes of the CUDA backward kernels that fn() launches, read from
     their names (BwdTraits' fourth template argument)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "bwd_kernel<" in e.name]
+    _, names = _bwd_kernel_names(fn)
     return {int(re.search(r"BwdTraits<[^,]+, \d+, \d+, (\d+)", n).group(1)) for n in names}
 
 
@@ -698,8 +703,11 @@ def test_backward_without_kernels_says_so():
 
 # FLEXSPARSE_CUDA_DEBUG bits of the backward's older stores (csrc/bwd_sm90.cuh): 2^40 the
 # dS^T stores through CuTe's partition (before C86), 2^41 dQ staged in 8-byte pieces
-# (before C87).
+# (before C87); 2^46 dS^T stored before the dV product is issued (C106), 2^47 the
+# exponentials interleaved with dS after an early dP^T wait (C107).
 CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
+DS_FIRST, DS_INTERLEAVED = 1 << 46, 1 << 47
+
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
@@ -709,11 +717,14 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     """The backward's dS^T stores at hand-computed addresses (C86: hd128 and hd64 at 64-row
     steps) and its dQ staged in 16-byte pieces (C87: every kernel, with the postprocess
     reading that order) move the same values to the same places as the stores before them
-    (bits 2^40 and 2^41): with deterministic=True every gradient equals bit for bit under
-    each combination of the bits. Cases: the general hd128 kernel (GQA, a length no tile
-    divides), the bias-tiles kernel (dbias too), hd64's 64-row general kernel (a softcap
-    makes the call not plain) and its 128-row plain one, hd256; and against float64
-    (check())."""
+    (bits 2^40 and 2^41); the bf16 variants that only reorder independent work (bits 2^46,
+    C106: dS^T stored before the dV product is issued; 2^47, C107: the exponentials
+    interleaved with dS; in the kernels with P^T and dS^T in registers and no bias tiles,
+    whose names then say the variant ran) compute each value by the same operations:
+    with deterministic=True every gradient equals bit for bit under each bit and
+    combination. Cases: the general hd128 kernel (GQA, a length no tile divides), the
+    bias-tiles kernel (dbias too), hd64's 64-row general kernel (a softcap makes the call
+    not plain) and its 128-row plain one, hd256; and against float64 (check())."""
     kind, hd = case.split("_")[:2]
     D = int(hd[2:])
     torch.manual_seed(D + len(case))
@@ -732,11 +743,17 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
         out = flexsparse.attention(*leaves, desc, bias=b, softcap=softcap, backend="cuda", deterministic=True)
         return torch.autograd.grad(out, leaves + ([b] if b is not None else []), dout)
 
+    takes_order_bits = bias is None and D != 256
     results = {}
-    for bits in (0, CUTE_DS_STORE, DQ_PAIRS, CUTE_DS_STORE | DQ_PAIRS):
+    for bits in (0, CUTE_DS_STORE, DQ_PAIRS, CUTE_DS_STORE | DQ_PAIRS,
+                 DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
-        results[bits] = grads()
+        results[bits], kernels = _bwd_kernel_names(grads)
+        if bits & (DS_FIRST | DS_INTERLEAVED) and takes_order_bits:
+            args = ">, false, false, {}, {}>".format("true" if bits & DS_FIRST else "false",
+                                                     "true" if bits & DS_INTERLEAVED else "false")
+            assert kernels and all(args in n for n in kernels), (args, kernels)
     names = ("dq", "dk", "dv", "dbias")
     for bits, got in results.items():
         for name, a, b in zip(names, results[0], got):
@@ -777,61 +794,6 @@ def test_backward_80_row_steps_dq_pieces(monkeypatch):
             assert torch.equal(a, b), name
         err = (a.double() - r).norm() / r.norm()
         assert err < 2e-2, (name, err.item())
-
-
-DS_FIRST = 1 << 46    # FLEXSPARSE_CUDA_DEBUG: dS^T stored before the dV product is issued (C106)
-DS_INTERLEAVED = 1 << 47   # and the exponentials interleaved with dS after the dP^T wait (C107)
-
-
-def _bwd_kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fn()
-        torch.cuda.synchronize()
-    return out, [e.name for e in prof.events() if "bwd_kernel<" in e.name]
-
-
-@pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
-@pytest.mark.parametrize("bits", [DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED],
-                         ids=["ds_first", "interleaved", "both"])
-@pytest.mark.parametrize("case", ["causal_hd128_gqa", "full_hd128", "document_hd128", "causal_hd64_softcap",
-                                  "full_hd64"])
-def test_backward_ds_first_bitwise(case, bits, monkeypatch):
-    """Bits 2^46 (C106) and 2^47 (C107), bf16, every kernel that keeps P^T and dS^T in
-    registers and has no bias tiles (here hd128's, hd64's 64-row and its 128-row plain one):
-    dS^T stored before the dV product is issued instead of after; the dP^T wait after a
-    quarter of the exponentials and the rest of them interleaved with dS. Only the order
-    of independent work changes (each value is computed by the same operations), so with
-    deterministic=True every gradient equals the default kernel's bit for bit; the kernel
-    names say the variant ran; and against float64 (check())."""
-    kind, hd = case.split("_hd")
-    D = int(hd.split("_")[0])
-    torch.manual_seed(D + len(case))
-    B, Hq, Hkv, L = 2, 4, 2 if case.endswith("gqa") else 4, 1000
-    mask = T.mask_kinds(B, Hkv, L)[kind] or M.full()
-    softcap = 20.0 if case.endswith("softcap") else None
-    desc = mask.compile(B, Hq, Hkv, L, L, device=T.DEV)
-    q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
-    k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
-    dout = torch.randn_like(q)
-
-    def grads():
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = flexsparse.attention(*leaves, desc, softcap=softcap, backend="cuda", deterministic=True)
-        return torch.autograd.grad(out, leaves, dout)
-
-    base = grads()
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
-    torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
-    first, names = _bwd_kernel_names(grads)
-    args = ">, false, false, {}, {}>".format("true" if bits & DS_FIRST else "false",
-                                             "true" if bits & DS_INTERLEAVED else "false")
-    assert names and all(args in n for n in names), (args, names)
-    for name, a, b in zip(("dq", "dk", "dv"), base, first):
-        assert torch.isfinite(b).all(), name
-        assert torch.equal(a, b), name
-    check(B, Hq, Hkv, L, L, D, mask, torch.bfloat16, desc=desc, deterministic=True, softcap=softcap)
-    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
 
 
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
