@@ -474,7 +474,7 @@ fi
 if [[ " $parts " == *" csanitize "* ]] && [ "${CSAN_PYTEST:-1}" = 1 ]; then
   timeout "${T_CSAN:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_gpu.py \
-    -k "${CSAN_K:-odd_lengths or fully_masked or gqa or (mask_kinds and bf16) or head_dims or poisoned or bias or softcap or store_variants or dq_pieces}" \
+    -k "${CSAN_K:-odd_lengths or fully_masked or gqa or (mask_kinds and bf16) or head_dims or poisoned or bias or softcap or store_variants}" \
     > "$OUT/csan_memcheck.log" 2>&1
   rc=$?; echo "csrc memcheck rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|Invalid|passed|failed|FAILED" "$OUT/csan_memcheck.log" | tail -8

@@ -16,56 +16,20 @@
 
 using namespace cute;
 
-template <class T>
-int check(const char* name) {
-  static_assert(T::kDsStoreByHand, "a kernel that takes the hand-computed stores");
+// Every consumer thread's dS^T stores through Atom in T's layout, CuTe's partition against
+// ours(t, k): the byte offset of thread t's k-th store (8 contiguous values) in the first
+// buffer; the second buffer is kBlockM * kBlockN elements on. Counts into checked and bad.
+template <class T, class Atom, class Ours>
+void check_stores(const char* name, const char* ours_name, Ours ours, int& checked, int& bad) {
   using Element = typename T::Element;
+  constexpr int kStores = T::kBlockM / 16;
   typename T::TiledMmaSdP mma_sdp;
-  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<Atom, Element>{}, mma_sdp);
   // 1024-byte aligned, as the kernel's buffer (the swizzle acts on address bits)
   static Element storage[cosize_v<typename T::SmemLayoutdS> + 1024];
   Element* base = reinterpret_cast<Element*>((reinterpret_cast<uintptr_t>(storage) + 1023) & ~uintptr_t(1023));
   Tensor sdSt = make_tensor(make_smem_ptr(base), typename T::SmemLayoutdSt{});
   const long buf_bytes = long(T::kBlockM) * T::kBlockN * sizeof(Element);
-  int checked = 0, bad = 0;
-  for (int t = 0; t < T::kMmaThreads; ++t) {
-    Tensor d = smem_copy_ds.get_thread_slice(t).partition_D(sdSt);
-    static_assert(decltype(size<0>(d))::value == 32 && decltype(size<1>(d))::value == 1 &&
-                  decltype(size<2>(d))::value == 1, "four stores of 8 values per thread");
-    for (int b = 0; b < 2; ++b)
-      for (int k = 0; k < 4; ++k)
-        for (int e = 0; e < 8; ++e) {
-          const long cute_at = reinterpret_cast<char*>(raw_pointer_cast(&d(make_coord(e, k), 0, 0, b))) -
-                               reinterpret_cast<char*>(base);
-          const long ours = long(flexsparse::sm90::ds_store_offset(t) ^ (32u * k)) + b * buf_bytes + 2 * e;
-          ++checked;
-          if (cute_at != ours && bad++ < 5)
-            printf("%s: thread %d buffer %d store %d value %d: CuTe %ld, ds_store_offset %ld\n", name, t, b, k, e,
-                   cute_at, ours);
-        }
-    Tensor cS = make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
-    const int col = get<1>(mma_sdp.get_thread_slice(t).partition_C(cS)(0));
-    ++checked;
-    if (col != 2 * (t & 3) && bad++ < 5) printf("%s: thread %d first column %d\n", name, t, col);
-  }
-  printf("%s: %d checks, %d mismatches\n", name, checked, bad);
-  return bad;
-}
-
-// kDsStoreTransByHand: stmatrix.trans of the keys-contiguous layout, kBlockM / 16 stores
-// per thread, each a row of 8 contiguous values at ds_store_offset_keys_contiguous + 2048 k.
-template <class T>
-int check_trans(const char* name) {
-  static_assert(T::kDsStoreTransByHand && T::kDsKeysContiguous, "a kernel that takes the transposed stores");
-  using Element = typename T::Element;
-  constexpr int kStores = T::kBlockM / 16;
-  typename T::TiledMmaSdP mma_sdp;
-  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
-  static Element storage[cosize_v<typename T::SmemLayoutdS> + 1024];
-  Element* base = reinterpret_cast<Element*>((reinterpret_cast<uintptr_t>(storage) + 1023) & ~uintptr_t(1023));
-  Tensor sdSt = make_tensor(make_smem_ptr(base), typename T::SmemLayoutdSt{});
-  const long buf_bytes = long(T::kBlockM) * T::kBlockN * sizeof(Element);
-  int checked = 0, bad = 0;
   for (int t = 0; t < T::kMmaThreads; ++t) {
     Tensor d = smem_copy_ds.get_thread_slice(t).partition_D(sdSt);
     static_assert(decltype(size<0>(d))::value == 8 * kStores && decltype(size<1>(d))::value == 1 &&
@@ -75,14 +39,45 @@ int check_trans(const char* name) {
         for (int e = 0; e < 8; ++e) {
           const long cute_at = reinterpret_cast<char*>(raw_pointer_cast(&d(make_coord(e, k), 0, 0, b))) -
                                reinterpret_cast<char*>(base);
-          const long ours = long(flexsparse::sm90::ds_store_offset_keys_contiguous<T::kBlockM>(t)) + 2048 * k +
-                            b * buf_bytes + 2 * e;
+          const long at = long(ours(t, k)) + b * buf_bytes + 2 * e;
           ++checked;
-          if (cute_at != ours && bad++ < 5)
-            printf("%s: thread %d buffer %d store %d value %d: CuTe %ld, ds_store_offset_keys_contiguous %ld\n",
-                   name, t, b, k, e, cute_at, ours);
+          if (cute_at != at && bad++ < 5)
+            printf("%s: thread %d buffer %d store %d value %d: CuTe %ld, %s %ld\n", name, t, b, k, e, cute_at,
+                   ours_name, at);
         }
   }
+}
+
+// kDsStoreByHand: stmatrix of the queries-contiguous layout, four stores per thread at
+// ds_store_offset XOR 32 k; and the S^T fragment's first query column is 2 (lane % 4).
+template <class T>
+int check(const char* name) {
+  static_assert(T::kDsStoreByHand, "a kernel that takes the hand-computed stores");
+  int checked = 0, bad = 0;
+  check_stores<T, SM90_U32x4_STSM_N>(
+      name, "ds_store_offset", [](int t, int k) { return flexsparse::sm90::ds_store_offset(t) ^ (32u * k); },
+      checked, bad);
+  typename T::TiledMmaSdP mma_sdp;
+  Tensor cS = make_identity_tensor(Shape<Int<T::kBlockN>, Int<T::kBlockM>>{});
+  for (int t = 0; t < T::kMmaThreads; ++t) {
+    const int col = get<1>(mma_sdp.get_thread_slice(t).partition_C(cS)(0));
+    ++checked;
+    if (col != 2 * (t & 3) && bad++ < 5) printf("%s: thread %d first column %d\n", name, t, col);
+  }
+  printf("%s: %d checks, %d mismatches\n", name, checked, bad);
+  return bad;
+}
+
+// kDsStoreTransByHand: stmatrix.trans of the keys-contiguous layout, kBlockM / 16 stores
+// per thread at ds_store_offset_keys_contiguous + 2048 k.
+template <class T>
+int check_trans(const char* name) {
+  static_assert(T::kDsStoreTransByHand && T::kDsKeysContiguous, "a kernel that takes the transposed stores");
+  int checked = 0, bad = 0;
+  check_stores<T, SM90_U16x8_STSM_T>(
+      name, "ds_store_offset_keys_contiguous",
+      [](int t, int k) { return flexsparse::sm90::ds_store_offset_keys_contiguous<T::kBlockM>(t) + 2048u * k; },
+      checked, bad);
   printf("%s: %d checks, %d mismatches\n", name, checked, bad);
   return bad;
 }
