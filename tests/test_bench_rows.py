@@ -2,23 +2,7 @@
 rows of benchmarks.step_bench on a tiny CPU problem."""
 import math
 
-import pytest
-import torch
-
 from benchmarks.bench import parse_rows
-
-
-@pytest.fixture
-def one_cpu_thread():
-    """The step rows compare two runs of the reference bitwise, and torch's multi-threaded
-    CPU reductions do not always sum in the same order: the first `sum` over 128 floats
-    of a process differed from the later ones by ~1e-5 relative in 4 of 80 runs with 2
-    threads, in 0 of 80 with one (CI failed once on a 1.1e-4 difference). One thread sums
-    in one order."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_parse_rows():
@@ -26,10 +10,11 @@ def test_parse_rows():
         ("full", 8192, 128), ("causal", 16384, 64), ("document", 16384, 128)]
 
 
-def test_step_bench_rows_on_cpu(one_cpu_thread):
+def test_step_bench_rows_on_cpu():
     """benchmarks.step_bench (issue 16's whole-step row) on a tiny CPU problem: each mask
     that holds a tensor, built inside the step, gives exactly the output and gradients of
-    its descriptor compiled once, and both are timed."""
+    its descriptor compiled once, and both are timed. (Exactly: on one torch thread,
+    conftest.py.)"""
     from benchmarks import step_bench
     rows = step_bench.run(L=128, B=1, H=2, D=16, device="cpu", reps=1, compile_too=False,
                           variants=(8589934592,))
@@ -43,7 +28,7 @@ def test_step_bench_rows_on_cpu(one_cpu_thread):
         assert len(r["variant_pipelined_ms"]) == 1 and r["variant_pipelined_ms"][0] > 0, r
 
 
-def test_step_bench_cudagraph_mode_rows_on_cpu(one_cpu_thread):
+def test_step_bench_cudagraph_mode_rows_on_cpu():
     """step_bench --cudagraphs: the mode "cudagraphs" (the forward compiled with
     mode="reduce-overhead") gives the compiled-once output and gradients exactly, and its
     row counts the graphs Inductor skipped: on CPU it captures none, and says so. All four
