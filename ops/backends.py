@@ -56,8 +56,8 @@ def block_size_reasons(name, query, mask: MaskTensors, block_q, block_k) -> list
     The Triton block kernels tile a block with powers of two >= 16 (triton_block.py,
     _pow2_divisor raised NotImplementedError at launch); index masks have no blocks."""
     if name == "triton" and mask.attn_indices is None and (block_q % 16 or block_k % 16):
-        return [f"triton: descriptor block size ({block_q}, {block_k}): the block kernels "
-                f"need multiples of 16"]
+        return [f"triton: descriptor block size ({mask_checks.shown_size(block_q)}, "
+                f"{mask_checks.shown_size(block_k)}): the block kernels need multiples of 16"]
     return []
 
 

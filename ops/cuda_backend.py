@@ -15,7 +15,7 @@ import os
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import triton_indices
+from . import mask_checks, triton_indices
 
 NAME = "cuda"
 _HEAD_DIMS = (64, 128, 256)
@@ -50,7 +50,8 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
         reasons.append("cuda: query, key and value must share a dtype")
     D = query.shape[-1]
     if D not in _HEAD_DIMS or value.shape[-1] != D:
-        reasons.append(f"cuda: head dims (D={D}, Dv={value.shape[-1]}): D = Dv in {_HEAD_DIMS}")
+        reasons.append(f"cuda: head dims (D={mask_checks.shown_size(D)}, "
+                       f"Dv={mask_checks.shown_size(value.shape[-1])}): D = Dv in {_HEAD_DIMS}")
     if bias is not None and bias.dim() != 4:
         reasons.append("cuda: bias must be 4-D")
     if mask.attn_indices is not None:
@@ -155,11 +156,12 @@ def backward_not_supported_reasons(query, block_q: int, block_k: int, determinis
     if not has_backward():
         reasons.append("cuda: this build of flexsparse._C has forward kernels only")
     if query.shape[-1] not in _BWD_HEAD_DIMS:
-        reasons.append(f"cuda: backward head dim {query.shape[-1]} (backward: {_BWD_HEAD_DIMS})")
+        reasons.append(f"cuda: backward head dim {mask_checks.shown_size(query.shape[-1])} "
+                       f"(backward: {_BWD_HEAD_DIMS})")
     tn = _bwd_tile_n(query.shape[-1])
     if block_q % 64 or block_k % tn:
         reasons.append(f"cuda: backward needs block sizes that are multiples of (64, {tn}), got "
-                       f"({block_q}, {block_k})")
+                       f"({mask_checks.shown_size(block_q)}, {mask_checks.shown_size(block_k)})")
     return reasons
 
 
@@ -205,8 +207,8 @@ def index_backward_kernel(query, bias, bias_requires_grad: bool,
 def check_block_size(block_q: int, block_k: int, head_dim: int) -> list:
     tn = _tile_n(head_dim)
     if block_q % _TILE_M or block_k % tn:
-        return [f"cuda: descriptor block size ({block_q}, {block_k}) must be multiples of "
-                f"({_TILE_M}, {tn})"]
+        return [f"cuda: descriptor block size ({mask_checks.shown_size(block_q)}, "
+                f"{mask_checks.shown_size(block_k)}) must be multiples of ({_TILE_M}, {tn})"]
     return []
 
 

@@ -28,8 +28,9 @@ _LISTS = (("kv_count", "kv_index", "q"), ("kv_full_count", "kv_full_index", "q")
 _PREDICATES = ("dense_mask", "col_ranges", "partial_bits_index", "partial_bits")
 
 
-def _n(x):
-    """A size for a message: the int, or a SymInt's value in the example being traced."""
+def shown_size(x):
+    """A size for a message: the int, or a SymInt's value in the example being traced (an
+    f-string of a SymInt stops Dynamo's trace with "BUILD_STRING type error")."""
     if isinstance(x, torch.SymInt):
         hint = getattr(x.node, "hint", None)
         return int(hint) if hint is not None else str(x)
@@ -37,7 +38,7 @@ def _n(x):
 
 
 def _shape(t):
-    return tuple(_n(s) for s in t.shape)
+    return tuple(shown_size(s) for s in t.shape)
 
 
 def _one_of(x, *allowed) -> bool:
@@ -66,20 +67,20 @@ def check_qkv(query, key, value):
         if t.device != query.device:
             raise ValueError(f"{name}: is on {t.device} but query is on {query.device}")
         if t.shape[0] != query.shape[0]:
-            raise ValueError(f"{name}: batch {_n(t.shape[0])} must match query batch "
-                             f"{_n(query.shape[0])}")
+            raise ValueError(f"{name}: batch {shown_size(t.shape[0])} must match query batch "
+                             f"{shown_size(query.shape[0])}")
     if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
         raise ValueError(f"value: shape {_shape(value)} must have key's (Hkv, Lk) = "
                          f"{_shape(key)[1:3]}")
     if key.shape[3] != query.shape[3]:
-        raise ValueError(f"key: head dim {_n(key.shape[3])} must match query head dim "
-                         f"{_n(query.shape[3])}")
+        raise ValueError(f"key: head dim {shown_size(key.shape[3])} must match query head dim "
+                         f"{shown_size(query.shape[3])}")
     if query.shape[3] == 0:
         raise ValueError(f"query: head dim must be > 0, got shape {_shape(query)}")
     Hq, Hkv = query.shape[1], key.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"key: query heads Hq={_n(Hq)} must be a multiple of key/value heads "
-                         f"Hkv={_n(Hkv)}")
+        raise ValueError(f"key: query heads Hq={shown_size(Hq)} must be a multiple of key/value "
+                         f"heads Hkv={shown_size(Hkv)}")
 
 
 def check_scalars(scale, softcap):
@@ -114,7 +115,8 @@ def check_bias(bias, query, key):
             or not _one_of(bias.shape[1], 1, Hkv, Hq) or not _one_of(bias.shape[2], 1, Lq)
             or not _one_of(bias.shape[3], 1, Lk)):
         raise ValueError(f"bias: shape {_shape(bias)} is not (B|1, Hq|Hkv|1, Lq|1, Lk|1) with "
-                         f"B={_n(B)}, Hq={_n(Hq)}, Hkv={_n(Hkv)}, Lq={_n(Lq)}, Lk={_n(Lk)}")
+                         f"B={shown_size(B)}, Hq={shown_size(Hq)}, Hkv={shown_size(Hkv)}, "
+                         f"Lq={shown_size(Lq)}, Lk={shown_size(Lk)}")
 
 
 def check_mask(mask, query, key, block_q, block_k):
@@ -133,16 +135,16 @@ def check_mask(mask, query, key, block_q, block_k):
     # (messages are built only on failure: these checks run on every eager call)
 
     def sizes():
-        return f"B={_n(B)}, Hkv={_n(Hkv)}, Hq={_n(Hq)}"
+        return f"B={shown_size(B)}, Hkv={shown_size(Hkv)}, Hq={shown_size(Hq)}"
 
     def batch_heads(name, t, kv_heads_only=False):
         b, h = t.shape[0], t.shape[1]
         if not (b == 1 or b == B):
-            raise ValueError(f"{name}: shape {_shape(t)}: batch dim {_n(b)} must be "
-                             f"1 or B={_n(B)}")
+            raise ValueError(f"{name}: shape {_shape(t)}: batch dim {shown_size(b)} must be "
+                             f"1 or B={shown_size(B)}")
         if not (h == 1 or h == Hkv or (not kv_heads_only and h == Hq)):
             names = "1 or Hkv" if kv_heads_only else "1, Hkv or Hq"
-            raise ValueError(f"{name}: shape {_shape(t)}: head dim {_n(h)} must be "
+            raise ValueError(f"{name}: shape {_shape(t)}: head dim {shown_size(h)} must be "
                              f"{names} ({sizes()})")
 
     if mask.attn_indices is not None:
@@ -154,7 +156,7 @@ def check_mask(mask, query, key, block_q, block_k):
         _check_tensor("attn_indices", idx, _INT, "an int32 or int64 tensor", device)
         if idx.dim() != 4 or idx.shape[2] != Lq:
             raise ValueError(f"attn_indices: shape {_shape(idx)}, expected (B|1, Hkv|1, Lq, W) "
-                             f"with Lq={_n(Lq)}")
+                             f"with Lq={shown_size(Lq)}")
         batch_heads("attn_indices", idx, kv_heads_only=True)
         return
 
@@ -162,8 +164,10 @@ def check_mask(mask, query, key, block_q, block_k):
 
     def blocks_text(rows):
         if rows == "q":
-            return f"nQB=ceil(Lq/block_q)={_n(nQB)} (Lq={_n(Lq)}, block_q={block_q})"
-        return f"nKB=ceil(Lk/block_k)={_n(nKB)} (Lk={_n(Lk)}, block_k={block_k})"
+            return (f"nQB=ceil(Lq/block_q)={shown_size(nQB)} (Lq={shown_size(Lq)}, "
+                    f"block_q={shown_size(block_q)})")
+        return (f"nKB=ceil(Lk/block_k)={shown_size(nKB)} (Lk={shown_size(Lk)}, "
+                f"block_k={shown_size(block_k)})")
     # block lists: a count and its index come together; partial and full lists of a
     # direction too; transposed (q) lists only with the kv lists they transpose
     given = {}
@@ -206,14 +210,15 @@ def check_mask(mask, query, key, block_q, block_k):
                 dm.shape[3] == 1 or dm.shape[3] == Lk):
             raise ValueError(f"dense_mask: shape {_shape(dm)} is not broadcastable to "
                              f"(B, Hq, Lq, Lk): expected 4-D (B|1, Hq|Hkv|1, Lq|1, Lk|1) with "
-                             f"{sizes()}, Lq={_n(Lq)}, Lk={_n(Lk)}")
+                             f"{sizes()}, Lq={shown_size(Lq)}, Lk={shown_size(Lk)}")
         batch_heads("dense_mask", dm)
     cr = mask.col_ranges
     if cr is not None:
         _check_tensor("col_ranges", cr, _INT, "an int32 or int64 tensor", device)
         if cr.dim() != 4 or cr.shape[2] != Lk or cr.shape[3] % 2 != 0:
             raise ValueError(f"col_ranges: shape {_shape(cr)}, expected (B|1, H|1, Lk, 2m) with "
-                             f"Lk={_n(Lk)} (m masked intervals [start, end) per key column)")
+                             f"Lk={shown_size(Lk)} (m masked intervals [start, end) per key "
+                             f"column)")
         batch_heads("col_ranges", cr)
     pbi, pb = mask.partial_bits_index, mask.partial_bits
     if (pbi is None) != (pb is None):
@@ -297,7 +302,8 @@ def check_backward(grad_out, grad_lse, query, value, out, lse):
         if t.device != query.device:
             raise ValueError(f"{name}: is on {t.device} but query is on {query.device}")
         if t.dim() != len(shape) or any(a != b for a, b in zip(t.shape, shape)):
-            raise ValueError(f"{name}: shape {_shape(t)}, expected {tuple(_n(s) for s in shape)}")
+            raise ValueError(f"{name}: shape {_shape(t)}, expected "
+                             f"{tuple(shown_size(s) for s in shape)}")
 
 
 # ---- FLEXSPARSE_DEBUG=1: the values of the mask tensors (reads data)

@@ -20,6 +20,7 @@ import torch
 import triton
 
 from .kernel_options import DEFAULT as DEFAULT_OPTIONS
+from .mask_checks import shown_size
 from .triton_block_bwd import backward_plan
 from .triton_block_common import MAX_HEAD_DIM, _SUPPORTED_DTYPES, CallPlan
 from .triton_block_fwd import forward_plan
@@ -41,10 +42,10 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
     if key.dtype != query.dtype or value.dtype != query.dtype:
         reasons.append("triton: query, key and value must share a dtype")
     if value.shape[-1] != query.shape[-1]:
-        reasons.append(f"triton: value head dim {value.shape[-1]} != query head dim "
-                       f"{query.shape[-1]} (only Dv == D)")
+        reasons.append(f"triton: value head dim {shown_size(value.shape[-1])} != query head "
+                       f"dim {shown_size(query.shape[-1])} (only Dv == D)")
     if query.shape[-1] > MAX_HEAD_DIM:
-        reasons.append(f"triton: head dim {query.shape[-1]} > {MAX_HEAD_DIM}")
+        reasons.append(f"triton: head dim {shown_size(query.shape[-1])} > {MAX_HEAD_DIM}")
     if bias is not None and bias.dim() != 4:
         reasons.append("triton: bias must be 4-D")
     if mask.dense_mask is not None and mask.dense_mask.dim() != 4:

@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - the backend module guards this import 
     tl = None
 
 from .kernel_options import DEFAULT as DEFAULT_OPTIONS
+from .mask_checks import shown_size
 from .triton_compat import interpreting
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,7 +77,8 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
         reasons.append("triton_indices: query, key and value must share a dtype")
     D, Dv = query.shape[-1], value.shape[-1]
     if not (1 <= D <= _MAX_HEAD_DIM) or not (1 <= Dv <= _MAX_HEAD_DIM):
-        reasons.append(f"triton_indices: head dims must be in [1, {_MAX_HEAD_DIM}], got D={D}, Dv={Dv}")
+        reasons.append(f"triton_indices: head dims must be in [1, {_MAX_HEAD_DIM}], got "
+                       f"D={shown_size(D)}, Dv={shown_size(Dv)}")
     B, Hq, Lq = query.shape[:3]
     Hkv = key.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
@@ -85,14 +87,15 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
         reasons.append(f"triton_indices: attn_indices must be int32 or int64, got {idx.dtype}")
     if idx.dim() != 4 or idx.shape[0] not in (1, B) or idx.shape[1] not in (1, Hkv) \
             or idx.shape[2] != Lq:
-        reasons.append(f"triton_indices: attn_indices shape {tuple(idx.shape)} must be "
-                       f"(B|1, Hkv|1, Lq, W)")
+        reasons.append(f"triton_indices: attn_indices shape "
+                       f"{tuple(map(shown_size, idx.shape))} must be (B|1, Hkv|1, Lq, W)")
     if idx.device != query.device:
         reasons.append("triton_indices: attn_indices must be on the query's device")
     if bias is not None:
         if bias.dim() != 4 or bias.shape[0] not in (1, B) or bias.shape[1] not in (1, Hkv, Hq) \
                 or bias.shape[2] not in (1, Lq) or bias.shape[3] not in (1, key.shape[2]):
-            reasons.append(f"triton_indices: bias shape {tuple(bias.shape)} not broadcastable")
+            reasons.append(f"triton_indices: bias shape {tuple(map(shown_size, bias.shape))} "
+                           f"not broadcastable")
         if bias.dtype not in _SUPPORTED_DTYPES:
             reasons.append(f"triton_indices: bias dtype {bias.dtype} not supported")
         if bias.device != query.device:

@@ -382,6 +382,26 @@ def test_bad_block_size_of_symbolic_ints_compiled_names_it():
         f(q, -16)
 
 
+
+def test_descriptor_block_size_a_backend_refuses_compiled_names_it():
+    """A descriptor of block size (8, 8) passed into compiled code with backend="triton"
+    (whose block kernels need multiples of 16): the refusal while tracing carries eager's
+    ValueError. The descriptor's block sizes are symbolic there, and the message's f-string
+    of them stopped Dynamo with "BUILD_STRING type error" instead (found by test_fuzz with
+    FUZZ_COMPILED_EXAMPLES=60)."""
+    desc = M.causal().compile(1, 2, 1, 27, 12, block_size=(8, 8))
+    q, kv = torch.randn(1, 2, 27, 8), torch.randn(1, 1, 12, 8)
+
+    def fn(q, k, v, desc):
+        return flexsparse.attention(q, k, v, desc, backend="triton")
+    msg = r"backend: 'triton' cannot run these inputs: triton: descriptor block size \(8, 8\)"
+    with pytest.raises(ValueError, match=msg):
+        fn(q, kv, kv, desc)
+    f, _ = _compiled(fn)
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"raised exception ValueError\(['\"]" + msg):
+        f(q, kv, kv, desc)
+
 def test_check_sizes_op_opcheck():
     """torch.library.opcheck on the check_sizes graph op (schema, fake kernel, AOT
     dispatch), and its refusal: the ValueError with both sizes in the message."""
