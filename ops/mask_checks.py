@@ -37,7 +37,8 @@ def shown_size(x):
     return int(x)
 
 
-def _shape(t):
+def shown_shape(t):
+    """A tensor's shape for a message (shown_size of each size)."""
     return tuple(shown_size(s) for s in t.shape)
 
 
@@ -62,7 +63,7 @@ def check_qkv(query, key, value):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: must be a tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name}: must be 4-D (B, H, L, D), got shape {_shape(t)}")
+            raise ValueError(f"{name}: must be 4-D (B, H, L, D), got shape {shown_shape(t)}")
     for name, t in (("key", key), ("value", value)):
         if t.device != query.device:
             raise ValueError(f"{name}: is on {t.device} but query is on {query.device}")
@@ -70,13 +71,13 @@ def check_qkv(query, key, value):
             raise ValueError(f"{name}: batch {shown_size(t.shape[0])} must match query batch "
                              f"{shown_size(query.shape[0])}")
     if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
-        raise ValueError(f"value: shape {_shape(value)} must have key's (Hkv, Lk) = "
-                         f"{_shape(key)[1:3]}")
+        raise ValueError(f"value: shape {shown_shape(value)} must have key's (Hkv, Lk) = "
+                         f"{shown_shape(key)[1:3]}")
     if key.shape[3] != query.shape[3]:
         raise ValueError(f"key: head dim {shown_size(key.shape[3])} must match query head dim "
                          f"{shown_size(query.shape[3])}")
     if query.shape[3] == 0:
-        raise ValueError(f"query: head dim must be > 0, got shape {_shape(query)}")
+        raise ValueError(f"query: head dim must be > 0, got shape {shown_shape(query)}")
     Hq, Hkv = query.shape[1], key.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"key: query heads Hq={shown_size(Hq)} must be a multiple of key/value "
@@ -114,8 +115,8 @@ def check_bias(bias, query, key):
     if (bias.dim() != 4 or not _one_of(bias.shape[0], 1, B)
             or not _one_of(bias.shape[1], 1, Hkv, Hq) or not _one_of(bias.shape[2], 1, Lq)
             or not _one_of(bias.shape[3], 1, Lk)):
-        raise ValueError(f"bias: shape {_shape(bias)} is not (B|1, Hq|Hkv|1, Lq|1, Lk|1) with "
-                         f"B={shown_size(B)}, Hq={shown_size(Hq)}, Hkv={shown_size(Hkv)}, "
+        raise ValueError(f"bias: shape {shown_shape(bias)} is not (B|1, Hq|Hkv|1, Lq|1, Lk|1) "
+                         f"with B={shown_size(B)}, Hq={shown_size(Hq)}, Hkv={shown_size(Hkv)}, "
                          f"Lq={shown_size(Lq)}, Lk={shown_size(Lk)}")
 
 
@@ -140,11 +141,11 @@ def check_mask(mask, query, key, block_q, block_k):
     def batch_heads(name, t, kv_heads_only=False):
         b, h = t.shape[0], t.shape[1]
         if not (b == 1 or b == B):
-            raise ValueError(f"{name}: shape {_shape(t)}: batch dim {shown_size(b)} must be "
+            raise ValueError(f"{name}: shape {shown_shape(t)}: batch dim {shown_size(b)} must be "
                              f"1 or B={shown_size(B)}")
         if not (h == 1 or h == Hkv or (not kv_heads_only and h == Hq)):
             names = "1 or Hkv" if kv_heads_only else "1, Hkv or Hq"
-            raise ValueError(f"{name}: shape {_shape(t)}: head dim {shown_size(h)} must be "
+            raise ValueError(f"{name}: shape {shown_shape(t)}: head dim {shown_size(h)} must be "
                              f"{names} ({sizes()})")
 
     if mask.attn_indices is not None:
@@ -155,8 +156,8 @@ def check_mask(mask, query, key, block_q, block_k):
         idx = mask.attn_indices
         _check_tensor("attn_indices", idx, _INT, "an int32 or int64 tensor", device)
         if idx.dim() != 4 or idx.shape[2] != Lq:
-            raise ValueError(f"attn_indices: shape {_shape(idx)}, expected (B|1, Hkv|1, Lq, W) "
-                             f"with Lq={shown_size(Lq)}")
+            raise ValueError(f"attn_indices: shape {shown_shape(idx)}, expected (B|1, Hkv|1, Lq, "
+                             f"W) with Lq={shown_size(Lq)}")
         batch_heads("attn_indices", idx, kv_heads_only=True)
         return
 
@@ -183,17 +184,17 @@ def check_mask(mask, query, key, block_q, block_k):
         _check_tensor(count_name, count, _INT, "an int32 or int64 tensor", device)
         _check_tensor(index_name, index, _INT, "an int32 or int64 tensor", device)
         if count.dim() != 3 or count.shape[2] != (nQB if rows == "q" else nKB):
-            raise ValueError(f"{count_name}: shape {_shape(count)}, expected (B|1, H|1, n) with "
-                             f"n = {blocks_text(rows)}")
+            raise ValueError(f"{count_name}: shape {shown_shape(count)}, expected (B|1, H|1, n) "
+                             f"with n = {blocks_text(rows)}")
         batch_heads(count_name, count)
         if (index.dim() not in (4, 5) or index.shape[0] != count.shape[0]
                 or index.shape[1] != count.shape[1] or index.shape[2] != count.shape[2]
                 or (index.dim() == 5 and (index.shape[4] != 2 or index.shape[3] < 1
                                           or index.shape[3] > MAX_RANGES))):
-            raise ValueError(f"{index_name}: shape {_shape(index)}, expected "
-                             f"{_shape(count) + ('W',)} (explicit) or "
-                             f"{_shape(count) + ('R', 2)} with 1 <= R <= {MAX_RANGES} "
-                             f"(range form), the dims of {count_name} {_shape(count)} first")
+            raise ValueError(f"{index_name}: shape {shown_shape(index)}, expected "
+                             f"{shown_shape(count) + ('W',)} (explicit) or "
+                             f"{shown_shape(count) + ('R', 2)} with 1 <= R <= {MAX_RANGES} "
+                             f"(range form), the dims of {count_name} {shown_shape(count)} first")
     for a, b in (("kv_count", "kv_full_count"), ("q_count", "q_full_count")):
         if given[a] != given[b]:
             have, miss = (a, b) if given[a] else (b, a)
@@ -208,7 +209,7 @@ def check_mask(mask, query, key, block_q, block_k):
         _check_tensor("dense_mask", dm, (torch.bool,), "a bool tensor", device)
         if dm.dim() != 4 or not (dm.shape[2] == 1 or dm.shape[2] == Lq) or not (
                 dm.shape[3] == 1 or dm.shape[3] == Lk):
-            raise ValueError(f"dense_mask: shape {_shape(dm)} is not broadcastable to "
+            raise ValueError(f"dense_mask: shape {shown_shape(dm)} is not broadcastable to "
                              f"(B, Hq, Lq, Lk): expected 4-D (B|1, Hq|Hkv|1, Lq|1, Lk|1) with "
                              f"{sizes()}, Lq={shown_size(Lq)}, Lk={shown_size(Lk)}")
         batch_heads("dense_mask", dm)
@@ -216,9 +217,9 @@ def check_mask(mask, query, key, block_q, block_k):
     if cr is not None:
         _check_tensor("col_ranges", cr, _INT, "an int32 or int64 tensor", device)
         if cr.dim() != 4 or cr.shape[2] != Lk or cr.shape[3] % 2 != 0:
-            raise ValueError(f"col_ranges: shape {_shape(cr)}, expected (B|1, H|1, Lk, 2m) with "
-                             f"Lk={shown_size(Lk)} (m masked intervals [start, end) per key "
-                             f"column)")
+            raise ValueError(f"col_ranges: shape {shown_shape(cr)}, expected (B|1, H|1, Lk, 2m) "
+                             f"with Lk={shown_size(Lk)} (m masked intervals [start, end) per "
+                             f"key column)")
         batch_heads("col_ranges", cr)
     pbi, pb = mask.partial_bits_index, mask.partial_bits
     if (pbi is None) != (pb is None):
@@ -229,12 +230,12 @@ def check_mask(mask, query, key, block_q, block_k):
         _check_tensor("partial_bits_index", pbi, _INT, "an int32 or int64 tensor", device)
         _check_tensor("partial_bits", pb, _INT, "an int32 or int64 tensor", device)
         if pbi.dim() != 4 or pbi.shape[2] != nQB or pbi.shape[3] != nKB:
-            raise ValueError(f"partial_bits_index: shape {_shape(pbi)}, expected "
+            raise ValueError(f"partial_bits_index: shape {shown_shape(pbi)}, expected "
                              f"(B|1, H|1, nQB, nKB) with {blocks_text('q')}, {blocks_text('k')}")
         batch_heads("partial_bits_index", pbi)
         words = -(-block_k // 32)
         if pb.dim() != 3 or pb.shape[1] != block_q or pb.shape[2] != words:
-            raise ValueError(f"partial_bits: shape {_shape(pb)}, expected (P, block_q, "
+            raise ValueError(f"partial_bits: shape {shown_shape(pb)}, expected (P, block_q, "
                              f"ceil(block_k/32)) = (P, {block_q}, {words})")
 
 
@@ -302,7 +303,7 @@ def check_backward(grad_out, grad_lse, query, value, out, lse):
         if t.device != query.device:
             raise ValueError(f"{name}: is on {t.device} but query is on {query.device}")
         if t.dim() != len(shape) or any(a != b for a, b in zip(t.shape, shape)):
-            raise ValueError(f"{name}: shape {_shape(t)}, expected "
+            raise ValueError(f"{name}: shape {shown_shape(t)}, expected "
                              f"{tuple(shown_size(s) for s in shape)}")
 
 

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - the backend module guards this import 
     tl = None
 
 from .kernel_options import DEFAULT as DEFAULT_OPTIONS
-from .mask_checks import shown_size
+from .mask_checks import shown_shape, shown_size
 from .triton_compat import interpreting
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,15 +87,14 @@ def not_supported_reasons(query, key, value, bias, mask) -> list:
         reasons.append(f"triton_indices: attn_indices must be int32 or int64, got {idx.dtype}")
     if idx.dim() != 4 or idx.shape[0] not in (1, B) or idx.shape[1] not in (1, Hkv) \
             or idx.shape[2] != Lq:
-        reasons.append(f"triton_indices: attn_indices shape "
-                       f"{tuple(map(shown_size, idx.shape))} must be (B|1, Hkv|1, Lq, W)")
+        reasons.append(f"triton_indices: attn_indices shape {shown_shape(idx)} must be "
+                       f"(B|1, Hkv|1, Lq, W)")
     if idx.device != query.device:
         reasons.append("triton_indices: attn_indices must be on the query's device")
     if bias is not None:
         if bias.dim() != 4 or bias.shape[0] not in (1, B) or bias.shape[1] not in (1, Hkv, Hq) \
                 or bias.shape[2] not in (1, Lq) or bias.shape[3] not in (1, key.shape[2]):
-            reasons.append(f"triton_indices: bias shape {tuple(map(shown_size, bias.shape))} "
-                           f"not broadcastable")
+            reasons.append(f"triton_indices: bias shape {shown_shape(bias)} not broadcastable")
         if bias.dtype not in _SUPPORTED_DTYPES:
             reasons.append(f"triton_indices: bias dtype {bias.dtype} not supported")
         if bias.device != query.device:

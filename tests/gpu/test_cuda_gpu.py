@@ -709,7 +709,6 @@ CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
 DS_FIRST, DS_INTERLEAVED = 1 << 46, 1 << 47
 
 
-
 @pytest.mark.skipif(not BACKWARD, reason="no CUDA backward kernels in this build")
 @pytest.mark.parametrize("case", ["causal_hd128_gqa", "document_hd128_bias", "causal_hd64_softcap",
                                   "full_hd64", "causal_hd256"])
