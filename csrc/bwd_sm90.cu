@@ -50,14 +50,16 @@ static bool bias_tiles_call(BackwardParams const& p) {
 // (BwdTraits, kRowSteps): without column ranges (no room to stage them), not
 // deterministic, and every block list one row for all (stride 0: the full mask), so that
 // walking all query rows is walking the lists.
-// Only with FLEXSPARSE_CUDA_DEBUG bit 268435456: it measured 6% slower than the 64-row
-// kernel (docs/perf-notes.md C68), and stays for the next attempt (its spills).
+// With its stores at hand-computed addresses (C105) and before the dV product (C106) it
+// measured 3% faster than the 64-row kernel on the full 8K row (docs/perf-notes.md C109;
+// 6% slower before, C68). FLEXSPARSE_CUDA_DEBUG bit 268435456: the 64-row kernel instead
+// (A/Bs).
 static bool row_steps_call(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   const bool one_row = f.kv_partial.row_stride == 0 && f.kv_full.row_stride == 0 &&
                        f.q_partial.row_stride == 0 && f.q_full.row_stride == 0;
   return f.D == 128 && one_row && f.pred.col_ranges == nullptr && !p.deterministic &&
-         (f.debug & 268435456);
+         !(f.debug & 268435456);
 }
 
 void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream) {

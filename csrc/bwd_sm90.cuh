@@ -93,8 +93,8 @@ __device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
 // multiples of 128, as FlashAttention-3/4 do. The accumulators (S^T, dP^T: 64 + 64, dK,
 // dV: 32 + 32 registers per thread) fit only in the plain kernel: with the general one's
 // pointers and flags live as well, ptxas spilled ~55 words per step (928 B).
-// 80 (head dim 128, plain, FlashAttention-3/4's step where no mask is given; for now only
-// with FLEXSPARSE_CUDA_DEBUG bit 268435456, slower than 64 as built, C68): 25% more
+// 80 (head dim 128, plain, FlashAttention-3/4's step where no mask is given; the full
+// mask's kernel since C109, 3% faster than 64-row steps with C105 and C106): 25% more
 // tensor work per step than 64 for the same per-step cost, with S^T and dP^T at 40 + 40
 // registers beside dK and dV at 64 + 64 (128 rows would need 64 + 64). 80-row steps do
 // not tile 128-row query blocks, so this kernel walks every query row in 80-row steps
@@ -145,6 +145,16 @@ struct BwdTraits {
   // as well (ds_store_offset_keys_contiguous; docs/perf-notes.md C105). The bias-tile
   // kernels, the same layout at 64 rows, keep CuTe's stores until a GPU test has run on it.
   static constexpr bool kDsStoreTransByHand = kBlockM == 80;
+  // The per-step order of the bf16 kernels whose warpgroups keep P^T and dS^T in registers
+  // (not head dim 256's) and that have no bias tiles, measured kernel by kernel (same-run
+  // A/Bs, docs/perf-notes.md C109): dS^T stored before the dV product is issued (kDsFirst,
+  // C106) in head dim 128's kernels and hd64's 128-row one; the exponentials interleaved
+  // with dS (kDsInterleaved, C107) in head dim 128's 64-row kernel. (fp16 kernels keep the
+  // older order: one instantiation each, for the build's time.)
+  static constexpr bool kOrderVariants =
+      std::is_same_v<Element, cutlass::bfloat16_t> && !kSplitQueries && !kBiasTiles;
+  static constexpr bool kDsFirst = kOrderVariants && (kHeadDim == 128 || kBlockM == 128);
+  static constexpr bool kDsInterleaved = kOrderVariants && kHeadDim == 128 && kBlockM == 64;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
@@ -537,11 +547,13 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // kDqPairs: dQ staged in 8-byte pieces (dq_slot<true>, before C87; bit 2^41).
 // kDsFirst: dS^T stored before the dV product is issued, not after (FlashAttention-3/4's
 // order), so that the stores complete while dV issues instead of under the fence before
-// the dS barrier (docs/perf-notes.md C106; bit 2^46, bf16, an A/B).
+// the dS barrier (docs/perf-notes.md C106).
 // kDsInterleaved: the dP^T wait after a quarter of the exponentials, the rest of them
-// interleaved with dS (FlashAttention-4's SASS order; C107; bit 2^47, bf16, an A/B).
-template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = false,
-          bool kDsInterleaved = false>
+// interleaved with dS (FlashAttention-4's SASS order; C107).
+// Both default to the kernel's own (BwdTraits); bits 2^46 and 2^47 run the other order
+// (launch_bwd).
+template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = T::kDsFirst,
+          bool kDsInterleaved = T::kDsInterleaved>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1512,14 +1524,18 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   if constexpr (T::kDsStoreByHand || T::kDsStoreTransByHand) {
     if (p.debug_high & 512) kernel = dq_pairs ? bwd_kernel<T, true, true> : bwd_kernel<T, true>;
   }
-  // bit 2^46: dS^T stored before the dV product is issued (C106); 2^47: the exponentials and
-  // dS interleaved (C107); bf16 only, A/Bs, in every kernel whose warpgroups keep P^T and
-  // dS^T in registers (not head dim 256's) and that has no bias tiles
-  if constexpr (std::is_same_v<Element, cutlass::bfloat16_t> && !T::kSplitQueries && !T::kBiasTiles) {
-    const bool ds_first = p.debug_high & (1 << 15), interleaved = p.debug_high & (1 << 16);
-    if (ds_first && interleaved) kernel = bwd_kernel<T, false, false, true, true>;
-    else if (ds_first) kernel = bwd_kernel<T, false, false, true>;
-    else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
+  // bit 2^46: the other place for the dS^T stores than the kernel's kDsFirst (C106); 2^47:
+  // the other exponentials' order than its kDsInterleaved (C107). A/Bs, in the kernels
+  // that have the variants (BwdTraits::kOrderVariants).
+  if constexpr (T::kOrderVariants) {
+    const bool ds_first = T::kDsFirst != bool(p.debug_high & (1 << 15));
+    const bool interleaved = T::kDsInterleaved != bool(p.debug_high & (1 << 16));
+    if (ds_first != T::kDsFirst || interleaved != T::kDsInterleaved) {
+      if (ds_first && interleaved) kernel = bwd_kernel<T, false, false, true, true>;
+      else if (ds_first) kernel = bwd_kernel<T, false, false, true, false>;
+      else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
+      else kernel = bwd_kernel<T, false, false, false, false>;
+    }
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

@@ -40,12 +40,13 @@ print("hf wheels installed:", [w.split("/")[-1].split("-")[0] for w in need])
 PY
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# A pytest run under compute-sanitizer: sanitized_pytest TOOL SECONDS NAME TEST_FILE K_EXPR
+# A pytest run under compute-sanitizer (FLEXSPARSE_UNDER_SANITIZER=1 tells the tests that
+# the profiler sees no kernels there): sanitized_pytest TOOL SECONDS NAME TEST_FILE K_EXPR
 # [SANITIZER_ARGS...] (log $OUT/NAME.log; its rc line, named NAME with spaces, and the
 # log's summary lines). "--kernel-name kns=index_" keeps racecheck to our kernels: it
 # reports cuBLAS's nvjet kernels (the tests' references) and ran past its limit there.
 sanitized_pytest() {
-  timeout "$2" compute-sanitizer --tool "$1" "${@:6}" --error-exitcode 9 \
+  FLEXSPARSE_UNDER_SANITIZER=1 timeout "$2" compute-sanitizer --tool "$1" "${@:6}" --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q "$4" -k "$5" > "$OUT/$3.log" 2>&1
   local rc=$?; echo "${3//_/ } rc=$rc"; [ $rc -eq 0 ] || status=1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/$3.log" | tail -3
@@ -454,7 +455,7 @@ if [[ " $parts " == *" ncuhist "* ]]; then
 fi
 # Corrupted and reused descriptors on the GPU backends under compute-sanitizer memcheck.
 if [[ " $parts " == *" fuzz "* ]]; then
-  timeout "${T_FUZZ:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  FLEXSPARSE_UNDER_SANITIZER=1 timeout "${T_FUZZ:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_fuzz_gpu.py ${FUZZ_K:+-k "$FUZZ_K"} \
     > "$OUT/fuzz.log" 2>&1
   rc=$?; echo "fuzz under compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
@@ -462,7 +463,7 @@ if [[ " $parts " == *" fuzz "* ]]; then
 fi
 # Out-of-bounds check of the kernels on odd sizes: compute-sanitizer memcheck (slow; a few tests).
 if [[ " $parts " == *" sanitize "* ]]; then
-  timeout "${T_SANITIZE:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  FLEXSPARSE_UNDER_SANITIZER=1 timeout "${T_SANITIZE:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -x -p no:cacheprovider tests/gpu/test_triton_gpu.py tests/gpu/test_triton_indices_gpu.py \
     -k "${SANITIZE_K:-odd_lengths or fully_masked or noncontiguous or full_bias_hd128 or (mask_kinds and bf16) or gqa}" > "$OUT/sanitize.log" 2>&1
   rc=$?; echo "compute-sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
@@ -472,7 +473,7 @@ fi
 # masks; racecheck and synccheck over a few small calls (tests/gpu/cuda_sanitize_cases.py).
 # CSAN_PYTEST=0 skips the pytest memcheck (only the cases file's, with CSAN_TOOLS=memcheck).
 if [[ " $parts " == *" csanitize "* ]] && [ "${CSAN_PYTEST:-1}" = 1 ]; then
-  timeout "${T_CSAN:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  FLEXSPARSE_UNDER_SANITIZER=1 timeout "${T_CSAN:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest -p no:cacheprovider -o addopts= -q tests/gpu/test_cuda_gpu.py \
     -k "${CSAN_K:-odd_lengths or fully_masked or gqa or (mask_kinds and bf16) or head_dims or poisoned or bias or softcap or store_variants}" \
     > "$OUT/csan_memcheck.log" 2>&1

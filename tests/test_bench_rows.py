@@ -128,12 +128,13 @@ def test_bwd_trace_summary_reads_the_stamps():
     lines.append("=== launch 1 done")
     steps, cal = bt.parse("\n".join(lines))
     assert set(steps) == {(0, 0), (0, 1)} and len(steps[(0, 0)]) == 6 and cal == {0: [0, 0, 1800, 1000]}
-    text = bt.summarize("full@8192@128", "0", steps, cal)
+    text = bt.summarize("full@8192@128", "268435456", steps, cal)
     assert "64-row steps, tensor-core floor per step 2560 cycles" in text
     assert "1.800 cycles per ns" in text
     assert "CTA 0 wg0: 6 steps, period 1000" in text and "exponentials 10" in text
     assert "to the next stage 890" in text
-    assert bt.step_rows("full@8192@128", "268435456") == 80 and bt.step_rows("causal@8192@128", "268435456") == 64
+    assert bt.step_rows("full@8192@128", "0") == 80 and bt.step_rows("full@8192@128", "268435456") == 64
+    assert bt.step_rows("causal@8192@128", "0") == 64 and bt.step_rows("full@8192@64", "0") == 128
 
 
 def test_bwd_trace_reads_the_stamps_from_the_op_buffer():

@@ -92,10 +92,10 @@ def dt(a, b):
 
 
 def step_rows(row, bits):
-    """Query rows per step of the kernel the row runs (BwdTraits): 80 under bit 268435456 on
-    the full mask at hd128, 128 at hd64 (plain calls), else 64."""
+    """Query rows per step of the kernel the row runs (BwdTraits): 80 on the full mask at
+    hd128 (64 under bit 268435456), 128 at hd64 (plain calls), else 64."""
     D = int(row.split("@")[2]) if row.count("@") >= 2 else 128
-    if D == 128 and row.startswith("full@") and int(bits) & 268435456:
+    if D == 128 and row.startswith("full@") and not int(bits) & 268435456:
         return 80
     return 128 if D == 64 else 64
 

@@ -77,10 +77,13 @@ def main():
         run(f"[debug {schedule}] bias tiles hd64 document gqa", 1, 4, 2, 520, 520, 64,
             M.document([100, 220, 200]), bias=True)
     if not only or "80-row" in only:
-        # hd128's 80-row backward (bit 268435456; every list one row for all: the full
-        # mask), GQA heads one after another, lengths no step divides
+        # hd128's 80-row backward (every list one row for all: the full mask), GQA heads
+        # one after another, lengths no step divides; and the 64-row kernel on the same call
+        # (bit 268435456)
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
+        run("full hd128 80-row backward gqa", 2, 4, 2, 333, 290, 128, M.full())
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "268435456"
-        run("[debug 268435456] full hd128 80-row backward gqa", 2, 4, 2, 333, 290, 128, M.full())
+        run("[debug 268435456] full hd128 64-row backward gqa", 2, 4, 2, 333, 290, 128, M.full())
     if not only or "bias" in only:
         # (the cases above take the forward's bias tiles; bit 65536: its per-score-load kernel)
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
