@@ -148,12 +148,12 @@ struct BwdTraits {
   // The per-step order of the bf16 kernels whose warpgroups keep P^T and dS^T in registers
   // (not head dim 256's) and that have no bias tiles, measured kernel by kernel (same-run
   // A/Bs, docs/perf-notes.md C109): dS^T stored before the dV product is issued (kDsFirst,
-  // C106) in head dim 128's kernels and hd64's 128-row one; the exponentials interleaved
-  // with dS (kDsInterleaved, C107) in head dim 128's 64-row kernel. (fp16 kernels keep the
-  // older order: one instantiation each, for the build's time.)
+  // C106) in all of them; the exponentials interleaved with dS (kDsInterleaved, C107) in
+  // head dim 128's 64-row kernel only. (fp16 kernels keep the older order: one
+  // instantiation each, for the build's time.)
   static constexpr bool kOrderVariants =
       std::is_same_v<Element, cutlass::bfloat16_t> && !kSplitQueries && !kBiasTiles;
-  static constexpr bool kDsFirst = kOrderVariants && (kHeadDim == 128 || kBlockM == 128);
+  static constexpr bool kDsFirst = kOrderVariants;
   static constexpr bool kDsInterleaved = kOrderVariants && kHeadDim == 128 && kBlockM == 64;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
