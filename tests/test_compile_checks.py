@@ -382,7 +382,6 @@ def test_bad_block_size_of_symbolic_ints_compiled_names_it():
         f(q, -16)
 
 
-
 def test_descriptor_block_size_a_backend_refuses_compiled_names_it():
     """A descriptor of block size (8, 8) passed into compiled code with backend="triton"
     (whose block kernels need multiples of 16): the refusal while tracing carries eager's
@@ -401,6 +400,7 @@ def test_descriptor_block_size_a_backend_refuses_compiled_names_it():
     with pytest.raises(torch._dynamo.exc.Unsupported,
                        match=r"raised exception ValueError\(['\"]" + msg):
         f(q, kv, kv, desc)
+
 
 def test_check_sizes_op_opcheck():
     """torch.library.opcheck on the check_sizes graph op (schema, fake kernel, AOT
