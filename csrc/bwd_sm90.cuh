@@ -550,10 +550,13 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // the dS barrier (docs/perf-notes.md C106).
 // kDsInterleaved: the dP^T wait after a quarter of the exponentials, the rest of them
 // interleaved with dS (FlashAttention-4's SASS order; C107).
-// Both default to the kernel's own (BwdTraits); bits 2^46 and 2^47 run the other order
+// kEarlyCols (kDsInterleaved only; 0: a quarter): how many of a thread's columns of P^T are
+// exponentiated before the dP^T wait (C110's A/B in the 80-row kernel, whose dP^T product
+// is longer than the 64-row one's).
+// They default to the kernel's own (BwdTraits); bits 2^46 and 2^47 run the other order
 // (launch_bwd).
 template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = T::kDsFirst,
-          bool kDsInterleaved = T::kDsInterleaved>
+          bool kDsInterleaved = T::kDsInterleaved, int kEarlyCols = 0>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1056,7 +1059,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
           // kDsInterleaved: only the first kEarly columns' exponentials before the dP^T
           // wait, then each column pair's dS^T right after the exponentials of a later pair.
-          constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
+          constexpr int kEarly = !kDsInterleaved || T::kBiasTiles ? kCols
+                                 : kEarlyCols > 0 ? kEarlyCols : (kCols / 8) * 2;
+          static_assert(kEarly % 2 == 0 && kEarly <= kCols, "exponentials go in column pairs");
           // P^T of columns c, c + 1 (adjacent queries: their lse2 read as a pair)
           auto exp_pair = [&](int c) {
             const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
@@ -1535,6 +1540,12 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       else if (ds_first) kernel = bwd_kernel<T, false, false, true, false>;
       else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
       else kernel = bwd_kernel<T, false, false, false, false>;
+    }
+    // bits 2^49 / 2^50 (the 80-row kernel): C107's interleaving with 8 / 12 of its 20
+    // columns exponentiated before the dP^T wait, not 4 (C110).
+    if constexpr (T::kBlockM == 80) {
+      if (p.debug_high & (1 << 18)) kernel = bwd_kernel<T, false, false, true, true, 8>;
+      else if (p.debug_high & (1 << 19)) kernel = bwd_kernel<T, false, false, true, true, 12>;
     }
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");

@@ -715,6 +715,7 @@ def test_backward_without_kernels_says_so():
 # dS (interleaved after an early dP^T wait or not, C107).
 CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
 DS_FIRST, DS_INTERLEAVED = 1 << 46, 1 << 47
+EARLY_8, EARLY_12 = 1 << 49, 1 << 50   # the 80-row kernel: 8 / 12 early columns (C110)
 
 
 def _order_defaults(D, step_rows):
@@ -765,7 +766,7 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
         results[bits], kernels = _bwd_kernel_names(grads)
         if takes_order_bits and not bits & (CUTE_DS_STORE | DQ_PAIRS):
             first, interleaved = _order_defaults(D, 128 if case == "full_hd64" else 64)
-            args = ">, false, false, {}, {}>".format(str(first != bool(bits & DS_FIRST)).lower(),
+            args = ">, false, false, {}, {}, 0>".format(str(first != bool(bits & DS_FIRST)).lower(),
                                                      str(interleaved != bool(bits & DS_INTERLEAVED)).lower())
             assert UNDER_SANITIZER or kernels and all(args in n for n in kernels), (args, kernels)
     names = ("dq", "dk", "dv", "dbias")
@@ -788,7 +789,8 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
     pieces against 8-byte ones (bit 2^41): the kernel names say which ran; dk and dv equal
     bit for bit (they read neither the stored dS nor the staged dQ), dq to the rounding of
     its unordered reductions, and all match float64, with GQA and a length no step
-    divides."""
+    divides. Bits 2^49 / 2^50: the interleaved order with 8 / 12 of the 20 columns'
+    exponentials before the dP^T wait (C110)."""
     torch.manual_seed(105)
     B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
@@ -802,9 +804,10 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
         return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
     results = {}
-    expected = {0: "false, false, true, false", CUTE_DS_STORE: "true, false, true, false",
-                DS_FIRST: "false, false, false, false", DS_INTERLEAVED: "false, false, true, true",
-                DQ_PAIRS: "false, true, true, false"}
+    expected = {0: "false, false, true, false, 0", CUTE_DS_STORE: "true, false, true, false, 0",
+                DS_FIRST: "false, false, false, false, 0", DS_INTERLEAVED: "false, false, true, true, 0",
+                DQ_PAIRS: "false, true, true, false, 0", EARLY_8: "false, false, true, true, 8",
+                EARLY_12: "false, false, true, true, 12"}
     for bits, args in expected.items():
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
