@@ -550,13 +550,13 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // the dS barrier (docs/perf-notes.md C106).
 // kDsInterleaved: the dP^T wait after a quarter of the exponentials, the rest of them
 // interleaved with dS (FlashAttention-4's SASS order; C107).
-// kEarlyCols (kDsInterleaved only; 0: a quarter): how many of a thread's columns of P^T are
-// exponentiated before the dP^T wait (C110's A/B in the 80-row kernel, whose dP^T product
-// is longer than the 64-row one's).
+// kStatsEarly: how many of the thread's lse pairs are read from shared memory before the
+// S^T wait, and of its delta pairs before the dP^T wait (0: all after; C110's probe: after
+// the wait, the first exponential waits on its LDS).
 // They default to the kernel's own (BwdTraits); bits 2^46 and 2^47 run the other order
 // (launch_bwd).
 template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = T::kDsFirst,
-          bool kDsInterleaved = T::kDsInterleaved, int kEarlyCols = 0>
+          bool kDsInterleaved = T::kDsInterleaved, int kStatsEarly = 0>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -961,6 +961,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const int cols = kByHand ? 2 * (thread_index_here() & 3) : col_base;   // == col_base
         const float* lse2 = ss.lse2[read.index()] + cols;
         const float* delta = ss.delta[read.index()] + cols;
+        float2 lse_early[kStatsEarly > 0 ? kStatsEarly : 1], delta_early[kStatsEarly > 0 ? kStatsEarly : 1];
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kStatsEarly; ++e) lse_early[e] = *reinterpret_cast<const float2*>(lse2 + 8 * e);
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         BWD_TRACE(3);
@@ -1059,12 +1062,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
           // kDsInterleaved: only the first kEarly columns' exponentials before the dP^T
           // wait, then each column pair's dS^T right after the exponentials of a later pair.
-          constexpr int kEarly = !kDsInterleaved || T::kBiasTiles ? kCols
-                                 : kEarlyCols > 0 ? kEarlyCols : (kCols / 8) * 2;
-          static_assert(kEarly % 2 == 0 && kEarly <= kCols, "exponentials go in column pairs");
+          constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
           // P^T of columns c, c + 1 (adjacent queries: their lse2 read as a pair)
           auto exp_pair = [&](int c) {
-            const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
+            const float2 l = c / 2 < kStatsEarly ? lse_early[c / 2]
+                                                 : *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               if constexpr (T::kBiasTiles) {
@@ -1082,7 +1084,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           };
           auto ds_pair = [&](int c) {
-            const float2 d = *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+            const float2 d = c / 2 < kStatsEarly ? delta_early[c / 2]
+                                                 : *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               dP(r, c) = S(r, c) * (dP(r, c) - d.x);
@@ -1091,6 +1094,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           };
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kEarly; c += 2) exp_pair(c);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < kStatsEarly; ++e) delta_early[e] = *reinterpret_cast<const float2*>(delta + 8 * e);
           BWD_TRACE(4);
           warpgroup_wait<0>();                  // dP^T done
           warpgroup_fence_operand(tdPrdP);
@@ -1541,12 +1546,12 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       else if (interleaved) kernel = bwd_kernel<T, false, false, false, true>;
       else kernel = bwd_kernel<T, false, false, false, false>;
     }
-    // bits 2^49 / 2^50 (the 80-row kernel): C107's interleaving with 8 / 12 of its 20
-    // columns exponentiated before the dP^T wait, not 4 (C110).
-    if constexpr (T::kBlockM == 80) {
-      if (p.debug_high & (1 << 18)) kernel = bwd_kernel<T, false, false, true, true, 8>;
-      else if (p.debug_high & (1 << 19)) kernel = bwd_kernel<T, false, false, true, true, 12>;
-    }
+  }
+  // bits 2^49 / 2^50 (bf16 head dim 128 without bias tiles): the kernel's own order with 1 /
+  // 2 lse and delta pairs read before the waits (kStatsEarly, C110).
+  if constexpr (T::kHeadDim == 128 && !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>) {
+    if (p.debug_high & (1 << 18)) kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, 1>;
+    else if (p.debug_high & (1 << 19)) kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, 2>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

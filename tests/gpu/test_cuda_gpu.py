@@ -715,7 +715,7 @@ def test_backward_without_kernels_says_so():
 # dS (interleaved after an early dP^T wait or not, C107).
 CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
 DS_FIRST, DS_INTERLEAVED = 1 << 46, 1 << 47
-EARLY_8, EARLY_12 = 1 << 49, 1 << 50   # the 80-row kernel: 8 / 12 early columns (C110)
+STATS_EARLY_1, STATS_EARLY_2 = 1 << 49, 1 << 50   # 1 / 2 lse and delta pairs read early (C110)
 
 
 def _order_defaults(D, step_rows):
@@ -734,7 +734,8 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     stored before or after the dV product is issued; C107: the exponentials interleaved
     with dS or not; bits 2^46 and 2^47 take the order other than the kernel's default, in
     the kernels with P^T and dS^T in registers and no bias tiles, whose names say which
-    order ran) compute each value by the same operations:
+    order ran; C110: bits 2^49 / 2^50 read 1 / 2 lse and delta pairs before the waits, at
+    head dim 128) compute each value by the same operations:
     with deterministic=True every gradient equals bit for bit under each bit and
     combination. Cases: the general hd128 kernel (GQA, a length no tile divides), the
     bias-tiles kernel (dbias too), hd64's 64-row general kernel (a softcap makes the call
@@ -760,14 +761,16 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     takes_order_bits = bias is None and D != 256
     results = {}
     for bits in (0, CUTE_DS_STORE, DQ_PAIRS, CUTE_DS_STORE | DQ_PAIRS,
-                 DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED):
+                 DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED, STATS_EARLY_1, STATS_EARLY_2):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], kernels = _bwd_kernel_names(grads)
         if takes_order_bits and not bits & (CUTE_DS_STORE | DQ_PAIRS):
             first, interleaved = _order_defaults(D, 128 if case == "full_hd64" else 64)
-            args = ">, false, false, {}, {}, 0>".format(str(first != bool(bits & DS_FIRST)).lower(),
-                                                     str(interleaved != bool(bits & DS_INTERLEAVED)).lower())
+            early = {STATS_EARLY_1: 1, STATS_EARLY_2: 2}.get(bits, 0) if D == 128 else 0
+            args = ">, false, false, {}, {}, {}>".format(str(first != bool(bits & DS_FIRST)).lower(),
+                                                        str(interleaved != bool(bits & DS_INTERLEAVED)).lower(),
+                                                        early)
             assert UNDER_SANITIZER or kernels and all(args in n for n in kernels), (args, kernels)
     names = ("dq", "dk", "dv", "dbias")
     for bits, got in results.items():
@@ -789,8 +792,8 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
     pieces against 8-byte ones (bit 2^41): the kernel names say which ran; dk and dv equal
     bit for bit (they read neither the stored dS nor the staged dQ), dq to the rounding of
     its unordered reductions, and all match float64, with GQA and a length no step
-    divides. Bits 2^49 / 2^50: the interleaved order with 8 / 12 of the 20 columns'
-    exponentials before the dP^T wait (C110)."""
+    divides. Bits 2^49 / 2^50: 1 / 2 pairs of lse and delta read before the waits
+    (C110)."""
     torch.manual_seed(105)
     B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
@@ -806,8 +809,8 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
     results = {}
     expected = {0: "false, false, true, false, 0", CUTE_DS_STORE: "true, false, true, false, 0",
                 DS_FIRST: "false, false, false, false, 0", DS_INTERLEAVED: "false, false, true, true, 0",
-                DQ_PAIRS: "false, true, true, false, 0", EARLY_8: "false, false, true, true, 8",
-                EARLY_12: "false, false, true, true, 12"}
+                DQ_PAIRS: "false, true, true, false, 0", STATS_EARLY_1: "false, false, true, false, 1",
+                STATS_EARLY_2: "false, false, true, false, 2"}
     for bits, args in expected.items():
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
