@@ -54,8 +54,9 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // 2^40 the backward's dS^T stores through CuTe's partition (before C86 and C105), 2^41 its
 // dQ staged in 8-byte pieces (before C87), 2^46 the other place of its dS^T stores than
 // the kernel's default (before or after the dV product is issued, C106) and 2^47 the other
-// order of its exponentials and dS (interleaved or not, C107), bf16, and 2^49 / 2^50 the
-// 80-row kernel interleaved with 8 / 12 early columns (C110) (bwd_sm90.cuh);
+// order of its exponentials and dS (interleaved or not, C107), bf16, and at head dim 128
+// 2^49 the other of 0 and 1 lse / delta pairs read before the waits than the kernel's,
+// 2^50 two pairs (C110) (bwd_sm90.cuh);
 // probes of the forward (wrong results, timing only): 2^42 queries loaded for a CTA's
 // first work tiles only, 2^43 no O store; 2^44 the forward's two query buffers
 // at hd128 (kQBuffers, opt-in) and 2^48 its one query buffer at hd64 (before C92)

@@ -155,6 +155,11 @@ struct BwdTraits {
       std::is_same_v<Element, cutlass::bfloat16_t> && !kSplitQueries && !kBiasTiles;
   static constexpr bool kDsFirst = kOrderVariants;
   static constexpr bool kDsInterleaved = kOrderVariants && kHeadDim == 128 && kBlockM == 64;
+  // The first lse pair read before the S^T wait and the first delta pair before the dP^T
+  // wait (kStatsEarly = 1), so that the first exponential and the first dS do not wait on
+  // a shared-memory load: in the 80-row kernel only (C110: +1-2% there, -1 to -3% in the
+  // 64-row one, whose local loads and stores it adds to).
+  static constexpr int kStatsEarly = kOrderVariants && kBlockM == 80 ? 1 : 0;
   // Column ranges per key staged in shared memory once per head; masks with more are read
   // from global memory per partial tile.
   static constexpr int kMaxStagedRanges = kBwdMaxStagedRanges;
@@ -551,12 +556,11 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // kDsInterleaved: the dP^T wait after a quarter of the exponentials, the rest of them
 // interleaved with dS (FlashAttention-4's SASS order; C107).
 // kStatsEarly: how many of the thread's lse pairs are read from shared memory before the
-// S^T wait, and of its delta pairs before the dP^T wait (0: all after; C110's probe: after
-// the wait, the first exponential waits on its LDS).
-// They default to the kernel's own (BwdTraits); bits 2^46 and 2^47 run the other order
-// (launch_bwd).
+// S^T wait, and of its delta pairs before the dP^T wait (0: all after them; C110).
+// They default to the kernel's own (BwdTraits); bits 2^46, 2^47 and 2^49 run the other
+// choice (launch_bwd).
 template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = T::kDsFirst,
-          bool kDsInterleaved = T::kDsInterleaved, int kStatsEarly = 0>
+          bool kDsInterleaved = T::kDsInterleaved, int kStatsEarly = T::kStatsEarly>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -1547,11 +1551,14 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       else kernel = bwd_kernel<T, false, false, false, false>;
     }
   }
-  // bits 2^49 / 2^50 (bf16 head dim 128 without bias tiles): the kernel's own order with 1 /
-  // 2 lse and delta pairs read before the waits (kStatsEarly, C110).
+  // bits 2^49 / 2^50 (bf16 head dim 128 without bias tiles): the kernel's own order with the
+  // other of 0 and 1 lse and delta pairs read before the waits than its kStatsEarly / with
+  // 2 (C110).
   if constexpr (T::kHeadDim == 128 && !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>) {
-    if (p.debug_high & (1 << 18)) kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, 1>;
-    else if (p.debug_high & (1 << 19)) kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, 2>;
+    if (p.debug_high & (1 << 18))
+      kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly == 1 ? 0 : 1>;
+    else if (p.debug_high & (1 << 19))
+      kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, 2>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

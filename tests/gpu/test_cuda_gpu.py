@@ -715,7 +715,9 @@ def test_backward_without_kernels_says_so():
 # dS (interleaved after an early dP^T wait or not, C107).
 CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
 DS_FIRST, DS_INTERLEAVED = 1 << 46, 1 << 47
-STATS_EARLY_1, STATS_EARLY_2 = 1 << 49, 1 << 50   # 1 / 2 lse and delta pairs read early (C110)
+# 2^49: the other of 0 and 1 lse / delta pairs read before the waits than the kernel's
+# default (1 in the 80-row kernel, else 0); 2^50: two pairs (C110, head dim 128)
+STATS_EARLY_1, STATS_EARLY_2 = 1 << 49, 1 << 50
 
 
 def _order_defaults(D, step_rows):
@@ -734,8 +736,8 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     stored before or after the dV product is issued; C107: the exponentials interleaved
     with dS or not; bits 2^46 and 2^47 take the order other than the kernel's default, in
     the kernels with P^T and dS^T in registers and no bias tiles, whose names say which
-    order ran; C110: bits 2^49 / 2^50 read 1 / 2 lse and delta pairs before the waits, at
-    head dim 128) compute each value by the same operations:
+    order ran; C110: at head dim 128 bits 2^49 / 2^50 read 1 / 2 lse and delta pairs before
+    the waits) compute each value by the same operations:
     with deterministic=True every gradient equals bit for bit under each bit and
     combination. Cases: the general hd128 kernel (GQA, a length no tile divides), the
     bias-tiles kernel (dbias too), hd64's 64-row general kernel (a softcap makes the call
@@ -792,8 +794,8 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
     pieces against 8-byte ones (bit 2^41): the kernel names say which ran; dk and dv equal
     bit for bit (they read neither the stored dS nor the staged dQ), dq to the rounding of
     its unordered reductions, and all match float64, with GQA and a length no step
-    divides. Bits 2^49 / 2^50: 1 / 2 pairs of lse and delta read before the waits
-    (C110)."""
+    divides. The kernel reads one pair of lse and of delta before the waits (C110); bit
+    2^49 none, bit 2^50 two."""
     torch.manual_seed(105)
     B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
@@ -807,9 +809,9 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
         return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
     results = {}
-    expected = {0: "false, false, true, false, 0", CUTE_DS_STORE: "true, false, true, false, 0",
-                DS_FIRST: "false, false, false, false, 0", DS_INTERLEAVED: "false, false, true, true, 0",
-                DQ_PAIRS: "false, true, true, false, 0", STATS_EARLY_1: "false, false, true, false, 1",
+    expected = {0: "false, false, true, false, 1", CUTE_DS_STORE: "true, false, true, false, 1",
+                DS_FIRST: "false, false, false, false, 1", DS_INTERLEAVED: "false, false, true, true, 1",
+                DQ_PAIRS: "false, true, true, false, 1", STATS_EARLY_1: "false, false, true, false, 0",
                 STATS_EARLY_2: "false, false, true, false, 2"}
     for bits, args in expected.items():
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
