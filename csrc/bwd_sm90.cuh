@@ -416,15 +416,6 @@ __device__ __forceinline__ uint32_t thread_index_here() {
   return t;
 }
 
-// v of lane `base` + (this lane % 4), base a multiple of 4: shfl.idx with segment mask 3
-// keeps the lane's own low two bits (its column pair within the quad), so that no lane
-// index is computed per use (kStatsEarly < 0).
-__device__ __forceinline__ float shfl_from_column_lane(float v, int base) {
-  float r;
-  asm("shfl.sync.idx.b32 %0, %1, %2, 0x31f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(base));
-  return r;
-}
-
 // Byte offset of consumer thread `t`'s first stmatrix row in one dS^T buffer of the
 // kDsStoreByHand layout, (64 queries, 128 keys), queries contiguous, 128-byte swizzle:
 // stmatrix x4 matrix lane / 8 holds keys 8 ((lane / 8) % 2) + 0..7 of the warp's 16 and
@@ -976,23 +967,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         const float* delta = ss.delta[read.index()] + cols;
         // (zeros never read: they keep the front end from warning that the lambdas below
         // read delta_early before it is set, which they do not)
-        float2 lse_early[kStatsEarly > 0 ? kStatsEarly : 1] = {}, delta_early[kStatsEarly > 0 ? kStatsEarly : 1] = {};
+        constexpr int kEarlyPairs = kStatsEarly > 0 ? kStatsEarly : 1;
+        float2 lse_early[kEarlyPairs] = {}, delta_early[kEarlyPairs] = {};
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < kStatsEarly; ++e) lse_early[e] = *reinterpret_cast<const float2*>(lse2 + 8 * e);
-        // kStatsEarly < 0 (FlashAttention-4's shuffle_LSE): lane (g, t) of a warp holds the
-        // statistic of column c = g + 8 s for slot s and every t (3 loads per step instead of
-        // 10 pairs), and the lanes t of column c take it from lane 4 (c % 8) + t by a shuffle
-        // at its use, so that the reads leave shared memory to the wgmmas' operands.
-        constexpr int kStatSlots = kStatsEarly < 0 ? (kCols + 7) / 8 : 1;
-        float lse_slots[kStatSlots] = {}, delta_slots[kStatSlots] = {};
-        int stat_lane_col = 0;
-        if constexpr (kStatsEarly < 0) {
-          const uint32_t lane = thread_index_here() & 31, g = lane >> 2;
-          stat_lane_col = 8 * (g >> 1) + 2 * (lane & 3) + (g & 1);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < kStatSlots; ++e)
-            lse_slots[e] = ss.lse2[read.index()][min(stat_lane_col + 32 * e, kBlockM - 1)];
-        }
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         BWD_TRACE(3);
@@ -1094,12 +1072,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
           // P^T of columns c, c + 1 (adjacent queries: their lse2 read as a pair)
           auto exp_pair = [&](int c) {
-            float2 l;
-            if constexpr (kStatsEarly < 0)
-              l = make_float2(shfl_from_column_lane(lse_slots[c / 8], 4 * (c % 8)),
-                              shfl_from_column_lane(lse_slots[(c + 1) / 8], 4 * ((c + 1) % 8)));
-            else
-              l = c / 2 < kStatsEarly ? lse_early[c / 2] : *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
+            const float2 l = c / 2 < kStatsEarly ? lse_early[c / 2]
+                                                 : *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               if constexpr (T::kBiasTiles) {
@@ -1117,12 +1091,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           };
           auto ds_pair = [&](int c) {
-            float2 d;
-            if constexpr (kStatsEarly < 0)
-              d = make_float2(shfl_from_column_lane(delta_slots[c / 8], 4 * (c % 8)),
-                              shfl_from_column_lane(delta_slots[(c + 1) / 8], 4 * ((c + 1) % 8)));
-            else
-              d = c / 2 < kStatsEarly ? delta_early[c / 2] : *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+            const float2 d = c / 2 < kStatsEarly ? delta_early[c / 2]
+                                                 : *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < kRows; ++r) {
               dP(r, c) = S(r, c) * (dP(r, c) - d.x);
@@ -1133,11 +1103,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           for (int c = 0; c < kEarly; c += 2) exp_pair(c);
           CUTLASS_PRAGMA_UNROLL
           for (int e = 0; e < kStatsEarly; ++e) delta_early[e] = *reinterpret_cast<const float2*>(delta + 8 * e);
-          if constexpr (kStatsEarly < 0) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < kStatSlots; ++e)
-              delta_slots[e] = ss.delta[read.index()][min(stat_lane_col + 32 * e, kBlockM - 1)];
-          }
           BWD_TRACE(4);
           warpgroup_wait<0>();                  // dP^T done
           warpgroup_fence_operand(tdPrdP);
@@ -1589,16 +1554,11 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       else kernel = bwd_kernel<T, false, false, false, false>;
     }
   }
-  // bits 2^49 / 2^50 (bf16 head dim 128 without bias tiles): the kernel's own order with the
-  // other of 0 and 1 lse and delta pairs read before the waits than its kStatsEarly / with
-  // 2 (C110).
+  // bit 2^49 (bf16 head dim 128 without bias tiles): the kernel's own order with the other
+  // of 0 and 1 lse and delta pairs read before the waits than its kStatsEarly (C110).
   if constexpr (T::kHeadDim == 128 && !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>) {
     if (p.debug_high & (1 << 18))
       kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly == 1 ? 0 : 1>;
-    else if (p.debug_high & (1 << 19))
-      kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, 2>;
-    else if (p.debug_high & (1 << 20))   // 2^51: by shuffles
-      kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, -1>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   const int smem = T::kSmemBytes;

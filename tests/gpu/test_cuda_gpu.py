@@ -715,10 +715,9 @@ def test_backward_without_kernels_says_so():
 # dS (interleaved after an early dP^T wait or not, C107).
 CUTE_DS_STORE, DQ_PAIRS = 1 << 40, 1 << 41
 DS_FIRST, DS_INTERLEAVED = 1 << 46, 1 << 47
-# 2^49: the other of 0 and 1 lse / delta pairs read before the waits than the kernel's
-# default (1 in the 80-row kernel, else 0); 2^50: two pairs (C110, head dim 128)
-# 2^51: the statistics by shuffles from three loads per lane (FlashAttention-4's)
-STATS_EARLY_1, STATS_EARLY_2, STATS_SHUFFLE = 1 << 49, 1 << 50, 1 << 51
+# the other of 0 and 1 lse / delta pairs read before the waits than the kernel's default
+# (1 in the 80-row kernel, else 0; C110, head dim 128)
+STATS_EARLY = 1 << 49
 
 
 def _order_defaults(D, step_rows):
@@ -737,8 +736,8 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     stored before or after the dV product is issued; C107: the exponentials interleaved
     with dS or not; bits 2^46 and 2^47 take the order other than the kernel's default, in
     the kernels with P^T and dS^T in registers and no bias tiles, whose names say which
-    order ran; C110: at head dim 128 bits 2^49 / 2^50 read 1 / 2 lse and delta pairs before
-    the waits, 2^51 takes them by shuffles) compute each value by the same operations:
+    order ran; C110: at head dim 128 bit 2^49 reads one lse and one delta pair before the
+    waits) compute each value by the same operations:
     with deterministic=True every gradient equals bit for bit under each bit and
     combination. Cases: the general hd128 kernel (GQA, a length no tile divides), the
     bias-tiles kernel (dbias too), hd64's 64-row general kernel (a softcap makes the call
@@ -764,14 +763,13 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
     takes_order_bits = bias is None and D != 256
     results = {}
     for bits in (0, CUTE_DS_STORE, DQ_PAIRS, CUTE_DS_STORE | DQ_PAIRS,
-                 DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED, STATS_EARLY_1, STATS_EARLY_2,
-                 STATS_SHUFFLE):
+                 DS_FIRST, DS_INTERLEAVED, DS_FIRST | DS_INTERLEAVED, STATS_EARLY):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], kernels = _bwd_kernel_names(grads)
         if takes_order_bits and not bits & (CUTE_DS_STORE | DQ_PAIRS):
             first, interleaved = _order_defaults(D, 128 if case == "full_hd64" else 64)
-            early = {STATS_EARLY_1: 1, STATS_EARLY_2: 2, STATS_SHUFFLE: -1}.get(bits, 0) if D == 128 else 0
+            early = int(bits == STATS_EARLY and D == 128)
             args = ">, false, false, {}, {}, {}>".format(str(first != bool(bits & DS_FIRST)).lower(),
                                                         str(interleaved != bool(bits & DS_INTERLEAVED)).lower(),
                                                         early)
@@ -797,7 +795,7 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
     bit for bit (they read neither the stored dS nor the staged dQ), dq to the rounding of
     its unordered reductions, and all match float64, with GQA and a length no step
     divides. The kernel reads one pair of lse and of delta before the waits (C110); bit
-    2^49 none, bit 2^50 two, bit 2^51 takes them by shuffles."""
+    2^49 none."""
     torch.manual_seed(105)
     B, Hq, Hkv, L, D = 2, 4, 2, 1000, 128
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
@@ -813,8 +811,7 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
     results = {}
     expected = {0: "false, false, true, false, 1", CUTE_DS_STORE: "true, false, true, false, 1",
                 DS_FIRST: "false, false, false, false, 1", DS_INTERLEAVED: "false, false, true, true, 1",
-                DQ_PAIRS: "false, true, true, false, 1", STATS_EARLY_1: "false, false, true, false, 0",
-                STATS_EARLY_2: "false, false, true, false, 2", STATS_SHUFFLE: "false, false, true, false, -1"}
+                DQ_PAIRS: "false, true, true, false, 1", STATS_EARLY: "false, false, true, false, 0"}
     for bits, args in expected.items():
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
