@@ -450,6 +450,8 @@ if [[ " $parts " == *" ncuhist "* ]]; then
     # where the warps wait, by opcode, and how the exponentials are spaced (perf-notes C63)
     python3 tests/gpu/ncu_opcode_hist.py "$d/bwd_kernel.csv" "$d/FlashAttentionBackwardSm90.csv" --stall stall_wait --top 12
     python3 tests/gpu/sass_gaps.py "$d"/*.csv
+    # the backward's stall samples by phase of the step, ours and FLASH's (perf-notes C110)
+    python3 tests/gpu/ncu_phases.py "$d/bwd_kernel.csv" "$d/FlashAttentionBackwardSm90.csv" --min 1
     gzip -f "$d"/*.csv
   done
 fi

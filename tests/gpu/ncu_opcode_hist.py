@@ -15,11 +15,14 @@ from collections import Counter
 
 
 def read_source_csv(path):
-    """The header and instruction rows of an `ncu --page source --csv` export."""
+    """The header and instruction rows of an `ncu --page source --csv` export; ([], []) for
+    an export without them (a kernel the profile did not record)."""
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.strip() and not ln.startswith("==")]
     rows = list(csv.reader(lines))
-    head_i = next(i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r))
+    head_i = next((i for i, r in enumerate(rows) if any(c.strip() == "Source" for c in r)), None)
+    if head_i is None:
+        return [], []
     head = rows[head_i]
     return head, [r for r in rows[head_i + 1:] if len(r) == len(head)]
 
@@ -34,6 +37,8 @@ def opcode(source):
 
 def hist(path, column=None):
     head, body = read_source_csv(path)
+    if not head:
+        return Counter()
     src = next(i for i, c in enumerate(head) if c.strip() == "Source")
     if column is None:
         ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
@@ -59,6 +64,9 @@ def main():
     values = {sys.argv[sys.argv.index(o) + 1] for o in ("--per", "--top", "--stall") if o in sys.argv}
     args = [a for a in args if a not in values]
     hs = [hist(p, stall) for p in args]
+    if not any(hs):
+        print("no instruction rows in", ", ".join(args), "(kernels not profiled)")
+        return
     ops = sorted(set().union(*hs), key=lambda o: -max(h[o] for h in hs))
     print("opcode | " + " | ".join(args) + (" | difference" if len(hs) == 2 else ""))
     print("total | " + " | ".join(f"{sum(h.values()) / per:.0f}" for h in hs))

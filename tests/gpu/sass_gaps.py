@@ -37,6 +37,8 @@ def ops_from_sass(path, kernel):
 
 def ops_from_csv(path, min_exec):
     head, body = read_source_csv(path)
+    if not head:
+        return []
     src = next(i for i, c in enumerate(head) if c.strip() == "Source")
     ex = next(i for i, c in enumerate(head) if c.strip().startswith("Instructions Executed"))
     ops = []
@@ -56,6 +58,9 @@ def main():
     values = {arg(o, None) for o in ("--op", "--kernel", "--min-exec")}
     for path in [a for a in sys.argv[1:] if not a.startswith("--") and a not in values]:
         ops = ops_from_csv(path, min_exec) if path.endswith(".csv") else ops_from_sass(path, kernel)
+        if not ops:
+            print(f"{path}: no instruction rows (kernel not profiled)")
+            continue
         at = [i for i, o in enumerate(ops) if opcode(o).startswith(op)]
         gaps = Counter(min(b - a, 9) for a, b in zip(at, at[1:]) if b - a < 40)
         print(f"{path}: {len(at)} x {op}; gaps (9 = 9 or more): {dict(sorted(gaps.items()))}; "
