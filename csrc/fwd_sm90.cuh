@@ -168,15 +168,17 @@ namespace flexsparse::sm90 {
 // consumers' last Q K^T of this one (a work tile's edge: docs/perf-notes.md C89, C90,
 // C92). The default at hd64 (short work tiles gain most), opt-in at hd128; the epilogue
 // then stores from registers by 16-byte stores (the O staging buffer's shared memory
-// holds the second query buffer at hd128).
+// holds the second query buffer at hd128), or at hd64 through the staging buffer and TMA
+// when kTmaStore (opt-in, C111).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
           bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kQBuffers = kQBuffers_;
-  static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kTmaStore_ && !kBiasTiles_),
-                "two query buffers: without the O staging buffer and the bias tiles");
+  static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kBiasTiles_ && (!kTmaStore_ || kHeadDim_ <= 64)),
+                "two query buffers: without the bias tiles, and with the O staging buffer at "
+                "head dim 64 only (beside them at 128 it would not fit)");
   static constexpr bool kBiasTiles = kBiasTiles_;
   static_assert(!kBiasTiles_ || !kTmaStore_, "bias tiles take the O staging buffer's place");
   static_assert(!kBiasTiles_ || !kPlain_ || kOverlap_, "bias tiles in a plain kernel: overlapped only");
@@ -1462,6 +1464,15 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       // 17592186044416 (-1% full, causal and documents, +1% sliding 1024).
       const bool two_query_buffers =
           kHeadDim == 64 ? !(p.debug_high & 131072) : bool(p.debug_high & 8192);
+      // FLEXSPARSE_CUDA_DEBUG bit 2^50 (bf16, hd64): the two-buffer kernel with the TMA-store
+      // epilogue (the O staging buffer fits beside both query buffers at hd64; C111).
+      if constexpr (kHeadDim == 64 && std::is_same_v<Element, cutlass::bfloat16_t>) {
+        if (two_query_buffers && (p.debug_high & (1 << 19))) {
+          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, true, false, 2, 2>>(
+              p, stream);
+          return;
+        }
+      }
       if (two_query_buffers) {
         launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
             p, stream);

@@ -105,6 +105,11 @@ def main():
         # and a document whose one-token document makes a work tile of one key tile
         run("[debug 2^44] two query buffers hd128 document odd", 1, 8, 8, 4601, 4601, 128,
             M.document([1000, 1, 2000, 1600]), backward=False)
+        # hd64's two query buffers with the TMA-store epilogue (bit 2^50, C111): the staging
+        # buffer reused across a CTA's work tiles, rows past Lq clipped by the store
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 50)
+        run("[debug 2^50] two query buffers TMA store hd64 sliding odd gqa", 1, 8, 2, 4601, 4601, 64,
+            M.sliding_window(256), backward=False)
 
 if __name__ == "__main__":
     main()

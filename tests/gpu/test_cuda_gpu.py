@@ -834,6 +834,16 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
 
 TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
 ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64's default)
+TWO_Q_TMA_STORE = 1 << 50   # hd64, bf16: two query buffers with the TMA-store epilogue (C111)
+
+
+def _fwd_kernel_names(fn):
+    """fn()'s result and the names of the CUDA forward kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if "fwd_kernel<" in e.name]
 
 
 @pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",
@@ -844,7 +854,8 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     kernel does: out and lse bit for bit, over many work tiles per CTA (both buffers, each
     several phases), odd lengths, GQA, and block layouts with empty query-block rows (work
     tiles with nothing listed); and against float64 (check()). Its epilogue: 16-byte stores
-    after a transpose within each quad. The reference is the one-buffer kernel
+    after a transpose within each quad, or at hd64 with bit 2^50 the TMA store through the
+    O staging buffer (C111, the kernel's name checked). The reference is the one-buffer kernel
     (ONE_Q_BUFFER: at hd64 two buffers are the default, at hd128 TWO_Q_BUFFERS asks).
     Both kernels hand the producer's started list cursors to the consumers through shared
     memory (SharedStorage::cursor), one slot per work tile for two (one buffer) or four
@@ -865,11 +876,17 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
     results = {}
-    variants = (0, TWO_Q_BUFFERS)
+    variants = (0, TWO_Q_BUFFERS, TWO_Q_TMA_STORE)
     for bits in (ONE_Q_BUFFER, *variants):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(2 * B * Hq * L * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
-        results[bits] = flexsparse.attention(q, k, v, desc, backend="cuda", return_lse=True)
+        results[bits], names = _fwd_kernel_names(
+            lambda: flexsparse.attention(q, k, v, desc, backend="cuda", return_lse=True))
+        if bits == TWO_Q_TMA_STORE and D == 64:
+            # FwdTraits<bf16, 64, 128, 3, overlap, regs, kTmaStore, kPlain, kBiasTiles, 2, kQBuffers>
+            assert UNDER_SANITIZER or names and all(
+                re.search(r"FwdTraits<[^,]+, 64, 128, 3, true, \d+, true, true, false, 2, 2>", n)
+                for n in names), names
     out0, lse0 = results[ONE_Q_BUFFER]
     assert torch.isfinite(out0).all() and not torch.isnan(lse0).any()
     for bits in variants:
