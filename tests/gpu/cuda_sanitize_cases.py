@@ -2,9 +2,9 @@
 for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_DEBUG=32
 runs the serial one), head dims 64/128/256 (hd64's three-warpgroup forward too), column
 ranges, a dense mask with fully masked rows, bias, odd lengths, GQA, the backward where it
-is built (every head dim), and the forward's two query buffers (C89; at hd64 with the TMA-
-store epilogue too, C111) and its work tiles crossed in the key-tile loop (C91). Prints
-one line per case; the tool's summary says whether any hazard was seen."""
+is built (every head dim), and the forward's two query buffers (C89; at hd64 with the
+TMA-store epilogue too, C111) and its work tiles crossed in the key-tile loop (C91).
+Prints one line per case; the tool's summary says whether any hazard was seen."""
 import os
 import sys
 
