@@ -59,8 +59,9 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // (C110) (bwd_sm90.cuh);
 // probes of the forward (wrong results, timing only): 2^42 queries loaded for a CTA's
 // first work tiles only, 2^43 no O store; 2^44 the forward's two query buffers at hd128
-// (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92) and 2^50 hd64's two
-// query buffers with the TMA-store epilogue (bf16, C111) (fwd_sm90.cuh). (Earlier uses,
+// (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92), 2^50 hd64's two
+// query buffers with the TMA-store epilogue (bf16, C111) and 2^51 its plain kernel with
+// band masks (bf16, hd64, C112) (fwd_sm90.cuh). (Earlier uses,
 // removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
 // across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
 // 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early

@@ -111,6 +111,12 @@ def main():
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 50)
         run("[debug 2^50] two query buffers TMA store hd64 sliding odd gqa", 1, 8, 2, 4601, 4601, 64,
             M.sliding_window(256), backward=False)
+        # band masks (bit 2^51, hd64, C112): the per-warp bands in shared memory
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 51)
+        run("[debug 2^51] band masks hd64 sliding odd gqa", 1, 8, 2, 4601, 4601, 64,
+            M.sliding_window(256), backward=False)
+        run("[debug 2^51] band masks hd64 lookahead cross", 1, 4, 2, 1500, 2000, 64,
+            M.sliding_window(200, 30), backward=False)
 
 if __name__ == "__main__":
     main()
