@@ -514,13 +514,21 @@ def test_full_mask_takes_three_warpgroups_at_default_blocks(Lq, Lk, monkeypatch)
 UNDER_SANITIZER = os.environ.get("FLEXSPARSE_UNDER_SANITIZER") == "1"
 
 
-def _bwd_kernel_names(fn):
-    """fn()'s result and the names of the CUDA backward kernels it launched."""
+def _kernel_names(fn, kernel):
+    """fn()'s result and the names of the CUDA kernels `kernel<...>` it launched."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = fn()
         torch.cuda.synchronize()
-    return out, [e.name for e in prof.events() if "bwd_kernel<" in e.name]
+    return out, [e.name for e in prof.events() if kernel + "<" in e.name]
+
+
+def _bwd_kernel_names(fn):
+    return _kernel_names(fn, "bwd_kernel")
+
+
+def _fwd_kernel_names(fn):
+    return _kernel_names(fn, "fwd_kernel")
 
 
 def _bwd_step_rows(fn):
@@ -835,15 +843,6 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
 TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
 ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64's default)
 TWO_Q_TMA_STORE = 1 << 50   # hd64, bf16: two query buffers with the TMA-store epilogue (C111)
-
-
-def _fwd_kernel_names(fn):
-    """fn()'s result and the names of the CUDA forward kernels it launched."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fn()
-        torch.cuda.synchronize()
-    return out, [e.name for e in prof.events() if "fwd_kernel<" in e.name]
 
 
 BAND_MASKS = 1 << 51        # bf16, hd64: the plain kernel with band masks (C112)
