@@ -1,13 +1,14 @@
 """The forward's band masks (csrc/block_lists.cuh: key_band, column_mask), compiled as host
-C++ and checked against the column-range semantics: where every key of a tile has one
-visible interval of rows and all of them the same band, the per-row bounds that the band
-gives select exactly the visible scores, in each thread's columns of the accumulator
-(offsets 8 (c / 2) + c % 2 past 2 (lane % 4)). perf-notes C112."""
-import random
+C++ and checked against the column ranges the library's builders give the kernels: where
+every key of a tile has one visible interval of rows and all of them the same band, the
+per-row bounds that the band gives select exactly the visible scores, in each thread's
+columns of the accumulator (offsets 8 (c / 2) + c % 2 past 2 (lane % 4)). perf-notes C112."""
 import subprocess
 
 import pytest
+import torch
 
+from flexsparse import masks as M
 from host_programs import host_program
 
 TILE = 128     # keys per tile (kBlockN)
@@ -40,35 +41,40 @@ def test_column_mask_is_the_columns_in_range(run, cols):
         assert int(line) == want, (lo, hi, cols)
 
 
-def hidden_ranges(kind, j, R, p):
-    """(start, length) pairs of the rows key j hides, as the builders' column ranges."""
-    if kind == "causal":                      # rows i >= j see key j
-        return [(0, j), (0, 0)]
-    if kind == "sliding":                     # rows j <= i < j + W
-        return [(0, j), (j + p, max(R - j - p, 0))]
-    if kind == "lookahead":                   # rows j - p <= i <= j + p (clipped at 0)
-        return [(0, max(j - p, 0)), (j + p + 1, max(R - j - p - 1, 0))]
-    if kind == "document":                    # causal within documents of length p
-        end = (j // p + 1) * p
-        return [(0, j), (end, max(R - end, 0))]
-    if kind == "random":                      # FlashMask-like: any two ranges
-        rng = random.Random(j * 7919 + p)
-        return [(rng.randrange(-5, R + 5), rng.randrange(0, R)) for _ in range(2)]
-    raise ValueError(kind)
+def key_ranges(mask, Lq, Lk):
+    """Each key's two hidden row ranges as (start, length), from the column ranges that the
+    library's builders give the kernels (as the forward's load_extras stages them)."""
+    cr = mask.compile(1, 1, 1, Lq, Lk).col_ranges[0, 0].tolist()
+    out = []
+    for row in cr:
+        pairs = [(row[k], max(row[k + 1] - row[k], 0)) for k in range(0, len(row), 2)]
+        out.append((pairs + [(0, 0)])[:2])
+    return out
 
 
-@pytest.mark.parametrize("kind,p", [("causal", 0), ("sliding", 256), ("sliding", 64),
-                                    ("lookahead", 40), ("document", 300), ("random", 1)])
-@pytest.mark.parametrize("R", [1000, 777])
-def test_band_rows_equal_the_intervals(run, kind, p, R):
-    Lk = 1100
+def masks_under_test():
+    g = torch.Generator().manual_seed(7)
+    lts = torch.randint(0, 1000, (1, 1, 1100, 1), generator=g)
+    flashmask = torch.cat([lts, lts + torch.randint(0, 300, lts.shape, generator=g),
+                           torch.zeros_like(lts), torch.randint(0, 200, lts.shape, generator=g)], -1)
+    return {"causal": (M.causal(), 1000, 1100), "sliding256": (M.sliding_window(255), 1000, 1100),
+            "sliding64": (M.sliding_window(63), 777, 777),
+            "lookahead": (M.sliding_window(200, 30), 1000, 1100),
+            "lookahead_cross": (M.sliding_window(200, 30), 1100, 900),
+            "document": (M.document([300, 1, 400, 299]), 1000, 1000),
+            "prefix": (M.prefix_lm(300), 1000, 1100),
+            "flashmask": (M.column_ranges(flashmask, causal=False), 1000, 1100)}
+
+
+@pytest.mark.parametrize("kind", list(masks_under_test()))
+def test_band_rows_equal_the_intervals(run, kind):
+    mask, R, Lk = masks_under_test()[kind]
+    ranges = key_ranges(mask, R, Lk)
     banded = 0
     for j0 in range(0, Lk, TILE):
         keys = list(range(j0, min(j0 + TILE, Lk)))
-        lines = []
-        for j in keys:
-            (s0, l0), (s1, l1) = hidden_ranges(kind, j, R, p)
-            lines.append(f"B {R} {j} {s0} {l0} {s1} {l1}")
+        lines = [f"B {R} {j} {s0} {l0} {s1} {l1}" for j in keys
+                 for (s0, l0), (s1, l1) in [ranges[j]]]
         out = [line.split() for line in run(lines)]
         if any(o[0] != "ok" for o in out) or len({(o[3], o[4]) for o in out}) != 1:
             continue            # the kernel takes the staged intervals for this tile
@@ -89,7 +95,7 @@ def test_band_rows_equal_the_intervals(run, kind, p, R):
                 if j not in vis:
                     continue
                 s, n = vis[j]
-                assert bool(m >> c & 1) == (s <= i < s + n), (kind, p, R, j0, i, j)
+                assert bool(m >> c & 1) == (s <= i < s + n), (kind, R, j0, i, j)
     # causal and window masks have banded tiles; documents (each key's rows end at its
-    # document's end) and random ranges need not
-    assert banded > 0 or kind in ("document", "random")
+    # document's end), prefix-LM and FlashMask ranges need not
+    assert banded > 0 or kind in ("document", "prefix", "flashmask")
