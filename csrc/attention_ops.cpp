@@ -57,18 +57,17 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // order of its exponentials and dS (interleaved or not, C107), bf16, and at head dim 128
 // 2^49 the other of 0 and 1 lse / delta pairs read before the waits than the kernel's
 // (C110) (bwd_sm90.cuh);
-// probes of the forward (wrong results, timing only): 2^42 queries loaded for a CTA's
-// first work tiles only, 2^43 no O store; 2^44 the forward's two query buffers at hd128
-// (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92), 2^50 hd64's two
-// query buffers with the TMA-store epilogue (bf16, C111) and 2^51 its plain kernel with
-// band masks (bf16, hd64, C112) (fwd_sm90.cuh). (Earlier uses,
-// removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
-// across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
-// 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early
-// columns of C107 in the 80-row backward; 2^50 C110's two early statistics pairs; 2^51
-// C110's statistics by shuffles; 2^52 C99's L2 prefetch of the next query tile and 2^53
-// C100's backward without the dS barrier, both timed no better; 2^54 C104's one-warpgroup
-// dQ, slower.)
+// probes of the forward (wrong results, timing only): 2^42 queries loaded for a CTA's first
+// work tiles only, 2^43 no O store; 2^44 the forward's two query buffers at hd128
+// (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92) and 2^50 hd64's two
+// query buffers with the register-store epilogue (bf16, before C111) (fwd_sm90.cuh).
+// (Earlier uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn
+// ring run on across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax
+// probes, then 2^49 C96's early list walk probe, now every forward kernel's walk, then
+// C110's early columns of C107 in the 80-row backward; 2^50 C110's two early statistics
+// pairs; 2^51 C110's statistics by shuffles, then C112's band masks in hd64's plain
+// forward; 2^52 C99's L2 prefetch of the next query tile and 2^53 C100's backward without
+// the dS barrier, both timed no better; 2^54 C104's one-warpgroup dQ, slower.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
 int64_t debug_bits() {

@@ -203,34 +203,6 @@ __device__ __forceinline__ bool visible_interval(int2 a, int2 b, int R, int2& v)
   return true;
 }
 
-// A key's visible rows v = visible_interval's (start, length) of [0, R) as a band around
-// the key's own index j: rows j + a <= i < j + b, returned as (a, b), with b = kBandOpen
-// where the rows reach R (any b >= R - j then agrees: there are no rows past R). Where every
-// key of a tile has the same band (causal and sliding-window keys away from the last rows),
-// row i sees the tile's keys j with i - b < j <= i - a: two bounds per row, not a staged
-// interval per key (the forward's kBandMasks, perf-notes C112).
-constexpr int kBandOpen = 1 << 30;
-__device__ __forceinline__ int2 key_band(int2 v, int j, int R) {
-  const int end = v.x + v.y;
-  return make_int2(v.x - j, end >= R ? kBandOpen : end - j);
-}
-
-// How many of a thread's columns of an m64nN accumulator lie below column offset q of the
-// thread's first one: the thread's columns sit at 8 (c / 2) + (c % 2) past it (c = 0 ..
-// cols - 1), so the count is 2 (q / 8) + min(q % 8, 2) (FlashAttention-4's mask_r2p
-// transform), 0 for q <= 0, at most cols.
-__device__ __forceinline__ int columns_below(int q, int cols) {
-  if (q <= 0) return 0;
-  return min(2 * (q >> 3) + min(q & 7, 2), cols);
-}
-
-// Bit c set for the thread's columns c at offsets in [lo, hi) from its first column (cols
-// <= 32): per score then a bit test and a select, which ptxas makes R2P and FSEL.
-__device__ __forceinline__ uint32_t column_mask(int lo, int hi, int cols) {
-  auto below = [](int n) { return n >= 32 ? 0xffffffffu : (1u << n) - 1u; };
-  return below(columns_below(hi, cols)) & ~below(columns_below(lo, cols));
-}
-
 // Element predicate of a partial block at (query i, key j); i < Lq and j < Lk are
 // checked by the caller. block_q/block_k: the descriptor's block sizes (bitmaps).
 __device__ __forceinline__ bool visible(const PredicateParams& p, int b, int h, int i, int j,

@@ -171,19 +171,12 @@ namespace flexsparse::sm90 {
 // then stores from registers by 16-byte stores (the O staging buffer's shared memory
 // holds the second query buffer at hd128), or at hd64 through the staging buffer and TMA
 // when kTmaStore (opt-in, C111).
-// kBandMasks: partial tiles whose keys all show the same band of rows (key_band: causal
-// and sliding-window tiles) hide scores by two bounds per row and a bit mask of the
-// thread's columns (column_mask), not by the staged interval per key (opt-in, C112).
-// kNoBand: a warp whose keys share no band (a band's a is above -Lk).
-constexpr int kNoBand = INT_MIN;
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
-          bool kBandMasks_ = false>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr bool kBandMasks = kBandMasks_;
   static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kBiasTiles_ && (!kTmaStore_ || kHeadDim_ <= 64)),
                 "two query buffers: without the bias tiles, and with the O staging buffer at "
                 "head dim 64 only (beside them at 128 it would not fit)");
@@ -303,9 +296,6 @@ struct FwdTraits {
     // its slot, and the slot's previous tile is k - 2 kQBuffers. (Last member: the other
     // members' offsets do not depend on its size.)
     TileCursor cursor[2][2 * kQBuffers_];
-    // kBandMasks: per warp of each consumer warpgroup, the band its keys share in the
-    // partial tile being staged, or (kNoBand, 0); double-buffered as col_visible.
-    alignas(8) int2 band[kConsumerWarpgroups][2][kBandMasks_ ? kBlockN_ / 32 : 1];
   };
   // kBiasTiles: a key tile's bias, (queries, keys) with keys contiguous as in global memory,
   // in a buffer past SharedStorage, as two halves of (64, kBlockN), one per warpgroup.
@@ -676,9 +666,6 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // by_key: staged one key per thread (at most 2 ranges per key); all_interval: every
       // key of the tile shows one interval of rows (set when staged, by the barrier).
       bool by_key, all_interval;
-      // kBandMasks: every key of the tile shows the rows j + band_a <= i < j + band_b
-      bool band;
-      int band_a, band_b;
       int2 cr_vals[kStagedPerWarpgroup];
       uint32_t bias_pairs[kRows][kCols / 2];
     };
@@ -779,34 +766,14 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // Key wg_tid's two ranges where hide_ranges<2> reads them, and its visible interval;
         // the barrier (double-buffered as below) also ANDs whether every key has one.
         bool interval = true;
-        int2 vis = make_int2(0, 0);
         if (wg_tid < kBlockN) {
           const int2 s0 = x.cr_vals[0], s1 = x.cr_vals[1];
           reinterpret_cast<int4*>(ss.col_ranges[wg][buf])[wg_tid * 2] = make_int4(s0.x, s0.y, s1.x, s1.y);
+          int2 vis = make_int2(0, 0);
           interval = visible_interval(s0, s1, p.Lq, vis);
           ss.col_visible[wg][buf][wg_tid] = vis;
         }
-        if constexpr (T::kBandMasks) {
-          if (wg_tid < kBlockN) {   // whole warps (kBlockN is a multiple of 32)
-            const int2 kb = key_band(vis, j0 + wg_tid, p.Lq);
-            const int a0 = __shfl_sync(0xffffffffu, kb.x, 0), b0 = __shfl_sync(0xffffffffu, kb.y, 0);
-            const bool same = __all_sync(0xffffffffu, interval && kb.x == a0 && kb.y == b0);
-            if ((wg_tid & 31) == 0) ss.band[wg][buf][wg_tid / 32] = same ? make_int2(a0, b0) : make_int2(kNoBand, 0);
-          }
-        }
         x.all_interval = bar_sync_and_wg<128, kBarrierColRanges, kWarpgroups>(wg, interval);
-        if constexpr (T::kBandMasks) {
-          const int2 w0 = ss.band[wg][buf][0];
-          bool same = x.all_interval && w0.x != kNoBand;
-          CUTLASS_PRAGMA_UNROLL
-          for (int w = 1; w < kBlockN / 32; ++w) {
-            const int2 wv = ss.band[wg][buf][w];
-            same = same && wv.x == w0.x && wv.y == w0.y;
-          }
-          x.band = same;
-          x.band_a = w0.x;
-          x.band_b = w0.y;
-        }
       } else if (x.staged) {
         // This warpgroup's buffer (double-buffered: the barrier also tells that its
         // threads are done with the buffer of two tiles ago).
@@ -840,17 +807,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // Hide invisible scores, each predicate in its own branch-free pass. Rows past Lq
         // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = x.partial && !(p.debug & 1);
-        if (T::kBandMasks && x.by_key && preds && x.band) {
-          // row i sees the keys i - band_b < j <= i - band_a of the tile
-          static_assert(kCols <= 32, "one 32-bit mask of the thread's columns per row");
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kRows; ++r) {
-            const int i = i0 + row_base + 8 * r;
-            const uint32_t m = column_mask(i - x.band_b + 1 - j0 - col_base, i - x.band_a + 1 - j0 - col_base, kCols);
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < kCols; ++c) S(r, c) = (m >> c) & 1u ? S(r, c) : -INFINITY;
-          }
-        } else if (x.staged && preds && x.all_interval) {
+        if (x.staged && preds && x.all_interval) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; ++c) {
             const int jt = col_base + 8 * (c / 2) + (c & 1);
@@ -1508,25 +1465,24 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       // 17592186044416 (-1% full, causal and documents, +1% sliding 1024).
       const bool two_query_buffers =
           kHeadDim == 64 ? !(p.debug_high & 131072) : bool(p.debug_high & 8192);
-      // FLEXSPARSE_CUDA_DEBUG bit 2^50 (bf16, hd64): the two-buffer kernel with the TMA-store
-      // epilogue (the O staging buffer fits beside both query buffers at hd64; C111); bit
-      // 2^51 (bf16, hd64): the default plain kernel with band masks (C112; at hd128 the
-      // one-buffer kernel with them spilled 168 bytes against 8, so not built there).
-      if constexpr (kHeadDim == 64 && std::is_same_v<Element, cutlass::bfloat16_t>) {
-        if (two_query_buffers && (p.debug_high & (1 << 19))) {
-          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, true, false, 2, 2>>(
-              p, stream);
-          return;
-        }
-        if (two_query_buffers && (p.debug_high & (1 << 20))) {
-          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2,
-                               true>>(p, stream);
-          return;
-        }
-      }
+      // At hd64 the two-buffer kernel stores O through the staging buffer and TMA (it fits
+      // beside both query buffers there, ~164 KB; at hd128 the second query buffer takes its
+      // place and the epilogue stores from registers): H200 +1-2% sliding, causal and
+      // documents, +2% sliding 256 (docs/perf-notes.md C111). FLEXSPARSE_CUDA_DEBUG bit
+      // 2^50 (bf16): the register-store epilogue instead (A/Bs).
       if (two_query_buffers) {
-        launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
-            p, stream);
+        constexpr bool kTmaStoreBuilt = kHeadDim == 64;
+        constexpr bool kRegisterStoreBuilt = kHeadDim != 64 || std::is_same_v<Element, cutlass::bfloat16_t>;
+        if constexpr (kTmaStoreBuilt) {
+          if (!kRegisterStoreBuilt || !(p.debug_high & (1 << 19))) {
+            launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, true, false, 2, 2>>(
+                p, stream);
+            return;
+          }
+        }
+        if constexpr (kRegisterStoreBuilt)
+          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
+              p, stream);
         return;
       }
     }

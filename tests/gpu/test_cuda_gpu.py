@@ -842,62 +842,19 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
 
 TWO_Q_BUFFERS = 1 << 44    # FLEXSPARSE_CUDA_DEBUG: the forward's two query buffers (kQBuffers)
 ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64's default)
-TWO_Q_TMA_STORE = 1 << 50   # hd64, bf16: two query buffers with the TMA-store epilogue (C111)
-
-
-BAND_MASKS = 1 << 51        # bf16, hd64: the plain kernel with band masks (C112)
-
-
-@pytest.mark.parametrize("case", ["causal_64_4096_4096", "sliding256_64_4096_4096",
-                                  "sliding64_64_3001_3001", "lookahead_64_1500_2000",
-                                  "lookahead_64_2000_1500", "document_64_3001_3001",
-                                  "prefix_64_1000_1000"])
-def test_forward_band_masks_bitwise(case, monkeypatch):
-    """The forward with band masks (kBandMasks: partial tiles whose keys share one band of
-    rows hide scores by two bounds per row and a bit mask of the thread's columns) hides
-    exactly the scores the staged intervals hide: out and lse bit for bit against the
-    default kernel, for causal and window masks (tiles that are bands), a window that also
-    looks ahead with Lq != Lk (the diagonal offset), and documents and prefix-LM (tiles that
-    are not bands: the staged path runs), GQA, odd lengths; the kernel's name checked; and
-    against float64 on two cases."""
-    kind, D, Lq, Lk = case.split("_")
-    D, Lq, Lk = int(D), int(Lq), int(Lk)
-    torch.manual_seed(D + Lq + Lk)
-    B, Hq, Hkv = 2, 8, 2
-    mask = {"causal": M.causal(), "sliding256": M.sliding_window(255), "sliding64": M.sliding_window(63),
-            "lookahead": M.sliding_window(200, 30), "document": M.document([1000, 1, 1500, 500]),
-            "prefix": M.prefix_lm(300)}[kind]
-    desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
-    q = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=torch.bfloat16)
-    k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
-    results = {}
-    for bits in (0, BAND_MASKS):
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
-        torch.empty(2 * B * Hq * Lq * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
-        results[bits], names = _fwd_kernel_names(
-            lambda: flexsparse.attention(q, k, v, desc, backend="cuda", return_lse=True))
-        if bits == BAND_MASKS:
-            assert UNDER_SANITIZER or names and all(
-                re.search(r"FwdTraits<[^,]+, 64, .*, 2, 2, true>", n) for n in names), names
-    out0, lse0 = results[0]
-    out1, lse1 = results[BAND_MASKS]
-    assert torch.isfinite(out1).all() and not torch.isnan(lse1).any()
-    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
-    if case in ("sliding256_64_4096_4096", "lookahead_64_2000_1500"):
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(BAND_MASKS))
-        check(1, 4, Hkv, Lq, Lk, D, mask, torch.bfloat16, backward=False)
+TWO_Q_REGISTER_STORE = 1 << 50   # hd64, bf16: two query buffers storing O from registers (before C111)
 
 
 @pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",
                                   "causal_64_4096", "layout_128_2000", "layout_64_1000"])
 def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     """The forward with two query buffers (kQBuffers = 2: the next work tile's queries load
-    while this one runs; the epilogue stores from registers) computes what the default
-    kernel does: out and lse bit for bit, over many work tiles per CTA (both buffers, each
-    several phases), odd lengths, GQA, and block layouts with empty query-block rows (work
-    tiles with nothing listed); and against float64 (check()). Its epilogue: 16-byte stores
-    after a transpose within each quad, or at hd64 with bit 2^50 the TMA store through the
-    O staging buffer (C111, the kernel's name checked). The reference is the one-buffer kernel
+    while this one runs) computes what the one-buffer kernel does: out and lse bit for bit,
+    over many work tiles per CTA (both buffers, each several phases), odd lengths, GQA, and
+    block layouts with empty query-block rows (work tiles with nothing listed); and against
+    float64 (check()). Its epilogue: at hd64 the TMA store through the O staging buffer
+    (C111), or with bit 2^50 16-byte stores from registers after a transpose within each
+    quad, hd128's (the kernels' names checked). The reference is the one-buffer kernel
     (ONE_Q_BUFFER: at hd64 two buffers are the default, at hd128 TWO_Q_BUFFERS asks).
     Both kernels hand the producer's started list cursors to the consumers through shared
     memory (SharedStorage::cursor), one slot per work tile for two (one buffer) or four
@@ -918,17 +875,18 @@ def test_forward_two_query_buffers_bitwise(case, monkeypatch):
     q = torch.randn(B, Hq, L, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, L, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
     results = {}
-    variants = (0, TWO_Q_BUFFERS, TWO_Q_TMA_STORE)
+    variants = (0, TWO_Q_BUFFERS, TWO_Q_REGISTER_STORE)
     for bits in (ONE_Q_BUFFER, *variants):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(2 * B * Hq * L * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], names = _fwd_kernel_names(
             lambda: flexsparse.attention(q, k, v, desc, backend="cuda", return_lse=True))
-        if bits == TWO_Q_TMA_STORE and D == 64:
+        if D == 64 and bits in (0, TWO_Q_REGISTER_STORE):
             # FwdTraits<bf16, 64, 128, 3, overlap, regs, kTmaStore, kPlain, kBiasTiles, 2, kQBuffers>
+            tma_store = "false" if bits else "true"
             assert UNDER_SANITIZER or names and all(
-                re.search(r"FwdTraits<[^,]+, 64, 128, 3, true, \d+, true, true, false, 2, 2>", n)
-                for n in names), names
+                re.search(rf"FwdTraits<[^,]+, 64, 128, 3, true, \d+, {tma_store}, true, false, 2, 2>", n)
+                for n in names), (bits, names)
     out0, lse0 = results[ONE_Q_BUFFER]
     assert torch.isfinite(out0).all() and not torch.isnan(lse0).any()
     for bits in variants:
