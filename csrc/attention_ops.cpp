@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -81,6 +82,21 @@ void set_debug(Params& p) {
   const int64_t bits = debug_bits();
   p.debug = static_cast<int>(bits & 0x7fffffff);
   p.debug_high = static_cast<int>(bits >> 31);
+}
+
+// C113's probe (docs/perf-notes.md): with FLEXSPARSE_CUDA_DEBUG bit 2^52, the band of
+// FLEXSPARSE_CUDA_BAND="a,b" ("a,open": rows to Lq) for the forward's band kernels, which
+// then hide the partial tiles' scores by it instead of staging the column ranges. Timing
+// only: nothing checks that the band is the call's mask (a wrong one gives wrong results).
+void set_band_probe(AttentionParams& p) {
+  const char* band = std::getenv("FLEXSPARSE_CUDA_BAND");
+  if (!(p.debug_high & (1 << 21)) || band == nullptr || p.pred.col_ranges == nullptr) return;
+  char* end = nullptr;
+  p.pred.band_a = static_cast<int>(std::strtol(band, &end, 10));
+  FLEXSPARSE_CHECK(end != band && *end == ',', "flexsparse cuda: FLEXSPARSE_CUDA_BAND ", band,
+                   " (expected \"a,b\" or \"a,open\")");
+  p.pred.band_b = std::strcmp(end + 1, "open") == 0 ? kBandOpen : static_cast<int>(std::strtol(end + 1, nullptr, 10));
+  p.pred.band = true;
 }
 
 // TMA (block kernels) and 16-byte cp.async (index kernel) need the last dim contiguous,
@@ -365,6 +381,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
   set_debug(p);
+  set_band_probe(p);
   if (p.B * p.Hq * p.Lq == 0) return {out, lse};
   auto stream = at::cuda::getCurrentCUDAStream();
   // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);

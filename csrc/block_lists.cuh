@@ -203,6 +203,24 @@ __device__ __forceinline__ bool visible_interval(int2 a, int2 b, int R, int2& v)
   return true;
 }
 
+// How many of a thread's columns of an m64nN accumulator lie below column offset q of the
+// thread's first one: the thread's columns sit at 8 (c / 2) + (c % 2) past it (c = 0 ..
+// cols - 1), so the count is 2 (q / 8) + min(q % 8, 2) (FlashAttention-4's mask_r2p
+// transform), 0 for q <= 0, at most cols.
+__device__ __forceinline__ int columns_below(int q, int cols) {
+  if (q <= 0) return 0;
+  const int r = q & 7;
+  const int n = 2 * (q >> 3) + (r < 2 ? r : 2);
+  return n < cols ? n : cols;
+}
+
+// Bit c set for the thread's columns c at offsets in [lo, hi) from its first column (cols
+// <= 32): per score then a bit test and a select, which ptxas makes R2P and FSEL.
+__device__ __forceinline__ uint32_t column_mask(int lo, int hi, int cols) {
+  auto below = [](int n) { return n >= 32 ? 0xffffffffu : (1u << n) - 1u; };
+  return below(columns_below(hi, cols)) & ~below(columns_below(lo, cols));
+}
+
 // Element predicate of a partial block at (query i, key j); i < Lq and j < Lk are
 // checked by the caller. block_q/block_k: the descriptor's block sizes (bitmaps).
 __device__ __forceinline__ bool visible(const PredicateParams& p, int b, int h, int i, int j,

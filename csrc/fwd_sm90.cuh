@@ -170,12 +170,18 @@ namespace flexsparse::sm90 {
 // C92). The default at hd64 (short work tiles gain most), opt-in at hd128; the epilogue
 // then stores from registers by 16-byte stores (the O staging buffer's shared memory
 // holds the second query buffer at hd128), or at hd64 through the staging buffer and TMA
-// when kTmaStore (opt-in, C111).
+// when kTmaStore (hd64's default, C111).
+// kBandMasks (C113, an opt-in probe): where the call has a band (PredicateParams::band),
+// partial tiles hide their scores by two bounds per row made into a bit mask of the
+// thread's columns (column_mask: R2P and FSEL) and stage no column ranges (no loads, no
+// shared-memory interval, no warpgroup barrier).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
-          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1>
+          bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
+          bool kBandMasks_ = false>
 struct FwdTraits {
   using Element = Element_;
+  static constexpr bool kBandMasks = kBandMasks_;
   static constexpr int kQBuffers = kQBuffers_;
   static_assert(kQBuffers_ == 1 || (kQBuffers_ == 2 && !kBiasTiles_ && (!kTmaStore_ || kHeadDim_ <= 64)),
                 "two query buffers: without the bias tiles, and with the O staging buffer at "
@@ -614,6 +620,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // Whether this work tile's partial tiles stage their column ranges, and one key per
     // thread (see load_extras): set per work tile, not recomputed per tile.
     bool stage_ranges = false, stage_by_key = false;
+    // kBandMasks: the call's band hides the partial tiles' scores (nothing staged).
+    const bool band_tiles = T::kBandMasks && p.pred.band && p.pred.col_ranges != nullptr;
     const uint8_t* dense = nullptr;
     const int32_t* bits_row = nullptr;
     auto set_tile_inputs = [&] {
@@ -627,7 +635,7 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const PredicateParams& pr = p.pred;
       cr_base = pr.col_ranges == nullptr ? nullptr
           : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
-      stage_ranges = cr_base != nullptr && pr.n_col_ranges <= kMaxStagedRanges && !(p.debug & 4);
+      stage_ranges = cr_base != nullptr && pr.n_col_ranges <= kMaxStagedRanges && !(p.debug & 4) && !band_tiles;
       stage_by_key = stage_ranges && pr.n_col_ranges <= 2 && !(p.debug & 8);
       dense = T::kPlain || pr.dense == nullptr ? nullptr
           : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
@@ -807,7 +815,20 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // Hide invisible scores, each predicate in its own branch-free pass. Rows past Lq
         // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = x.partial && !(p.debug & 1);
-        if (x.staged && preds && x.all_interval) {
+        if (T::kBandMasks && band_tiles && preds) {
+          // Row i sees the keys i - band_b < j <= i - band_a below Lk: as offsets from this
+          // thread's first column, one 32-bit mask of its columns per row.
+          static_assert(kCols <= 32, "one 32-bit mask of the thread's columns per row");
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const int i = i0 + row_base + 8 * r;
+            const int first = j0 + col_base;
+            const uint32_t m = column_mask(i - p.pred.band_b + 1 - first,
+                                           min(i - p.pred.band_a + 1, p.Lk) - first, kCols);
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kCols; ++c) S(r, c) = (m >> c) & 1u ? S(r, c) : -INFINITY;
+          }
+        } else if (x.staged && preds && x.all_interval) {
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < kCols; ++c) {
             const int jt = col_base + 8 * (c / 2) + (c & 1);
@@ -1470,9 +1491,19 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       // place and the epilogue stores from registers): H200 +1-2% sliding, causal and
       // documents, +2% sliding 256 (docs/perf-notes.md C111). FLEXSPARSE_CUDA_DEBUG bit
       // 2^50 (bf16): the register-store epilogue instead (A/Bs).
+      // FLEXSPARSE_CUDA_DEBUG bit 2^52 with a band (C113's probe, bf16): the band kernels.
+      constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
+      const bool band = kBf16 && p.pred.band && (p.debug_high & (1 << 21));
       if (two_query_buffers) {
         constexpr bool kTmaStoreBuilt = kHeadDim == 64;
-        constexpr bool kRegisterStoreBuilt = kHeadDim != 64 || std::is_same_v<Element, cutlass::bfloat16_t>;
+        constexpr bool kRegisterStoreBuilt = kHeadDim != 64 || kBf16;
+        if constexpr (kTmaStoreBuilt && kBf16) {
+          if (band) {
+            launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, true, false, 2, 2,
+                                 true>>(p, stream);
+            return;
+          }
+        }
         if constexpr (kTmaStoreBuilt) {
           if (!kRegisterStoreBuilt || !(p.debug_high & (1 << 19))) {
             launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, true, true, false, 2, 2>>(
@@ -1484,6 +1515,13 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
           launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, false, true, false, 2, 2>>(
               p, stream);
         return;
+      }
+      if constexpr (kHeadDim == 128 && kBf16) {
+        if (band) {
+          launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true, false, 2, 1,
+                               true>>(p, stream);
+          return;
+        }
       }
     }
     launch_fwd<FwdTraits<Element, kHeadDim, kBlockN, kStages, true, kOverlapRegs, kTma, true>>(p, stream);

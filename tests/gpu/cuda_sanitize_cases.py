@@ -113,6 +113,18 @@ def main():
             os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(bits)
             run(f"[debug {bits and '2^50'}] two query buffers {epilogue} hd64 sliding odd gqa", 1, 8, 2,
                 4601, 4601, 64, M.sliding_window(256), backward=False)
+    if not only or "band" in only:
+        # C113's band kernels (bit 2^52 with FLEXSPARSE_CUDA_BAND, forward only): odd
+        # lengths (tiles crossing Lk), GQA, and Lq != Lk (the band's offset)
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 52)
+        for name, Lq, Lk, D, (left, right) in (("sliding odd gqa hd64", 4601, 4601, 64, (255, 0)),
+                                                ("lookahead cross hd128", 1500, 2001, 128, (200, 30)),
+                                                ("causal cross hd64", 2001, 1500, 64, (None, 0))):
+            off = Lk - Lq
+            os.environ["FLEXSPARSE_CUDA_BAND"] = f"{-off - right},{'open' if left is None else -off + left + 1}"
+            run(f"[debug 2^52] band {name}", 1, 8, 2, Lq, Lk, D, M.sliding_window(left, right),
+                backward=False)
+        del os.environ["FLEXSPARSE_CUDA_BAND"]
 
 if __name__ == "__main__":
     main()

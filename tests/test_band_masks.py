@@ -1,0 +1,82 @@
+"""The forward's band masks (C113; csrc/block_lists.cuh: column_mask), compiled as host C++,
+and the band of a causal or sliding-window mask checked against the column ranges the
+library's builders give the kernels: the per-row bounds i - b < j <= i - a (and j < Lk),
+taken to each thread's columns of the accumulator (offsets 8 (c / 2) + c % 2 past
+2 (lane % 4)), select exactly the visible scores of every row and key. docs/perf-notes.md
+C113."""
+import subprocess
+
+import pytest
+import torch
+
+from flexsparse import masks as M
+from host_programs import host_program
+
+TILE = 128     # keys per tile (kBlockN)
+COLS = 32      # a thread's columns of an m64n128 accumulator
+OPEN = 1 << 30  # kBandOpen
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    exe = host_program(tmp_path_factory, "band_masks")
+
+    def run(lines):
+        out = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
+                             text=True, check=True).stdout.split("\n")
+        return out[:len(lines)]
+    return run
+
+
+def thread_offsets(cols):
+    return [8 * (c // 2) + c % 2 for c in range(cols)]
+
+
+@pytest.mark.parametrize("cols", [32, 16])
+def test_column_mask_is_the_columns_in_range(run, cols):
+    offsets = thread_offsets(cols)
+    cases = [(lo, hi) for lo in range(-9, 8 * cols // 2 + 10, 3) for hi in range(-9, 8 * cols // 2 + 10)]
+    cases += [(-(1 << 30), 5), (3, 1 << 30), (-(1 << 30), 1 << 30), (7, 7), (9, 2)]
+    got = run([f"M {lo} {hi} {cols}" for lo, hi in cases])
+    for (lo, hi), line in zip(cases, got):
+        want = sum(1 << c for c, o in enumerate(offsets) if lo <= o < hi)
+        assert int(line) == want, (lo, hi, cols)
+
+
+def band(left, right, Lq, Lk):
+    """(a, b) of sliding_window(left, right): key j shows the rows j + a <= i < j + b (what
+    the GPU tests pass in FLEXSPARSE_CUDA_BAND)."""
+    off = Lk - Lq
+    return -off - right, OPEN if left is None else -off + left + 1
+
+
+def visible_rows(mask, Lq, Lk):
+    """visible[i][j] from the column ranges the library's builders give the kernels (each
+    key's hidden row ranges [start, end))."""
+    cr = mask.compile(1, 1, 1, Lq, Lk).col_ranges[0, 0]
+    rows = torch.arange(Lq).view(Lq, 1)
+    hidden = torch.zeros(Lq, Lk, dtype=torch.bool)
+    for k in range(0, cr.shape[-1], 2):
+        hidden |= (rows >= cr[:, k].view(1, Lk)) & (rows < cr[:, k + 1].view(1, Lk))
+    return ~hidden
+
+
+@pytest.mark.parametrize("left,right,Lq,Lk", [(None, 0, 700, 700), (None, 0, 700, 900),
+                                              (None, 0, 900, 700), (255, 0, 1000, 1000),
+                                              (63, 0, 777, 777), (200, 30, 1000, 1100),
+                                              (200, 30, 1100, 900), (0, 0, 300, 300)])
+def test_band_rows_equal_the_column_ranges(run, left, right, Lq, Lk):
+    a, b = band(left, right, Lq, Lk)
+    vis = visible_rows(M.sliding_window(left, right), Lq, Lk)
+    offsets = thread_offsets(COLS)
+    for j0 in range(0, Lk, TILE):
+        queries = [(i, cb, f"M {i - b + 1 - j0 - cb} {min(i - a + 1, Lk) - j0 - cb} {COLS}")
+                   for i in range(Lq) for cb in (0, 2, 4, 6)]
+        for (i, cb, _), m in zip(queries, run([q[2] for q in queries])):
+            m = int(m)
+            for c, o in enumerate(offsets):
+                j = j0 + cb + o
+                if j < Lk:
+                    assert bool(m >> c & 1) == bool(vis[i, j]), (left, right, Lq, Lk, i, j)
+                else:
+                    assert not m >> c & 1, (left, right, Lq, Lk, i, j)
