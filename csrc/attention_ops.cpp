@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -60,15 +59,16 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // (C110) (bwd_sm90.cuh);
 // probes of the forward (wrong results, timing only): 2^42 queries loaded for a CTA's first
 // work tiles only, 2^43 no O store; 2^44 the forward's two query buffers at hd128
-// (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92) and 2^50 hd64's two
-// query buffers with the register-store epilogue (bf16, before C111) (fwd_sm90.cuh).
-// (Earlier uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn
-// ring run on across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax
-// probes, then 2^49 C96's early list walk probe, now every forward kernel's walk, then
-// C110's early columns of C107 in the 80-row backward; 2^50 C110's two early statistics
-// pairs; 2^51 C110's statistics by shuffles, then C112's band masks in hd64's plain
-// forward; 2^52 C99's L2 prefetch of the next query tile and 2^53 C100's backward without
-// the dS barrier, both timed no better; 2^54 C104's one-warpgroup dQ, slower.)
+// (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92), 2^50 hd64's two
+// query buffers with the register-store epilogue (bf16, before C111) and 2^52 the staged
+// column ranges where a window would take the band kernels (C113) (fwd_sm90.cuh). (Earlier
+// uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
+// across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
+// 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early
+// columns of C107 in the 80-row backward; 2^50 C110's two early statistics pairs; 2^51
+// C110's statistics by shuffles, then C112's band masks in hd64's plain forward; 2^52 C99's
+// L2 prefetch of the next query tile and 2^53 C100's backward without the dS barrier, both
+// timed no better; 2^54 C104's one-warpgroup dQ, slower.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
 int64_t debug_bits() {
@@ -82,21 +82,6 @@ void set_debug(Params& p) {
   const int64_t bits = debug_bits();
   p.debug = static_cast<int>(bits & 0x7fffffff);
   p.debug_high = static_cast<int>(bits >> 31);
-}
-
-// C113's probe (docs/perf-notes.md): with FLEXSPARSE_CUDA_DEBUG bit 2^52, the band of
-// FLEXSPARSE_CUDA_BAND="a,b" ("a,open": rows to Lq) for the forward's band kernels, which
-// then hide the partial tiles' scores by it instead of staging the column ranges. Timing
-// only: nothing checks that the band is the call's mask (a wrong one gives wrong results).
-void set_band_probe(AttentionParams& p) {
-  const char* band = std::getenv("FLEXSPARSE_CUDA_BAND");
-  if (!(p.debug_high & (1 << 21)) || band == nullptr || p.pred.col_ranges == nullptr) return;
-  char* end = nullptr;
-  p.pred.band_a = static_cast<int>(std::strtol(band, &end, 10));
-  FLEXSPARSE_CHECK(end != band && *end == ',', "flexsparse cuda: FLEXSPARSE_CUDA_BAND ", band,
-                   " (expected \"a,b\" or \"a,open\")");
-  p.pred.band_b = std::strcmp(end + 1, "open") == 0 ? kBandOpen : static_cast<int>(std::strtol(end + 1, nullptr, 10));
-  p.pred.band = true;
 }
 
 // TMA (block kernels) and 16-byte cp.async (index kernel) need the last dim contiguous,
@@ -356,7 +341,8 @@ std::tuple<Tensor, Tensor> cuda_attention(
     const OptTensor& kv_full_index, const OptTensor& q_count, const OptTensor& q_index,
     const OptTensor& q_full_count, const OptTensor& q_full_index, const OptTensor& dense_mask,
     const OptTensor& col_ranges, const OptTensor& partial_bits_index,
-    const OptTensor& partial_bits, const OptTensor& attn_indices, int64_t block_q,
+    const OptTensor& partial_bits, const OptTensor& attn_indices, const OptTensor& window,
+    int64_t block_q,
     int64_t block_k, double scale, double softcap, bool deterministic) {
   (void)deterministic;   // the forward is deterministic
   c10::cuda::CUDAGuard guard(query.device());
@@ -365,7 +351,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
   if (attn_indices.has_value()) {
     FLEXSPARSE_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
                               q_full_count, q_full_index, dense_mask, col_ranges,
-                              partial_bits_index, partial_bits}),
+                              partial_bits_index, partial_bits, window}),
                 "flexsparse cuda: an index mask (attn_indices) takes no other mask tensors");
     return index_attention(in, *attn_indices, scale, softcap);
   }
@@ -373,6 +359,15 @@ std::tuple<Tensor, Tensor> cuda_attention(
                                   q_index, q_full_count, q_full_index, dense_mask, col_ranges,
                                   partial_bits_index, partial_bits, block_q, block_k, scale,
                                   softcap, /*need_q_lists=*/false);
+  if (window.has_value() && p.pred.col_ranges != nullptr) {
+    // the forward's band kernels read (left, right) on the device (no host read, no sync)
+    Tensor w = window->contiguous();
+    FLEXSPARSE_CHECK(w.device() == query.device() && w.scalar_type() == at::kInt && w.numel() == 2,
+                     "flexsparse cuda: window must be int32 (2,) on the query's device, got ",
+                     w.scalar_type(), " ", w.sizes(), " on ", w.device());
+    in.keep.push_back(w);
+    p.pred.window = w.data_ptr<int32_t>();
+  }
   Tensor out = at::empty(query.sizes(), query.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, query.options().dtype(at::kFloat));
   p.out = out.data_ptr();
@@ -381,7 +376,6 @@ std::tuple<Tensor, Tensor> cuda_attention(
   // prefix-LM) the grid's last wave then holds light tiles; neutral for uniform masks.
   p.reverse_tiles = true;
   set_debug(p);
-  set_band_probe(p);
   if (p.B * p.Hq * p.Lq == 0) return {out, lse};
   auto stream = at::cuda::getCurrentCUDAStream();
   // The persistent kernel's work-tile counter, zeroed on the stream (graph-capturable);
@@ -470,7 +464,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     const OptTensor& kv_full_index, const OptTensor& q_count, const OptTensor& q_index,
     const OptTensor& q_full_count, const OptTensor& q_full_index, const OptTensor& dense_mask,
     const OptTensor& col_ranges, const OptTensor& partial_bits_index,
-    const OptTensor& partial_bits, const OptTensor& attn_indices, int64_t block_q,
+    const OptTensor& partial_bits, const OptTensor& attn_indices, const OptTensor& window,
+    int64_t block_q,
     int64_t block_k, double scale, double softcap, bool deterministic, bool bias_requires_grad) {
   c10::cuda::CUDAGuard guard(query.device());
   check_sm90(query);
@@ -478,7 +473,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
   if (attn_indices.has_value()) {
     FLEXSPARSE_CHECK(!any_present({kv_count, kv_index, kv_full_count, kv_full_index, q_count, q_index,
                               q_full_count, q_full_index, dense_mask, col_ranges,
-                              partial_bits_index, partial_bits}),
+                              partial_bits_index, partial_bits, window}),
                 "flexsparse cuda: an index mask (attn_indices) takes no other mask tensors");
     return index_attention_backward(grad_out, grad_lse, in, out, lse, *attn_indices, scale,
                                     softcap, bias_requires_grad);

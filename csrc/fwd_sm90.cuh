@@ -171,10 +171,10 @@ namespace flexsparse::sm90 {
 // then stores from registers by 16-byte stores (the O staging buffer's shared memory
 // holds the second query buffer at hd128), or at hd64 through the staging buffer and TMA
 // when kTmaStore (hd64's default, C111).
-// kBandMasks (C113, an opt-in probe): where the call has a band (PredicateParams::band),
-// partial tiles hide their scores by two bounds per row made into a bit mask of the
-// thread's columns (column_mask: R2P and FSEL) and stage no column ranges (no loads, no
-// shared-memory interval, no warpgroup barrier).
+// kBandMasks (C113): where the call has a window (PredicateParams::window), partial tiles
+// hide their scores by two bounds per row made into a bit mask of the thread's columns
+// (column_mask: R2P and FSEL) and stage no column ranges (no loads, no shared-memory
+// interval, no warpgroup barrier).
 template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kOverlap_ = false,
           int kConsumerRegs_ = 232, bool kTmaStore_ = true, bool kPlain_ = false,
           bool kBiasTiles_ = false, int kConsumerWarpgroups_ = 2, int kQBuffers_ = 1,
@@ -620,8 +620,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // Whether this work tile's partial tiles stage their column ranges, and one key per
     // thread (see load_extras): set per work tile, not recomputed per tile.
     bool stage_ranges = false, stage_by_key = false;
-    // kBandMasks: the call's band hides the partial tiles' scores (nothing staged).
-    const bool band_tiles = T::kBandMasks && p.pred.band && p.pred.col_ranges != nullptr;
+    // kBandMasks: the call's window hides the partial tiles' scores (nothing staged).
+    const bool band_tiles = T::kBandMasks && p.pred.window != nullptr && p.pred.col_ranges != nullptr;
     const uint8_t* dense = nullptr;
     const int32_t* bits_row = nullptr;
     auto set_tile_inputs = [&] {
@@ -816,15 +816,18 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         // need no mask: they are never stored, and their scores (zero queries) are finite.
         const bool preds = x.partial && !(p.debug & 1);
         if (T::kBandMasks && band_tiles && preds) {
-          // Row i sees the keys i - band_b < j <= i - band_a below Lk: as offsets from this
-          // thread's first column, one 32-bit mask of its columns per row.
+          // Key j shows the rows j + band_a <= i < j + band_b, so row i sees the keys
+          // i - band_b < j <= i - band_a below Lk: as offsets from this thread's first column,
+          // one 32-bit mask of its columns per row. (The window is read per tile, from L1:
+          // held across the loop it cost hd128's kernel 36 more bytes of spills.)
           static_assert(kCols <= 32, "one 32-bit mask of the thread's columns per row");
+          const int left = __ldg(p.pred.window), right = __ldg(p.pred.window + 1);
+          const int band_a = p.Lq - p.Lk - right, band_b = p.Lq - p.Lk + left + 1;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) {
             const int i = i0 + row_base + 8 * r;
             const int first = j0 + col_base;
-            const uint32_t m = column_mask(i - p.pred.band_b + 1 - first,
-                                           min(i - p.pred.band_a + 1, p.Lk) - first, kCols);
+            const uint32_t m = column_mask(i - band_b + 1 - first, min(i - band_a + 1, p.Lk) - first, kCols);
             CUTLASS_PRAGMA_UNROLL
             for (int c = 0; c < kCols; ++c) S(r, c) = (m >> c) & 1u ? S(r, c) : -INFINITY;
           }
@@ -1491,9 +1494,11 @@ void launch_fwd_schedule(AttentionParams const& p, cudaStream_t stream, bool ove
       // place and the epilogue stores from registers): H200 +1-2% sliding, causal and
       // documents, +2% sliding 256 (docs/perf-notes.md C111). FLEXSPARSE_CUDA_DEBUG bit
       // 2^50 (bf16): the register-store epilogue instead (A/Bs).
-      // FLEXSPARSE_CUDA_DEBUG bit 2^52 with a band (C113's probe, bf16): the band kernels.
+      // Calls with a window (sliding_window's descriptors), bf16: the band kernels (H200:
+      // +4-20% on windows of 64-4096 keys; docs/perf-notes.md C113); FLEXSPARSE_CUDA_DEBUG
+      // bit 2^52: the staged column ranges instead (A/Bs).
       constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
-      const bool band = kBf16 && p.pred.band && (p.debug_high & (1 << 21));
+      const bool band = kBf16 && p.pred.window != nullptr && !(p.debug_high & (1 << 21));
       if (two_query_buffers) {
         constexpr bool kTmaStoreBuilt = kHeadDim == 64;
         constexpr bool kRegisterStoreBuilt = kHeadDim != 64 || kBf16;

@@ -26,10 +26,6 @@ struct BlockListParams {
 };
 
 // Element predicates of partial blocks; all present ones are ANDed.
-// A band's open end (PredicateParams::band_b): rows to Lq, whatever j (|a| and j stay far
-// below it, so i - b + 1 cannot overflow).
-constexpr int kBandOpen = 1 << 30;
-
 struct PredicateParams {
   // dense bool mask, broadcastable (B, H, Lq, Lk); strides 0 where broadcast.
   const uint8_t* dense = nullptr;
@@ -47,11 +43,11 @@ struct PredicateParams {
   const int32_t* bits = nullptr;
   int64_t bits_sp = 0, bits_sr = 0;
   int bits_count = 0;             // P: an index outside [0, P) reads no bitmap, as -1
-  // A band (C113, opt-in probe: FLEXSPARSE_CUDA_BAND with debug bit 2^52): key j is visible
-  // to the rows j + band_a <= i < j + band_b (band_b = kBandOpen: to Lq), the same mask as
-  // the column ranges (causal, sliding windows), so kernels built for it need not stage them.
-  bool band = false;
-  int band_a = 0, band_b = 0;
+  // The descriptor's window hint, int32 (left, right) on the device, or null: the column
+  // ranges are sliding_window(left, right)'s (query i sees key j iff i' - left <= j <=
+  // i' + right, i' = i + Lk - Lq), so the forward's band kernels (kBandMasks) hide the
+  // partial tiles' scores by it instead of staging the ranges (perf-notes C113).
+  const int32_t* window = nullptr;
 };
 
 // What every attention kernel reads and writes besides its mask: query, key, value, the

@@ -109,8 +109,9 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
             raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
         mt = mask.mask_tensors()
         for name, t in zip(mt._fields, mt):
-            # every mask tensor but the bitmap pool (P, block_q, words) has a batch dim
-            if name != "partial_bits" and t is not None and not dim_in(t.shape[0], 1):
+            # every mask tensor but the bitmap pool (P, block_q, words) and the window (2,)
+            # has a batch dim
+            if name not in ("partial_bits", "window") and t is not None and not dim_in(t.shape[0], 1):
                 check_sizes((t.shape[0],), (B,),
                             f"mask: descriptor tensor {name} has batch {{got}}, inputs have "
                             f"B={{want}} (it must be 1 or B)")

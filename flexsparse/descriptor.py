@@ -42,6 +42,10 @@ class BlockDescriptor:
     partial_bits_index: Optional[torch.Tensor] = None
     partial_bits: Optional[torch.Tensor] = None
     attn_indices: Optional[torch.Tensor] = None
+    # int32 (2,) = (left, right) where col_ranges are exactly sliding_window(left, right)'s
+    # (a hint: kernels may hide scores by the window instead of reading col_ranges; the
+    # builder of sliding_window sets it, docs/design.md)
+    window: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------ construction
 

@@ -398,7 +398,8 @@ class _ColumnRanges(Mask):
     def __init__(self, build: Callable[[Sizes], List[Tuple[str, torch.Tensor]]], text: str,
                  device=None, kv_heads_hint=None, cacheable=True,
                  spec: Optional[Callable[[Sizes], Optional[IntervalSpec]]] = None,
-                 fast: Optional[Callable[[Sizes], Optional[BlockDescriptor]]] = None):
+                 fast: Optional[Callable[[Sizes], Optional[BlockDescriptor]]] = None,
+                 window: Optional[Tuple[int, int]] = None):
         # text: the repr, or a function making it when first asked (eagerly: under
         # torch.compile a mask's int arguments may be symbolic, and Dynamo cannot format
         # them into a string, "BUILD_STRING type error", so the text waits)
@@ -410,6 +411,9 @@ class _ColumnRanges(Mask):
         # The whole descriptor from one op call (flexsparse/build_op.py), or None where
         # the op is not used for these sizes and device (then the builds below run).
         self.fast = fast
+        # (left, right) where the ranges are sliding_window(left, right)'s: the descriptor's
+        # `window` hint (the CUDA forward then hides scores by it, perf-notes C113).
+        self.window = window
 
     @property
     def text(self) -> str:
@@ -448,6 +452,15 @@ class _ColumnRanges(Mask):
         return self.fast(sz) if self.fast is not None else None
 
     def _descriptor(self, sz):
+        desc = self._ranges_descriptor(sz)
+        if self.window is not None and desc.col_ranges is not None:
+            # (left, right) on the device, without a host-to-device copy (no sync)
+            window = torch.full((2,), self.window[0], dtype=torch.int32, device=desc.col_ranges.device)
+            window[1] = self.window[1]
+            desc.window = window
+        return desc
+
+    def _ranges_descriptor(self, sz):
         desc = self._op_descriptor(sz)
         if desc is not None:
             return desc
@@ -574,8 +587,9 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
         lo = () if right is None else (Term(COL, -sz.offset - right),)
         hi = () if left is None else (Term(COL, -sz.offset + left + 1),)
         return IntervalSpec((Interval(lo, hi),))
+    window = None if left is None or right is None else (left, right)
     return _ColumnRanges(build, lambda: f"sliding_window(left={left}, right={right})",
-                         spec=spec)
+                         spec=spec, window=window)
 
 
 def _as_lengths(lengths, name) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Checks of the raw op's inputs: the 13 mask tensors (and query/key/value/bias) against
+"""Checks of the raw op's inputs: the 14 mask tensors (and query/key/value/bias) against
 the contract in docs/design.md ("The raw op's contract"), before any kernel runs.
 
 Only shapes, dtypes, devices and the two floats are read, never tensor data (except under
@@ -221,6 +221,15 @@ def check_mask(mask, query, key, block_q, block_k):
                              f"with Lk={shown_size(Lk)} (m masked intervals [start, end) per "
                              f"key column)")
         batch_heads("col_ranges", cr)
+    w = mask.window
+    if w is not None:
+        _check_tensor("window", w, (torch.int32,), "an int32 tensor", device)
+        if w.shape != (2,):
+            raise ValueError(f"window: shape {shown_shape(w)}, expected (2,): (left, right) of the "
+                             f"sliding window that col_ranges hold")
+        if cr is None:
+            raise ValueError("window: given without col_ranges (it describes them: the kernels "
+                             "may read either)")
     pbi, pb = mask.partial_bits_index, mask.partial_bits
     if (pbi is None) != (pb is None):
         have, miss = ("partial_bits_index", "partial_bits") if pb is None else (
@@ -352,6 +361,11 @@ def _data_faults(mask, Lq, Lk, block_q, block_k):
         out.append(("partial_bits_index", bad, lambda pbi=pbi, bad=bad, P=P:
                     f"mask: descriptor tensor partial_bits_index holds {int(pbi[bad][0])}, "
                     f"not -1 or a bitmap of the pool [0, {P})"))
+    w = mask.window
+    if w is not None:
+        bad = (w < 0) | (w >= 1 << 29)
+        out.append(("window", bad, lambda w=w: f"mask: descriptor tensor window holds "
+                    f"{w.tolist()}, not (left, right) in [0, 2^29)"))
     idx = mask.attn_indices
     if idx is not None:
         bad = (idx < -1) | (idx >= Lk)

@@ -9,12 +9,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-# The 13 optional tensors that describe a mask to the op, in schema order.
+# The 14 optional tensors that describe a mask to the op, in schema order.
 MASK_TENSOR_NAMES = (
     "kv_count", "kv_index", "kv_full_count", "kv_full_index",
     "q_count", "q_index", "q_full_count", "q_full_index",
     "dense_mask", "col_ranges", "partial_bits_index", "partial_bits",
-    "attn_indices",
+    "attn_indices", "window",
 )
 
 
@@ -33,6 +33,7 @@ class MaskTensors(NamedTuple):
     partial_bits_index: Optional[torch.Tensor] = None
     partial_bits: Optional[torch.Tensor] = None
     attn_indices: Optional[torch.Tensor] = None
+    window: Optional[torch.Tensor] = None
 
 
 assert MaskTensors._fields == MASK_TENSOR_NAMES

@@ -80,3 +80,40 @@ def test_band_rows_equal_the_column_ranges(run, left, right, Lq, Lk):
                     assert bool(m >> c & 1) == bool(vis[i, j]), (left, right, Lq, Lk, i, j)
                 else:
                     assert not m >> c & 1, (left, right, Lq, Lk, i, j)
+
+
+def test_sliding_window_descriptors_carry_their_window():
+    """sliding_window(left, right) descriptors hold (left, right) as an int32 (2,) tensor
+    beside their column ranges (the CUDA forward's band kernels read it); masks whose ranges
+    are not one window's (causal alone, combinations, documents) have none."""
+    d = M.sliding_window(63).compile(1, 2, 2, 300, 400)
+    assert d.window.dtype == torch.int32 and d.window.tolist() == [63, 0]
+    assert d.window.device == d.col_ranges.device
+    assert M.sliding_window(200, 30).compile(2, 4, 2, 500, 300).window.tolist() == [200, 30]
+    for mask in (M.causal(), M.sliding_window(None, 5), M.causal() & M.sliding_window(10),
+                 M.document([100, 200]), M.prefix_lm(30)):
+        assert mask.compile(1, 2, 2, 300, 300).window is None, mask
+    # the mask tensors the op reads: the window last
+    mt = d.mask_tensors()
+    assert mt.window is d.window and mt._fields[-1] == "window"
+
+
+def test_window_checked_by_the_op():
+    """The raw op names `window` when it is not an int32 (2,) tensor on the query's device or
+    comes without col_ranges; FLEXSPARSE_DEBUG=1 names a negative one."""
+    from flexsparse.ops import mask_checks
+    q = torch.randn(1, 2, 300, 8)
+    d = M.sliding_window(63).compile(1, 2, 2, 300, 300)
+    good = d.mask_tensors()
+    for bad, err in ((good._replace(window=torch.tensor([63, 0])), TypeError),
+                     (good._replace(window=torch.tensor([63, 0, 1], dtype=torch.int32)), ValueError),
+                     (good._replace(col_ranges=None), ValueError)):
+        with pytest.raises(err, match="window"):
+            torch.ops.flexsparse.attention(q, q, q, None, *bad, 128, 128, 0.5, 0.0, "reference", False)
+    negative = good._replace(window=torch.tensor([-1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="window"):
+        mask_checks.check_mask_data(negative, 300, 300, 128, 128)
+    out, _ = torch.ops.flexsparse.attention(q, q, q, None, *good, 128, 128, 0.5, 0.0, "reference", False)
+    ref, _ = torch.ops.flexsparse.attention(q, q, q, None, *good._replace(window=None), 128, 128, 0.5,
+                                            0.0, "reference", False)
+    torch.testing.assert_close(out, ref)

@@ -6,6 +6,7 @@ from torch.library import opcheck
 
 import flexsparse
 from flexsparse import masks as M
+from flexsparse.ops import MASK_TENSOR_NAMES
 
 
 def _op_args(mask, requires_grad, dtype=torch.float32, bias_shape=(1, 4, 9, 11), seed=0):
@@ -298,13 +299,13 @@ def test_raw_op_contract_default_backend_and_missing_lists():
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
-    none = (None,) * 13
+    none = (None,) * len(MASK_TENSOR_NAMES)
     out, lse = torch.ops.flexsparse.attention(q, k, v, None, *none, 4, 4, 0.5, 0.0, "auto", False)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
     torch.testing.assert_close(out, ref)
     dm = torch.rand(1, 1, 9, 9, generator=g) < 0.6
     dm[..., 0] = True
-    mt = [None] * 13
+    mt = [None] * len(MASK_TENSOR_NAMES)
     mt[8] = dm
     out, _ = torch.ops.flexsparse.attention(q, k, v, None, *mt, 4, 4, 0.5, 0.0, "reference", False)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dm, scale=0.5)
@@ -317,7 +318,7 @@ def test_raw_op_contract_default_backend_and_missing_lists():
 
 def test_raw_op_mask_tensor_dtypes_named():
     q = torch.randn(1, 2, 8, 4)
-    mt = [None] * 13
+    mt = [None] * len(MASK_TENSOR_NAMES)
     mt[12] = torch.zeros(1, 2, 8, 2, dtype=torch.int16)
     with pytest.raises(TypeError, match="attn_indices"):
         torch.ops.flexsparse.attention(q, q, q, None, *mt, 4, 4, 0.5, 0.0, "reference", False)

@@ -845,43 +845,47 @@ ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64'
 TWO_Q_REGISTER_STORE = 1 << 50   # hd64, bf16: two query buffers storing O from registers (before C111)
 
 
-BAND_PROBE = 1 << 52   # bf16, hd64 / hd128: the band kernels where FLEXSPARSE_CUDA_BAND gives the band (C113)
+STAGED_RANGES = 1 << 52   # FLEXSPARSE_CUDA_DEBUG: windows on the staged column ranges, not the band kernels
 
 
-@pytest.mark.parametrize("case", ["causal_64_4096_4096", "causal_128_3001_3001", "sliding256_64_4096_4096",
-                                  "sliding64_64_3001_3001", "sliding1000_128_4601_4601",
-                                  "lookahead_64_1500_2000", "lookahead_128_2000_1500"])
-def test_forward_band_probe_bitwise(case, monkeypatch):
-    """C113's probe: the forward's band kernels (kBandMasks: a partial tile's scores hidden by
-    two bounds per row, i - b < j <= i - a, as a bit mask of the thread's columns, and no
-    column ranges staged) hide exactly what the staged column ranges hide: out and lse bit
-    for bit against the default kernel, for causal masks and windows (one looking ahead, Lq
-    != Lk: the offset Lk - Lq in the band), odd lengths, GQA; the kernel's name checked."""
+@pytest.mark.parametrize("case", ["sliding256_64_4096_4096", "sliding64_64_3001_3001",
+                                  "sliding1000_128_4601_4601", "sliding64_128_1000_1000",
+                                  "lookahead_64_1500_2000", "lookahead_128_2000_1500",
+                                  "wide_64_777_777"])
+def test_forward_band_kernels_bitwise(case, monkeypatch):
+    """C113: sliding-window descriptors carry their window (BlockDescriptor.window), and the
+    bf16 forward at hd64 / hd128 then takes the band kernels (kBandMasks: a partial tile's
+    scores hidden by two bounds per row, i - b < j <= i - a, as a bit mask of the thread's
+    columns; no column ranges staged). They hide exactly what the staged ranges hide: out
+    and lse bit for bit against the staged kernel (STAGED_RANGES), for windows, a window
+    that also looks ahead with Lq != Lk (the offset Lk - Lq), one wider than the sequence,
+    odd lengths, GQA; the kernels' names checked; and against float64 (check())."""
     kind, D, Lq, Lk = case.split("_")
     D, Lq, Lk = int(D), int(Lq), int(Lk)
     torch.manual_seed(D + Lq + Lk)
     B, Hq, Hkv = 2, 8, 2
-    left, right = {"causal": (None, 0), "sliding256": (255, 0), "sliding64": (63, 0),
-                   "sliding1000": (1000, 0), "lookahead": (200, 30)}[kind]
-    off = Lk - Lq     # key j shows the rows j - off - right <= i <= j - off + left
-    band = f"{-off - right},{'open' if left is None else -off + left + 1}"
+    left, right = {"sliding256": (256, 0), "sliding64": (63, 0), "sliding1000": (1000, 0),
+                   "lookahead": (200, 30), "wide": (5000, 0)}[kind]
     mask = M.sliding_window(left, right)
     desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    assert desc.window is not None and desc.window.tolist() == [left, right]
     q = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
-    monkeypatch.setenv("FLEXSPARSE_CUDA_BAND", band)
     results = {}
-    for bits in (0, BAND_PROBE):
+    for bits in (STAGED_RANGES, 0):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(2 * B * Hq * Lq * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], names = _fwd_kernel_names(
             lambda: flexsparse.attention(q, k, v, desc, backend="cuda", return_lse=True))
         band_kernel = all(re.search(rf"FwdTraits<[^,]+, {D}, .*, true>", n) for n in names)
-        assert UNDER_SANITIZER or names and band_kernel == bool(bits), (bits, names)
-    out0, lse0 = results[0]
-    out1, lse1 = results[BAND_PROBE]
+        assert UNDER_SANITIZER or names and band_kernel == (bits == 0), (bits, names)
+    out0, lse0 = results[STAGED_RANGES]
+    out1, lse1 = results[0]
     assert torch.isfinite(out1).all() and not torch.isnan(lse1).any()
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+    if case in ("sliding64_128_1000_1000", "lookahead_64_1500_2000"):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "0")
+        check(1, 4, Hkv, Lq, Lk, D, mask, torch.bfloat16, backward=False)
 
 
 @pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",
