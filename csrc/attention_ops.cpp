@@ -342,8 +342,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
     const OptTensor& q_full_count, const OptTensor& q_full_index, const OptTensor& dense_mask,
     const OptTensor& col_ranges, const OptTensor& partial_bits_index,
     const OptTensor& partial_bits, const OptTensor& attn_indices, const OptTensor& window,
-    int64_t block_q,
-    int64_t block_k, double scale, double softcap, bool deterministic) {
+    int64_t block_q, int64_t block_k, double scale, double softcap, bool deterministic) {
   (void)deterministic;   // the forward is deterministic
   c10::cuda::CUDAGuard guard(query.device());
   check_sm90(query);
@@ -465,8 +464,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
     const OptTensor& q_full_count, const OptTensor& q_full_index, const OptTensor& dense_mask,
     const OptTensor& col_ranges, const OptTensor& partial_bits_index,
     const OptTensor& partial_bits, const OptTensor& attn_indices, const OptTensor& window,
-    int64_t block_q,
-    int64_t block_k, double scale, double softcap, bool deterministic, bool bias_requires_grad) {
+    int64_t block_q, int64_t block_k, double scale, double softcap, bool deterministic,
+    bool bias_requires_grad) {
   c10::cuda::CUDAGuard guard(query.device());
   check_sm90(query);
   Inputs in{query, key, value, bias, {}};

@@ -587,7 +587,9 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
         lo = () if right is None else (Term(COL, -sz.offset - right),)
         hi = () if left is None else (Term(COL, -sz.offset + left + 1),)
         return IntervalSpec((Interval(lo, hi),))
-    window = None if left is None or right is None else (left, right)
+    # (past 2^29 - 1 a bound reaches beyond any sequence: kept in int32 with room to add)
+    window = None if left is None or right is None else (min(left, (1 << 29) - 1),
+                                                         min(right, (1 << 29) - 1))
     return _ColumnRanges(build, lambda: f"sliding_window(left={left}, right={right})",
                          spec=spec, window=window)
 

@@ -90,6 +90,8 @@ def test_sliding_window_descriptors_carry_their_window():
     assert d.window.dtype == torch.int32 and d.window.tolist() == [63, 0]
     assert d.window.device == d.col_ranges.device
     assert M.sliding_window(200, 30).compile(2, 4, 2, 500, 300).window.tolist() == [200, 30]
+    # bounds past any sequence are kept below 2^29 (the kernels add Lq - Lk and 1 to them)
+    assert M.sliding_window(10**12, 7).compile(1, 2, 2, 300, 300).window.tolist() == [(1 << 29) - 1, 7]
     for mask in (M.causal(), M.sliding_window(None, 5), M.causal() & M.sliding_window(10),
                  M.document([100, 200]), M.prefix_lm(30)):
         assert mask.compile(1, 2, 2, 300, 300).window is None, mask
