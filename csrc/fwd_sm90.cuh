@@ -19,7 +19,6 @@
 // Skipped blocks are never loaded. Rows past Lq and columns past Lk come from TMA as
 // zeros and are masked here; out and lse of rows past Lq are not written.
 // Layout after FlashAttention-3's hopper/ forward (collective mainloop + epilogue).
-#include <climits>
 #include <cmath>
 #include <stdexcept>
 #include <type_traits>

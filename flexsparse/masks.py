@@ -26,6 +26,7 @@ from .descriptor import (FULL, PARTIAL, SKIP, STATIC_MAX_BLOCKS, BlockDescriptor
 from .index_blocks import indices_to_blocks, prefer_blocks
 from .intervals import COL, CONST, DOC_END, DOC_START, Interval, IntervalSpec, Term
 from .ops import visibility
+from .ops.schema import WINDOW_LIMIT
 from .topk import topk_indices
 
 DEFAULT_BLOCK_SIZE = (128, 128)
@@ -587,9 +588,9 @@ def sliding_window(left: Optional[int], right: Optional[int] = 0) -> Mask:
         lo = () if right is None else (Term(COL, -sz.offset - right),)
         hi = () if left is None else (Term(COL, -sz.offset + left + 1),)
         return IntervalSpec((Interval(lo, hi),))
-    # (past 2^29 - 1 a bound reaches beyond any sequence: kept in int32 with room to add)
-    window = None if left is None or right is None else (min(left, (1 << 29) - 1),
-                                                         min(right, (1 << 29) - 1))
+    # (a bound past any sequence kept below WINDOW_LIMIT: int32 with room to add)
+    window = None if left is None or right is None else (min(left, WINDOW_LIMIT - 1),
+                                                         min(right, WINDOW_LIMIT - 1))
     return _ColumnRanges(build, lambda: f"sliding_window(left={left}, right={right})",
                          spec=spec, window=window)
 

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .schema import MAX_RANGES
+from .schema import MAX_RANGES, WINDOW_LIMIT
 
 _INT = (torch.int32, torch.int64)
 # (count, index, rows): rows "q" = query blocks (kv lists), "k" = key blocks (q lists)
@@ -363,9 +363,9 @@ def _data_faults(mask, Lq, Lk, block_q, block_k):
                     f"not -1 or a bitmap of the pool [0, {P})"))
     w = mask.window
     if w is not None:
-        bad = (w < 0) | (w >= 1 << 29)
+        bad = (w < 0) | (w >= WINDOW_LIMIT)
         out.append(("window", bad, lambda w=w: f"mask: descriptor tensor window holds "
-                    f"{w.tolist()}, not (left, right) in [0, 2^29)"))
+                    f"{w.tolist()}, not (left, right) in [0, {WINDOW_LIMIT})"))
     idx = mask.attn_indices
     if idx is not None:
         bad = (idx < -1) | (idx >= Lk)

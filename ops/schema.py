@@ -38,6 +38,10 @@ class MaskTensors(NamedTuple):
 
 assert MaskTensors._fields == MASK_TENSOR_NAMES
 
+# `window` holds bounds below this (a larger one reaches past any sequence; the kernels add
+# Lq - Lk + 1 to them in int32): masks.sliding_window clamps to it, FLEXSPARSE_DEBUG checks it.
+WINDOW_LIMIT = 1 << 29
+
 # Range-form block lists: index (Bd, Hd, n, MAX_RANGES, 2) of half-open block ranges
 # [lo, hi) instead of explicit indices (docs/design.md). Builders always emit this many
 # ranges per row (unused ones empty), so shapes depend on the lengths only.
