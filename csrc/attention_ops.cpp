@@ -61,7 +61,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // work tiles only, 2^43 no O store; 2^44 the forward's two query buffers at hd128
 // (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92), 2^50 hd64's two
 // query buffers with the register-store epilogue (bf16, before C111) and 2^52 the staged
-// column ranges where a window would take the band kernels (C113) (fwd_sm90.cuh). (Earlier
+// column ranges where a window would take the band kernels (C113) (fwd_sm90.cuh) and, in
+// the backward, the per-key intervals from the window (C114) (bwd_sm90.cuh). (Earlier
 // uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
 // across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
 // 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early
@@ -270,6 +271,20 @@ AttentionParams fill_params(Inputs& in, const OptTensor& kv_count, const OptTens
   return p;
 }
 
+// The descriptor's window hint (masks.sliding_window's (left, right), int32 (2,) on the
+// device) for calls with column ranges: the forward's band kernels and the backward's
+// per-key intervals read it on the device (no host read, no sync) in place of staging the
+// ranges (docs/perf-notes.md C113, C114).
+void set_window(AttentionParams& p, Inputs& in, const OptTensor& window) {
+  if (!window.has_value() || p.pred.col_ranges == nullptr) return;
+  Tensor w = window->contiguous();
+  FLEXSPARSE_CHECK(w.device() == in.q.device() && w.scalar_type() == at::kInt && w.numel() == 2,
+                   "flexsparse cuda: window must be int32 (2,) on the query's device, got ",
+                   w.scalar_type(), " ", w.sizes(), " on ", w.device());
+  in.keep.push_back(w);
+  p.pred.window = w.data_ptr<int32_t>();
+}
+
 DType dtype_of(const Tensor& t) {
 #ifdef FLEXSPARSE_COMPILE_CHECK_BF16_ONLY   // sm90_utils.cuh: CI's compile-check build
   FLEXSPARSE_CHECK(t.scalar_type() == at::kBFloat16,
@@ -358,15 +373,7 @@ std::tuple<Tensor, Tensor> cuda_attention(
                                   q_index, q_full_count, q_full_index, dense_mask, col_ranges,
                                   partial_bits_index, partial_bits, block_q, block_k, scale,
                                   softcap, /*need_q_lists=*/false);
-  if (window.has_value() && p.pred.col_ranges != nullptr) {
-    // the forward's band kernels read (left, right) on the device (no host read, no sync)
-    Tensor w = window->contiguous();
-    FLEXSPARSE_CHECK(w.device() == query.device() && w.scalar_type() == at::kInt && w.numel() == 2,
-                     "flexsparse cuda: window must be int32 (2,) on the query's device, got ",
-                     w.scalar_type(), " ", w.sizes(), " on ", w.device());
-    in.keep.push_back(w);
-    p.pred.window = w.data_ptr<int32_t>();
-  }
+  set_window(p, in, window);
   Tensor out = at::empty(query.sizes(), query.options());
   Tensor lse = at::empty({p.B, p.Hq, p.Lq}, query.options().dtype(at::kFloat));
   p.out = out.data_ptr();
@@ -482,6 +489,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> cuda_attention_backward(
                        q_full_count, q_full_index, dense_mask, col_ranges, partial_bits_index,
                        partial_bits, block_q, block_k, scale, softcap, /*need_q_lists=*/true);
   AttentionParams& p = bp.fwd;
+  set_window(p, in, window);
   set_debug(p);
   Tensor o = out.contiguous();
   Tensor l = lse.to(at::kFloat).contiguous();

@@ -203,6 +203,16 @@ __device__ __forceinline__ bool visible_interval(int2 a, int2 b, int R, int2& v)
   return true;
 }
 
+// The rows key j shows under a window whose band is j + a <= i < j + b (the forward's and
+// backward's band bounds, PredicateParams::window), clipped to the rows 0..R-1, as
+// visible_interval's (start, length): row i is visible iff unsigned(i - v.x) < unsigned(v.y).
+// (64-bit sums: a and b reach past +-2^29 for windows wider than any sequence.)
+__device__ __forceinline__ int2 band_rows(int j, int a, int b, int R) {
+  const long long lo = max(static_cast<long long>(j) + a, 0LL);
+  const long long hi = min(static_cast<long long>(j) + b, static_cast<long long>(R));
+  return make_int2(static_cast<int>(lo < hi ? lo : 0), static_cast<int>(lo < hi ? hi - lo : 0));
+}
+
 // How many of a thread's columns of an m64nN accumulator lie below column offset q of the
 // thread's first one: the thread's columns sit at 8 (c / 2) + (c % 2) past it (c = 0 ..
 // cols - 1), so the count is 2 (q / 8) + min(q % 8, 2) (FlashAttention-4's mask_r2p

@@ -893,8 +893,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
       const int32_t* bits_head = kPlain || pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
-      // The keys are the CTA's for the whole walk: their column ranges are read once.
-      const bool staged = T::kColRanges && cr_base != nullptr && (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
+      // A window (sliding_window's descriptors, PredicateParams::window): key j shows the
+      // rows j + a <= i < j + b (a = Lq - Lk - right, b = Lq - Lk + left + 1), this thread's
+      // two keys' visible intervals straight from it, nothing staged (C114).
+      // FLEXSPARSE_CUDA_DEBUG bit 2^52: the staged ranges instead (A/Bs).
+      const bool band = T::kColRanges && cr_base != nullptr && pr.window != nullptr && !(p.debug_high & (1 << 21));
+      // Otherwise the keys are the CTA's for the whole walk: their column ranges are read
+      // once.
+      const bool staged = !band && T::kColRanges && cr_base != nullptr &&
+                          (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
       if (staged) {
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
         for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
@@ -914,8 +921,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // queries where they are (visible_interval): one compare per score instead of one per
       // range slot. FLEXSPARSE_CUDA_DEBUG bit 8: the range tests instead (A/Bs).
       int2 vis[kRows];
-      bool interval = staged && pr.n_col_ranges <= 2 && !(p.debug & 8);
-      if (interval) {
+      bool interval = band || (staged && pr.n_col_ranges <= 2 && !(p.debug & 8));
+      if (band) {
+        const int left = __ldg(pr.window), right = __ldg(pr.window + 1);
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) vis[r] = band_rows(jr[r], p.Lq - p.Lk - right, p.Lq - p.Lk + left + 1, p.Lq);
+      } else if (interval) {
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
           const int2* slots = ss.col_ranges[row_base + 8 * r];

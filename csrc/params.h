@@ -46,7 +46,8 @@ struct PredicateParams {
   // The descriptor's window hint, int32 (left, right) on the device, or null: the column
   // ranges are sliding_window(left, right)'s (query i sees key j iff i' - left <= j <=
   // i' + right, i' = i + Lk - Lq), so the forward's band kernels (kBandMasks) hide the
-  // partial tiles' scores by it instead of staging the ranges (perf-notes C113).
+  // partial tiles' scores by it instead of staging the ranges (perf-notes C113), and the
+  // backward takes each key's visible rows from it (C114).
   const int32_t* window = nullptr;
 };
 

@@ -1,9 +1,10 @@
-"""The forward's band masks (C113; csrc/block_lists.cuh: column_mask), compiled as host C++,
-and the band of a causal or sliding-window mask checked against the column ranges the
-library's builders give the kernels: the per-row bounds i - b < j <= i - a (and j < Lk),
-taken to each thread's columns of the accumulator (offsets 8 (c / 2) + c % 2 past
-2 (lane % 4)), select exactly the visible scores of every row and key. docs/perf-notes.md
-C113."""
+"""The band masks (csrc/block_lists.cuh: the forward's column_mask, C113, and the backward's
+band_rows, C114), compiled as host C++, and the band of a causal or sliding-window mask
+checked against the column ranges the library's builders give the kernels: the forward's
+per-row bounds i - b < j <= i - a (and j < Lk), taken to each thread's columns of the
+accumulator (offsets 8 (c / 2) + c % 2 past 2 (lane % 4)), and the backward's per-key
+interval of rows j + a <= i < j + b (within 0..Lq-1), select exactly the visible scores of
+every row and key. docs/perf-notes.md C113, C114."""
 import subprocess
 
 import pytest
@@ -80,6 +81,25 @@ def test_band_rows_equal_the_column_ranges(run, left, right, Lq, Lk):
                     assert bool(m >> c & 1) == bool(vis[i, j]), (left, right, Lq, Lk, i, j)
                 else:
                     assert not m >> c & 1, (left, right, Lq, Lk, i, j)
+
+
+@pytest.mark.parametrize("left,right,Lq,Lk", [(255, 0, 1000, 1000), (63, 0, 777, 777),
+                                              (200, 30, 1000, 1100), (200, 30, 1100, 900),
+                                              (0, 0, 300, 300), (5000, 0, 700, 700),
+                                              ((1 << 29) - 1, 7, 600, 650), (3, (1 << 29) - 1, 650, 600)])
+def test_backward_key_intervals_equal_the_column_ranges(run, left, right, Lq, Lk):
+    """The backward's per-key intervals from the window (what the kernel computes from the
+    descriptor's window tensor, whose bounds the builder keeps below 2^29) against every key's
+    visible rows under the builders' column ranges."""
+    a, b = Lq - Lk - right, Lq - Lk + left + 1
+    vis = visible_rows(M.sliding_window(left, right), Lq, Lk)
+    got = run([f"R {j} {a} {b} {Lq}" for j in range(Lk)])
+    for j, line in enumerate(got):
+        start, length = map(int, line.split())
+        rows = torch.zeros(Lq, dtype=torch.bool)
+        rows[start:start + length] = True
+        assert 0 <= start and length >= 0 and start + length <= Lq, (j, start, length)
+        assert torch.equal(rows, vis[:, j]), (left, right, Lq, Lk, j, start, length)
 
 
 def test_sliding_window_descriptors_carry_their_window():

@@ -3,8 +3,8 @@ for the test suite under those tools): both forward schedules (FLEXSPARSE_CUDA_D
 runs the serial one), head dims 64/128/256 (hd64's three-warpgroup forward too), column
 ranges, a dense mask with fully masked rows, bias, odd lengths, GQA, the backward where it
 is built (every head dim), the forward's two query buffers (C89; at hd64 with both
-epilogues, C111), its band kernels for sliding windows (C113) and its work tiles crossed
-in the key-tile loop (C91).
+epilogues, C111), its band kernels for sliding windows (C113) and the backward's (C114),
+and its work tiles crossed in the key-tile loop (C91).
 Prints one line per case; the tool's summary says whether any hazard was seen."""
 import os
 import sys
@@ -124,6 +124,12 @@ def main():
                                                 ("lookahead cross hd64", 2001, 1500, 64, (100, 7))):
             run(f"[debug 0] band {name}", 1, 8, 2, Lq, Lk, D, M.sliding_window(left, right),
                 backward=False)
+        # C114: the backward's per-key intervals from the window (every kernel that stages
+        # ranges otherwise: hd64's 128-row plain one, hd128's general one, hd256's)
+        for name, Lq, Lk, D, (left, right) in (("odd gqa hd64", 1001, 1001, 64, (255, 0)),
+                                                ("lookahead cross hd128", 1500, 2001, 128, (200, 30)),
+                                                ("lookahead cross hd256", 700, 555, 256, (100, 7))):
+            run(f"[debug 0] band backward {name}", 1, 4, 2, Lq, Lk, D, M.sliding_window(left, right))
 
 if __name__ == "__main__":
     main()

@@ -845,7 +845,7 @@ ONE_Q_BUFFER = 1 << 48      # hd64: the one-buffer kernel (two buffers are hd64'
 TWO_Q_REGISTER_STORE = 1 << 50   # hd64, bf16: two query buffers storing O from registers (before C111)
 
 
-STAGED_RANGES = 1 << 52   # FLEXSPARSE_CUDA_DEBUG: windows on the staged column ranges, not the band kernels
+STAGED_RANGES = 1 << 52   # FLEXSPARSE_CUDA_DEBUG: windows on the staged column ranges, not the band (both passes)
 
 
 @pytest.mark.parametrize("case", ["sliding256_64_4096_4096", "sliding64_64_3001_3001",
@@ -886,6 +886,47 @@ def test_forward_band_kernels_bitwise(case, monkeypatch):
     if case in ("sliding64_128_1000_1000", "lookahead_64_1500_2000"):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "0")
         check(1, 4, Hkv, Lq, Lk, D, mask, torch.bfloat16, backward=False)
+
+
+@pytest.mark.parametrize("case", ["sliding256_64_bf16_4096_4096", "sliding64_128_bf16_3001_3001",
+                                  "sliding1000_128_fp16_4601_4601", "lookahead_128_bf16_1500_2000",
+                                  "lookahead_64_fp16_2000_1500", "wide_128_bf16_777_777",
+                                  "sliding300_256_bf16_1001_1001"])
+def test_backward_band_bitwise(case, monkeypatch):
+    """C114: the backward of a sliding-window descriptor (its window, BlockDescriptor.window)
+    takes each key's visible rows from the window (band_rows) instead of staging the column
+    ranges in shared memory: dq, dk and dv bit for bit against the staged ranges
+    (STAGED_RANGES; deterministic, so that dq's accumulation order is fixed too), in every
+    kernel that stages ranges (hd64's 128-row plain kernel, hd128's general one, hd256's;
+    bf16 and fp16), for windows, one looking ahead with Lq != Lk both ways, one wider than
+    the sequence, odd lengths, GQA; and against float64 (check())."""
+    needs_backward()
+    kind, D, dt, Lq, Lk = case.split("_")
+    D, Lq, Lk = int(D), int(Lq), int(Lk)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
+    torch.manual_seed(D + Lq + Lk)
+    B, Hq, Hkv = 2, 8, 2
+    left, right = {"sliding256": (256, 0), "sliding64": (63, 0), "sliding1000": (1000, 0),
+                   "sliding300": (300, 0), "lookahead": (200, 30), "wide": (5000, 0)}[kind]
+    mask = M.sliding_window(left, right)
+    desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    assert desc.window is not None
+    q = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV, dtype=dtype) for _ in range(2))
+    do = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=dtype)
+    grads = {}
+    for bits in (STAGED_RANGES, 0):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+        torch.empty(4 * B * Hq * max(Lq, Lk) * (D + 1), device=T.DEV).fill_(float("nan"))   # freed: reused
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = flexsparse.attention(qq, kk, vv, desc, backend="cuda", deterministic=True)
+        grads[bits] = torch.autograd.grad(out, (qq, kk, vv), do)
+    for g0, g1, name in zip(grads[STAGED_RANGES], grads[0], ("dq", "dk", "dv")):
+        assert torch.isfinite(g1).all(), name
+        assert torch.equal(g0, g1), name
+    if case in ("sliding64_128_bf16_3001_3001", "lookahead_64_fp16_2000_1500"):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", "0")
+        check(1, 4, Hkv, Lq, Lk, D, mask, dtype)
 
 
 @pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",

@@ -1,6 +1,8 @@
-// The forward's band masks (csrc/block_lists.cuh: columns_below, column_mask) on the host,
-// for tests/test_band_masks.py. Reads commands from stdin, one per line:
+// The band masks (csrc/block_lists.cuh: columns_below and column_mask, the forward's;
+// band_rows, the backward's) on the host, for tests/test_band_masks.py. Reads commands from
+// stdin, one per line:
 //   M lo hi cols            -> column_mask(lo, hi, cols), unsigned
+//   R j a b rows            -> band_rows(j, a, b, rows) as "start length"
 #include <cstdio>
 
 #include "block_lists.cuh"
@@ -8,6 +10,13 @@
 int main() {
   char cmd;
   while (std::scanf(" %c", &cmd) == 1) {
+    if (cmd == 'R') {
+      int j, a, b, rows;
+      if (std::scanf("%d %d %d %d", &j, &a, &b, &rows) != 4) return 1;
+      const int2 v = flexsparse::band_rows(j, a, b, rows);
+      std::printf("%d %d\n", v.x, v.y);
+      continue;
+    }
     if (cmd != 'M') return 1;
     int lo, hi, cols;
     if (std::scanf("%d %d %d", &lo, &hi, &cols) != 3) return 1;
