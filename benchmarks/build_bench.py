@@ -3,7 +3,7 @@
 one process.
 
     python -m benchmarks.build_bench [--lengths 8192,131072,1048576] [--no-flex] [--op-only]
-                                     [--variants 8589934592] [--graphed]
+                                     [--variants 8589934592] [--graphed] [--back-to-back]
 
 Columns: the build op (`flexsparse::build_document` / `build_prefix_lm`, one C++ call,
 flexsparse/build_op.py; what `mask.compile` uses for these kinds when flexsparse._C is
@@ -16,7 +16,10 @@ default (three rounds, the median of the rounds' medians for both). `--graphed` 
 captured once in a CUDA graph and replayed (what a build costs in a training step whose
 graphs are replayed: the mask's input tensors are the graph's, a loop copies each step's
 data into them in place), and whether the replay's descriptor equals an eager build's
-after the inputs changed in place.
+after the inputs changed in place. `--back-to-back` adds the build op and Flex timed as a
+training loop runs them: builds issued one after another with one sync at the end, the
+time per build (host and GPU overlapping, so the larger of the two; median of three
+loops).
 
 Each timed call makes a fresh mask object from the step's tensors (no cache can answer)
 and compiles it for B=1, H=16, block 128. Times are medians of wall-clock per build with
@@ -110,6 +113,22 @@ def time_us(fn, reps):
     return statistics.median(times)
 
 
+def back_to_back_us(fn, reps):
+    """µs per call of fn() issued reps times in a row with one sync at the end (the median of
+    three such loops): what a build adds to a step whose GPU work follows on the stream."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    loops = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        loops.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(loops)
+
+
 def turns(fn, variants, reps):
     """Median µs of fn() by default and under each FLEXSPARSE_CUDA_DEBUG value in
     `variants`, the settings taking turns three times (with no variants: one timing)."""
@@ -191,6 +210,8 @@ def main():
     ap.add_argument("--op-only", action="store_true")
     ap.add_argument("--variants", default="", help="FLEXSPARSE_CUDA_DEBUG values, comma-separated")
     ap.add_argument("--graphed", action="store_true", help="also the build op replayed from a CUDA graph")
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="also the build op and Flex timed back to back (one sync per loop)")
     a = ap.parse_args()
     variants = [int(x) for x in a.variants.split(",") if x]
     from flexsparse import build_op
@@ -202,8 +223,9 @@ def main():
     print("| mask | L | build op µs | host syncs | GPU kernels | static build (eager) µs "
           "| host syncs | compiled_build µs | host syncs | Flex compiled create_block_mask µs "
           "| Flex / build op |" + "".join(f" build op µs, debug {v} | GPU kernels |" for v in variants)
-          + (" build op in a CUDA graph, replay µs | replay == eager build |" if a.graphed else ""))
-    print("|---" * (11 + 2 * len(variants) + 2 * a.graphed) + "|")
+          + (" build op in a CUDA graph, replay µs | replay == eager build |" if a.graphed else "")
+          + (" build op back to back µs | Flex back to back µs |" if a.back_to_back else ""))
+    print("|---" * (11 + 2 * len(variants) + 2 * a.graphed + 2 * a.back_to_back) + "|")
     for L in map(int, a.lengths.split(",")):
         for name, (make, mod) in cases(L).items():
             if a.op_only and name not in OP_KINDS:
@@ -236,6 +258,10 @@ def main():
                         replay_ok = "yes" if check() else "NO"
                 except Exception as err:
                     print(f"# graphed build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
+            b2b, flex_b2b = float("nan"), float("nan")
+            if a.back_to_back and op == op:
+                with build_op.use(None):
+                    b2b = back_to_back_us(build, reps)
             ours, syncs, comp, csyncs, flex = float("nan"), "n/a", float("nan"), "n/a", float("nan")
             if not a.op_only:
                 with build_op.use(False):
@@ -255,17 +281,20 @@ def main():
                     except Exception as err:
                         print(f"# compiled_build {name} {L}: {type(err).__name__}: {str(err)[:200]}")
                         torch.cuda.empty_cache()
-            if mod is not None and not a.no_flex and (not a.op_only or a.graphed):
+            if mod is not None and not a.no_flex and (not a.op_only or a.graphed or a.back_to_back):
                 try:
-                    flex = time_us(lambda: cbm(mod, None, None, L, L, device="cuda",
-                                               BLOCK_SIZE=BLOCK), reps)
+                    flex_build = lambda: cbm(mod, None, None, L, L, device="cuda", BLOCK_SIZE=BLOCK)  # noqa: E731
+                    flex = time_us(flex_build, reps)
+                    if a.back_to_back:
+                        flex_b2b = back_to_back_us(flex_build, reps)
                 except Exception as err:
                     print(f"# flex {name} {L}: {type(err).__name__}: {str(err)[:200]}")
             ratio = f"{flex / op:.1f}x" if flex == flex and op == op else "n/a"
             print(f"| {name} | {L} | {op:.0f} | {op_syncs} | {op_kernels} | {ours:.0f} | {syncs} "
                   f"| {comp:.0f} | {csyncs} | {flex:.0f} | {ratio} |"
                   + "".join(f" {t:.0f} | {k} |" for t, k in var_cols)
-                  + (f" {replay_us:.0f} | {replay_ok} |" if a.graphed else ""), flush=True)
+                  + (f" {replay_us:.0f} | {replay_ok} |" if a.graphed else "")
+                  + (f" {b2b:.0f} | {flex_b2b:.0f} |" if a.back_to_back else ""), flush=True)
         torch.cuda.empty_cache()
 
 
