@@ -70,7 +70,7 @@ def check(name, mask, mask_bool):
         res.append([out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()])
     tol = dict(atol=5e-2, rtol=5e-2) if dt == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
     for n, a, b in zip(["out", "dq", "dk", "dv"], *res):
-        torch.testing.assert_close(a, b, **tol, msg=f"{name} {n}")
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=n: f"{name} {n}: {m}")
     density = mask_bool.float().mean().item()
     print(f"{name}: out, dq, dk, dv match float64 attention on the dense mask "
           f"(density {density:.3f})")
