@@ -62,7 +62,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92), 2^50 hd64's two
 // query buffers with the register-store epilogue (bf16, before C111) and 2^52 the staged
 // column ranges where a window would take the band kernels (C113) (fwd_sm90.cuh) and, in
-// the backward, the per-key intervals from the window (C114) (bwd_sm90.cuh). (Earlier
+// the backward, the per-key intervals from the window (C114) (bwd_sm90.cuh); 2^51 the
+// backward's dK / dV by TMA stores from the key / value buffers (C116, opt-in). (Earlier
 // uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
 // across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
 // 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early

@@ -261,6 +261,11 @@ struct BwdTraits {
   // (Lq, Lk, bias heads, bias batches), keys contiguous; dbias (Lq, Lk, Hq, B).
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
                                              GmemShape{}, GmemStride{}));
+  // dK and dV (Lk, D, Hkv, B) by TMA stores from the key / value buffers (SmemLayoutK),
+  // FLEXSPARSE_CUDA_DEBUG bit 2^51 (C116), and the fragments' copy into them (stmatrix).
+  using TmadKV = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutK{},
+                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using SmemCopydKV = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
   using TmaBias = conditional_t<kBiasTiles,
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutBias{},
                              Shape<Int<kBlockM>, Int<kBlockN>>{}, _1{})), int>;
@@ -330,6 +335,7 @@ struct BwdTraits {
     TmadBias tma_dbias;   // kBiasTiles (dbias wanted)
     TmaBias tma_bias;     // kBiasTiles
     int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
+    TmadKV tma_dk{}, tma_dv{};              // bit 2^51 only (launch_bwd)
   };
 };
 
@@ -1299,7 +1305,37 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     Element* dv = static_cast<Element*>(bp.dv) + kv_row0 * kHeadDim;
     using Pair = cutlass::Array<Element, 2>;
     cutlass::NumericArrayConverter<Element, float, 2> cvt;
-    if (!(p.debug & 16)) {
+    if (p.debug_high & (1 << 20)) {
+      // FLEXSPARSE_CUDA_DEBUG bit 2^51 (C116, opt-in until measured): dK and dV through the
+      // key and value buffers (free once every wgmma is done) in the layout the tiles
+      // arrived in, then one TMA store each (rows past Lk clipped by the tensor map), as
+      // FlashAttention-3/4's epilogue: no loop of 16-byte stores, no waits for them.
+      typename T::SmemCopydKV smem_copy_dkv;
+      auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
+      Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+      Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int x = 0; x < size(tdKrdK); ++x) tdKrdK(x) *= p.scale;
+      Tensor rdK = convert_type<Element>(tdKrdK);
+      Tensor rdV = convert_type<Element>(tdVrdV);
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
+      copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdK));
+      copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdV));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+      if (tid == 0) {
+        auto store = [&](auto const& tma, auto const& smem) {
+          Tensor m = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+          Tensor g = local_tile(m(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+          auto cta = tma.get_slice(0);
+          copy(tma, cta.partition_S(smem), cta.partition_D(g));
+        };
+        store(kp.tma_dk, sdK);
+        store(kp.tma_dv, sdV);
+        tma_store_arrive();
+        tma_store_wait<0>();   // shared memory outlives the stores' reads
+      }
+    } else if (!(p.debug & 16)) {
       // Row j's 16-byte piece k sits at piece k ^ (j % 8) of the row (an XOR swizzle), so
       // that a warp's 4-byte stores (8 rows x 4 column pairs) and 16-byte loads (whole
       // rows) hit different banks.
@@ -1533,7 +1569,15 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
                     typename T::SmemLayoutK{}, tile_k, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
                     typename T::SmemLayoutK{}, tile_k, _1{}),
-      {}, {}, {}};   // the bias's TMAs: below
+      {}, {}, {}};   // the bias's TMAs and the dK / dV stores: below
+  if (p.debug_high & (1 << 20)) {   // bit 2^51: dK and dV by TMA stores (C116)
+    auto gmem_out = [&](void* ptr) {
+      return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), make_shape(p.Lk, p.D, p.Hkv, p.B),
+                         make_stride((int64_t)p.D, _1{}, (int64_t)p.Lk * p.D, (int64_t)p.Hkv * p.Lk * p.D));
+    };
+    kp.tma_dk = make_tma_copy(SM90_TMA_STORE{}, gmem_out(bp.dk), typename T::SmemLayoutK{}, tile_k, _1{});
+    kp.tma_dv = make_tma_copy(SM90_TMA_STORE{}, gmem_out(bp.dv), typename T::SmemLayoutK{}, tile_k, _1{});
+  }
   if constexpr (T::kBiasTiles) {
     auto tile_b = Shape<Int<T::kBlockM>, Int<T::kBlockN>>{};
     kp.tma_bias = make_bias_tma<Element>(p, typename T::SmemLayoutBias{}, tile_b, kp.bias_heads,

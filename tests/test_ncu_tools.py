@@ -46,6 +46,26 @@ def test_phases_split_the_loop_at_landmarks(tmp_path):
     assert "barrier (Not Issued)" not in out[1][4] and "barrier" not in out[1][4]
 
 
+def test_phases_of_two_loop_copies(tmp_path):
+    """A kernel with a loop for masked steps (a quarter of them) and one for the others:
+    both copies are the loop; an HGMMA run only a few times (the prologue) is not."""
+    masked, plain = 250, 750
+    rows = [
+        ("0x10", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR20], RZ, !UPT", 1, 3, 1, 0, 0),
+        ("0x20", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR20], RZ, !UPT", 30, masked, 10, 0, 0),
+        ("0x30", "FSEL R8, R8, -INF, P0", 20, masked, 0, 20, 0),
+        ("0x40", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 50, masked, 0, 0, 50),
+        ("0x50", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR20], RZ, !UPT", 60, plain, 20, 0, 0),
+        ("0x60", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 90, plain, 0, 0, 90),
+        ("0x70", "EXIT", 1, 3, 1, 0, 0),
+    ]
+    path = tmp_path / "k.csv"
+    write_export(path, rows)
+    total, out = ncu_phases.phases(str(path))
+    assert [(p[0], p[2], p[3]) for p in out] == [("0x20", 50, 2), ("0x40", 50, 1), ("0x50", 60, 1),
+                                                 ("0x60", 90, 1)]
+
+
 def test_tools_skip_kernels_not_profiled(tmp_path):
     empty = tmp_path / "fwd_kernel.csv"
     empty.write_text('"Address","Function Name"\n')

@@ -4,7 +4,8 @@ runs the serial one), head dims 64/128/256 (hd64's three-warpgroup forward too),
 ranges, a dense mask with fully masked rows, bias, odd lengths, GQA, the backward where it
 is built (every head dim), the forward's two query buffers (C89; at hd64 with both
 epilogues, C111), its band kernels for sliding windows (C113) and the backward's (C114),
-and its work tiles crossed in the key-tile loop (C91).
+its work tiles crossed in the key-tile loop (C91), and the backward's dK / dV by TMA stores
+(C116, bit 2^51).
 Prints one line per case; the tool's summary says whether any hazard was seen."""
 import os
 import sys
@@ -130,6 +131,15 @@ def main():
                                                 ("lookahead cross hd128", 1500, 2001, 128, (200, 30)),
                                                 ("lookahead cross hd256", 700, 555, 256, (100, 7))):
             run(f"[debug 0] band backward {name}", 1, 4, 2, Lq, Lk, D, M.sliding_window(left, right))
+    if not only or "tma epilogue" in only:
+        # C116 (bit 2^51): the backward's dK / dV through the key / value buffers and TMA
+        # stores, every backward kernel, lengths no key tile divides, GQA
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 51)
+        for name, D, mask, kw in (("causal hd128", 128, M.causal(), {}), ("full hd128 80-row", 128, M.full(), {}),
+                                  ("causal hd64", 64, M.causal(), {}), ("causal hd256", 256, M.causal(), {}),
+                                  ("bias tiles hd128", 128, M.causal(), {"bias": True})):
+            run(f"[debug 2^51] tma epilogue {name}", 1, 4, 2, 333, 333, D, mask, **kw)
+
 
 if __name__ == "__main__":
     main()

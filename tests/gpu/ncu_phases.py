@@ -1,9 +1,12 @@
 """Warp-stall samples of one kernel's main loop by phase, from an `ncu --page source --csv
 --print-source sass` export with SourceCounters (tests/gpu.sh ncuhist and ncusrc write
-them): the loop's instructions are those executed about as often as its most frequent
-HGMMA (once per step or tile); a phase starts at each wgmma group, wgmma wait, named
-barrier, async-proxy fence or mbarrier wait, so the phases of two kernels that do the
-same work can be set side by side (docs/perf-notes.md C104, C110).
+them): the loop's instructions are those executed about as often as its HGMMAs (once per
+step or tile); a phase starts at each wgmma group, wgmma wait, named barrier, async-proxy
+fence or mbarrier wait, so the phases of two kernels that do the same work can be set
+side by side (docs/perf-notes.md C104, C110). A kernel with more than one copy of its
+loop (FLASH's backward: one for masked steps, one for the others, C114) has an HGMMA
+execution count per copy: every count that holds at least 10% of the HGMMA executions
+makes its copy part of the loop (its phases follow in address order).
 
     python3 tests/gpu/ncu_phases.py ours.csv [theirs.csv] [--min 0.4] [--stalls 2]
 
@@ -47,11 +50,13 @@ def phases(path):
     counts = Counter(number(r[executed]) for r in body if opcode(r[src]).startswith("HGMMA"))
     if not counts:
         return total, []
-    step = counts.most_common(1)[0][0]
+    # the loop copies: the HGMMA execution counts that hold >= 10% of all HGMMA executions
+    executions = {n: n * k for n, k in counts.items()}
+    steps = [n for n, e in executions.items() if n > 0 and e >= 0.1 * sum(executions.values())]
     out = []
     for r in body:
         n = number(r[executed])
-        if not 0.5 * step <= n <= 2.5 * step:
+        if not any(0.5 * step <= n <= 2.5 * step for step in steps):
             continue
         source = r[src].strip()
         fold = out and opcode(source).startswith("HGMMA") and opcode(out[-1][1]).startswith("HGMMA")
