@@ -135,10 +135,13 @@ def main():
         # C116 (bit 2^51): the backward's dK / dV through the key / value buffers and TMA
         # stores, every backward kernel, lengths no key tile divides, GQA
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 51)
-        for name, D, mask, kw in (("causal hd128", 128, M.causal(), {}), ("full hd128 80-row", 128, M.full(), {}),
-                                  ("causal hd64", 64, M.causal(), {}), ("causal hd256", 256, M.causal(), {}),
-                                  ("bias tiles hd128", 128, M.causal(), {"bias": True})):
-            run(f"[debug 2^51] tma epilogue {name}", 1, 4, 2, 333, 333, D, mask, **kw)
+        # (the bias at L = 384: rows TMA can read, so the bias-tile kernel)
+        for name, L, D, mask, kw in (("causal hd128", 333, 128, M.causal(), {}),
+                                     ("full hd128 80-row", 333, 128, M.full(), {}),
+                                     ("causal hd64", 333, 64, M.causal(), {}),
+                                     ("causal hd256", 333, 256, M.causal(), {}),
+                                     ("bias tiles hd128", 384, 128, M.causal(), {"bias": True})):
+            run(f"[debug 2^51] tma epilogue {name}", 1, 4, 2, L, L, D, mask, **kw)
 
 
 if __name__ == "__main__":

@@ -933,16 +933,17 @@ TMA_DKV = 1 << 51   # FLEXSPARSE_CUDA_DEBUG: the backward's dK / dV by TMA store
 
 
 @pytest.mark.parametrize("case", ["causal_64_bf16_1000", "causal_128_bf16_1000", "full_128_bf16_1000",
-                                  "document_128_fp16_777", "causal_256_bf16_333", "bias_128_bf16_500",
-                                  "bias_64_bf16_500", "full_256_fp16_1000"])
+                                  "document_128_fp16_777", "causal_256_bf16_333", "bias_128_bf16_512",
+                                  "bias_64_bf16_512", "bias_128_bf16_500", "full_256_fp16_1000"])
 def test_backward_tma_store_epilogue(case, monkeypatch):
     """C116 (bit 2^51): the backward writes dK and dV through the key and value buffers and
     one TMA store each instead of the 16-byte store loop: dk and dv bit for bit against the
     default epilogue (the same conversion of the same accumulators), dq to its unordered
     reductions' rounding, and all three against float64, in every backward kernel (hd64's
-    128-row plain one, hd128's general, 80-row (full) and bias-tile ones, hd256's split one;
-    bf16 and fp16), with GQA and lengths no key tile divides (the last tile's rows past Lk
-    clipped by the tensor map)."""
+    128-row plain one, hd128's general, 80-row (full) and bias-tile ones (a bias whose rows
+    TMA can read: L = 512), hd256's split one; bf16 and fp16; a bias at L = 500 takes the
+    general kernel's per-score loads), with GQA and lengths no key tile divides (the last
+    tile's rows past Lk clipped by the tensor map)."""
     needs_backward()
     kind, D, dt, L = case.split("_")
     D, L = int(D), int(L)
