@@ -203,8 +203,17 @@ __device__ __forceinline__ bool visible_interval(int2 a, int2 b, int R, int2& v)
   return true;
 }
 
-// The rows key j shows under a window whose band is j + a <= i < j + b (the forward's and
-// backward's band bounds, PredicateParams::window), clipped to the rows 0..R-1, as
+// The band of a window (PredicateParams::window: (left, right) on the device, query i sees
+// key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right): key j shows the rows
+// j + a <= i < j + b, returned as (a, b) = (Lq - Lk - right, Lq - Lk + left + 1). Read where
+// it is used (from L1): held in registers across a step loop it cost spills (C113).
+__device__ __forceinline__ int2 window_band(const int32_t* window, int Lq, int Lk) {
+  const int left = __ldg(window), right = __ldg(window + 1);
+  return make_int2(Lq - Lk - right, Lq - Lk + left + 1);
+}
+
+// The rows key j shows under a window whose band is j + a <= i < j + b (window_band),
+// clipped to the rows 0..R-1, as
 // visible_interval's (start, length): row i is visible iff unsigned(i - v.x) < unsigned(v.y).
 // (64-bit sums: a and b reach past +-2^29 for windows wider than any sequence.)
 __device__ __forceinline__ int2 band_rows(int j, int a, int b, int R) {

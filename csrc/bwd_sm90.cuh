@@ -900,8 +900,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       const int32_t* bits_head = kPlain || pr.bits_index == nullptr ? nullptr
           : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
       // A window (sliding_window's descriptors, PredicateParams::window): key j shows the
-      // rows j + a <= i < j + b (a = Lq - Lk - right, b = Lq - Lk + left + 1), this thread's
-      // two keys' visible intervals straight from it, nothing staged (C114).
+      // rows j + a <= i < j + b (window_band), this thread's two keys' visible intervals
+      // straight from it, nothing staged (C114).
       // FLEXSPARSE_CUDA_DEBUG bit 2^52: the staged ranges instead (A/Bs).
       const bool band = T::kColRanges && cr_base != nullptr && pr.window != nullptr && !(p.debug_high & (1 << 21));
       // Otherwise the keys are the CTA's for the whole walk: their column ranges are read
@@ -929,9 +929,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       int2 vis[kRows];
       bool interval = band || (staged && pr.n_col_ranges <= 2 && !(p.debug & 8));
       if (band) {
-        const int left = __ldg(pr.window), right = __ldg(pr.window + 1);
+        const int2 ab = window_band(pr.window, p.Lq, p.Lk);
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) vis[r] = band_rows(jr[r], p.Lq - p.Lk - right, p.Lq - p.Lk + left + 1, p.Lq);
+        for (int r = 0; r < kRows; ++r) vis[r] = band_rows(jr[r], ab.x, ab.y, p.Lq);
       } else if (interval) {
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
@@ -1325,10 +1325,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
       if (tid == 0) {
         auto store = [&](auto const& tma, auto const& smem) {
-          Tensor m = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-          Tensor g = local_tile(m(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+          Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+          Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
           auto cta = tma.get_slice(0);
-          copy(tma, cta.partition_S(smem), cta.partition_D(g));
+          copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
         };
         store(kp.tma_dk, sdK);
         store(kp.tma_dv, sdV);

@@ -820,8 +820,8 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // one 32-bit mask of its columns per row. (The window is read per tile, from L1:
           // held across the loop it cost hd128's kernel 36 more bytes of spills.)
           static_assert(kCols <= 32, "one 32-bit mask of the thread's columns per row");
-          const int left = __ldg(p.pred.window), right = __ldg(p.pred.window + 1);
-          const int band_a = p.Lq - p.Lk - right, band_b = p.Lq - p.Lk + left + 1;
+          const int2 band = window_band(p.pred.window, p.Lq, p.Lk);
+          const int band_a = band.x, band_b = band.y;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) {
             const int i = i0 + row_base + 8 * r;

@@ -15,7 +15,7 @@ from host_programs import host_program
 
 TILE = 128     # keys per tile (kBlockN)
 COLS = 32      # a thread's columns of an m64n128 accumulator
-OPEN = 1 << 30  # kBandOpen
+OPEN = 1 << 30  # b of a band with no upper end (causal: left = None)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_column_mask_is_the_columns_in_range(run, cols):
 
 def band(left, right, Lq, Lk):
     """(a, b) of sliding_window(left, right): key j shows the rows j + a <= i < j + b (what
-    the GPU tests pass in FLEXSPARSE_CUDA_BAND)."""
+    the kernels' window_band gives for finite windows)."""
     off = Lk - Lq
     return -off - right, OPEN if left is None else -off + left + 1
 
@@ -91,7 +91,7 @@ def test_backward_key_intervals_equal_the_column_ranges(run, left, right, Lq, Lk
     """The backward's per-key intervals from the window (what the kernel computes from the
     descriptor's window tensor, whose bounds the builder keeps below 2^29) against every key's
     visible rows under the builders' column ranges."""
-    a, b = Lq - Lk - right, Lq - Lk + left + 1
+    a, b = band(left, right, Lq, Lk)
     vis = visible_rows(M.sliding_window(left, right), Lq, Lk)
     got = run([f"R {j} {a} {b} {Lq}" for j in range(Lk)])
     for j, line in enumerate(got):
@@ -100,6 +100,16 @@ def test_backward_key_intervals_equal_the_column_ranges(run, left, right, Lq, Lk
         rows[start:start + length] = True
         assert 0 <= start and length >= 0 and start + length <= Lq, (j, start, length)
         assert torch.equal(rows, vis[:, j]), (left, right, Lq, Lk, j, start, length)
+
+
+def test_window_band_is_the_band(run):
+    """window_band (csrc/block_lists.cuh, which both passes call on the descriptor's window)
+    gives the (a, b) of the band the tests here check against the builders' ranges."""
+    cases = [(255, 0, 1000, 1000), (200, 30, 1000, 1100), (200, 30, 1100, 900), (0, 0, 1, 1),
+             ((1 << 29) - 1, 7, 600, 650)]
+    got = run([f"W {left} {right} {Lq} {Lk}" for left, right, Lq, Lk in cases])
+    for (left, right, Lq, Lk), line in zip(cases, got):
+        assert tuple(map(int, line.split())) == band(left, right, Lq, Lk), (left, right, Lq, Lk)
 
 
 def test_sliding_window_descriptors_carry_their_window():
