@@ -62,13 +62,14 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // (kQBuffers, opt-in), 2^48 its one query buffer at hd64 (before C92), 2^50 hd64's two
 // query buffers with the register-store epilogue (bf16, before C111) and 2^52 the staged
 // column ranges where a window would take the band kernels (C113) (fwd_sm90.cuh) and, in
-// the backward, the per-key intervals from the window (C114) (bwd_sm90.cuh); 2^51 the
-// backward's dK / dV by TMA stores from the key / value buffers (C116, opt-in). (Earlier
+// the backward, the per-key intervals from the window (C114) (bwd_sm90.cuh). (Earlier
 // uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
 // across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
 // 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early
 // columns of C107 in the 80-row backward; 2^50 C110's two early statistics pairs; 2^51
-// C110's statistics by shuffles, then C112's band masks in hd64's plain forward; 2^52 C99's
+// C110's statistics by shuffles, then C112's band masks in hd64's plain forward, then
+// C116's opt-in dK / dV TMA-store epilogue, now the backward's only one; bit 16 the
+// backward's direct dK / dV stores, before C28, removed with C28's 16-byte store loop; 2^52 C99's
 // L2 prefetch of the next query tile and 2^53 C100's backward without the dS barrier, both
 // timed no better; 2^54 C104's one-warpgroup dQ, slower.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no

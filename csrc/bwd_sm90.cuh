@@ -262,7 +262,7 @@ struct BwdTraits {
   using GmemTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)),
                                              GmemShape{}, GmemStride{}));
   // dK and dV (Lk, D, Hkv, B) by TMA stores from the key / value buffers (SmemLayoutK),
-  // FLEXSPARSE_CUDA_DEBUG bit 2^51 (C116), and the fragments' copy into them (stmatrix).
+  // and the fragments' copy into them (stmatrix).
   using TmadKV = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutK{},
                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   using SmemCopydKV = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
@@ -302,7 +302,10 @@ struct BwdTraits {
     // Column ranges of the CTA's keys for the current head, as (start, length) slots: a
     // key hides query i iff unsigned(i - start) < length; unused slots are (0, 0).
     alignas(16) int2 col_ranges[kColRanges ? kBlockN : 1][kMaxStagedRanges];
+    // K and V's loads (K's alone with FLEXSPARSE_CUDA_DEBUG bit 2^53, C117, when V's
+    // follows the first query tile's and completes barrier_v).
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
+    cutlass::arch::ClusterTransactionBarrier::ValueType barrier_v;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     // kBiasTiles: a bias buffer is loaded (bias_full) and free again once the step has
@@ -335,7 +338,7 @@ struct BwdTraits {
     TmadBias tma_dbias;   // kBiasTiles (dbias wanted)
     TmaBias tma_bias;     // kBiasTiles
     int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
-    TmadKV tma_dk{}, tma_dv{};              // bit 2^51 only (launch_bwd)
+    TmadKV tma_dk{}, tma_dv{};              // launch_bwd
   };
 };
 
@@ -607,7 +610,14 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                     : T::Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x % 128 == 0;
   pipe_params.num_consumers = T::kMmaThreads;
-  if (threadIdx.x == 0) Barrier::init(&ss.barrier_kv, 1);
+  if (threadIdx.x == 0) {
+    Barrier::init(&ss.barrier_kv, 1);
+    Barrier::init(&ss.barrier_v, 1);
+  }
+  // FLEXSPARSE_CUDA_DEBUG bit 2^53 (C117, opt-in until measured): V loads after the first
+  // query tile, on its own barrier, so that the first S^T = K Q^T waits for K and Q only
+  // (the consumers' wait at the CTA's start) and V's wait comes before the first dP^T.
+  const bool split_kv = p.debug_high & (1 << 22);
   if (T::kBiasTiles && threadIdx.x == 0) {
     for (int i = 0; i < T::kBiasBufs; ++i) {
       Barrier::init(&ss.bias_full[i], 1);
@@ -646,15 +656,26 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Barrier::arrive_and_expect_tx(&ss.barrier_kv, 2 * T::kBytesK);
+      Barrier::arrive_and_expect_tx(&ss.barrier_kv, (split_kv ? 1 : 2) * T::kBytesK);
       auto cta_k = kp.tma_k.get_slice(0);
       auto cta_v = kp.tma_v.get_slice(0);
       copy(kp.tma_k.with(ss.barrier_kv, 0),
            cta_k.partition_S(local_tile(mK(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
            cta_k.partition_D(sK));
-      copy(kp.tma_v.with(ss.barrier_kv, 0),
-           cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
-           cta_v.partition_D(sV));
+      auto load_v = [&](uint64_t& bar) {
+        copy(kp.tma_v.with(bar, 0),
+             cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
+             cta_v.partition_D(sV));
+      };
+      bool v_pending = split_kv;
+      if (!split_kv) load_v(ss.barrier_kv);
+      auto load_v_once = [&]() {
+        if (v_pending) {
+          Barrier::arrive_and_expect_tx(&ss.barrier_v, T::kBytesK);
+          load_v(ss.barrier_v);
+          v_pending = false;
+        }
+      };
 
       Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
       Tensor mdO = kp.tma_do.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
@@ -684,6 +705,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           auto* bar_q = pipe_q.producer_get_barrier(write);
           copy(kp.tma_q.with(*bar_q, 0, reused), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
           SM90_BULK_COPY_G2S::copy(kp.lse2 + rows, bar_q, ss.lse2[write.index()], kBlockM * sizeof(float));
+          load_v_once();
           pipe_do.producer_acquire(write);
           auto* bar_do = pipe_do.producer_get_barrier(write);
           copy(kp.tma_do.with(*bar_do, 0, reused), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
@@ -699,6 +721,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, T::kStageBytes);
         ++write;
       }
+      load_v_once();   // no step at all: the consumers still wait for V before the epilogue
     } else if (warp_in_group == 1) {
       // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
       // the last reduction has read it, wait until it is filled, add it to dq_accum.
@@ -879,6 +902,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const PredicateParams& pr = p.pred;
 
     Barrier::wait(&ss.barrier_kv, 0);
+    bool v_waited = !split_kv;
     typename T::PipelineState read;
     int step = 0;   // steps done: the P^T / dS^T buffer's parity with one stage
 #ifdef FLEXSPARSE_BWD_TRACE
@@ -972,6 +996,10 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                        tSrQ(_, _, _, read.index()), tSrS);
         BWD_TRACE(1);
         pipe_do.consumer_wait(read);
+        if (!v_waited) {
+          Barrier::wait(&ss.barrier_v, 0);
+          v_waited = true;
+        }
         gemm<true, -1>(mma_sdp, a_operand(tdPrV, wg_sdp, ss.v.data(), typename T::SmemLayoutK{}),
                        tdPrdO(_, _, _, read.index()), tdPrdP);
         BWD_TRACE(2);
@@ -1293,86 +1321,36 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     }
 
     // ------------------------------------------------------------------ epilogue
-    // dK gets the softmax scale here (dQ gets it in the postprocess kernel). The tiles go
-    // through shared memory (dK over the query buffers, dV over the dO buffers, free once
-    // both warpgroups are past their last step) so that dk and dv are written in 16-byte
-    // pieces of whole rows; stored from the fragments, each warp store covered 8 rows x
-    // 16 bytes (docs/perf-notes.md C28). FLEXSPARSE_CUDA_DEBUG bit 16: the direct stores.
-    Tensor cKV = make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor tcKV = thr_dkv.partition_C(cKV);
-    const int64_t kv_row0 = ((int64_t)b * p.Hkv + hk) * p.Lk;
-    Element* dk = static_cast<Element*>(bp.dk) + kv_row0 * kHeadDim;
-    Element* dv = static_cast<Element*>(bp.dv) + kv_row0 * kHeadDim;
-    using Pair = cutlass::Array<Element, 2>;
-    cutlass::NumericArrayConverter<Element, float, 2> cvt;
-    if (p.debug_high & (1 << 20)) {
-      // FLEXSPARSE_CUDA_DEBUG bit 2^51 (C116, opt-in until measured): dK and dV through the
-      // key and value buffers (free once every wgmma is done) in the layout the tiles
-      // arrived in, then one TMA store each (rows past Lk clipped by the tensor map), as
-      // FlashAttention-3/4's epilogue: no loop of 16-byte stores, no waits for them.
-      typename T::SmemCopydKV smem_copy_dkv;
-      auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
-      Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
-      Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
-      CUTLASS_PRAGMA_UNROLL
-      for (int x = 0; x < size(tdKrdK); ++x) tdKrdK(x) *= p.scale;
-      Tensor rdK = convert_type<Element>(tdKrdK);
-      Tensor rdV = convert_type<Element>(tdVrdV);
-      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
-      copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdK));
-      copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdV));
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-      if (tid == 0) {
-        auto store = [&](auto const& tma, auto const& smem) {
-          Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-          Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-          auto cta = tma.get_slice(0);
-          copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
-        };
-        store(kp.tma_dk, sdK);
-        store(kp.tma_dv, sdV);
-        tma_store_arrive();
-        tma_store_wait<0>();   // shared memory outlives the stores' reads
-      }
-    } else if (!(p.debug & 16)) {
-      // Row j's 16-byte piece k sits at piece k ^ (j % 8) of the row (an XOR swizzle), so
-      // that a warp's 4-byte stores (8 rows x 4 column pairs) and 16-byte loads (whole
-      // rows) hit different banks.
-      constexpr int kPieces = kHeadDim * sizeof(Element) / 16, kPer = 16 / sizeof(Element);
-      static_assert(kPieces % 8 == 0 && kBlockN * kHeadDim <= cosize_v<typename T::SmemLayoutQ>,
-                    "dK / dV tiles fit the query / dO buffers, in whole 8-piece groups");
-      Element* sdK = ss.q.data();
-      Element* sdV = ss.dout.data();
-      auto at = [&](int j, int d) { return j * kHeadDim + (((d / kPer) ^ (j % 8)) * kPer) + d % kPer; };
-      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
-      CUTLASS_PRAGMA_UNROLL
-      for (int x = 0; x < size(tdKrdK); x += 2) {
-        const int j = get<0>(tcKV(x)), d = get<1>(tcKV(x));
-        *reinterpret_cast<Pair*>(sdK + at(j, d)) =
-            cvt(cutlass::Array<float, 2>{{tdKrdK(x) * p.scale, tdKrdK(x + 1) * p.scale}});
-        *reinterpret_cast<Pair*>(sdV + at(j, d)) = cvt(cutlass::Array<float, 2>{{tdVrdV(x), tdVrdV(x + 1)}});
-      }
-      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-      const int rows = min(kBlockN, p.Lk - j0);
-      for (int c = tid; c < rows * kPieces; c += T::kMmaThreads) {
-        const int j = c / kPieces, d = (c % kPieces) * kPer;
-        const int64_t g = (int64_t)(j0 + j) * kHeadDim + d;
-        *reinterpret_cast<uint4*>(dk + g) = *reinterpret_cast<const uint4*>(sdK + at(j, d));
-        *reinterpret_cast<uint4*>(dv + g) = *reinterpret_cast<const uint4*>(sdV + at(j, d));
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int x = 0; x < size(tdKrdK); x += 2) {
-        // Entries x, x + 1 of the accumulator are adjacent head-dim entries.
-        const int j = j0 + get<0>(tcKV(x)), d = get<1>(tcKV(x));
-        if (j < p.Lk) {
-          *reinterpret_cast<Pair*>(dk + (int64_t)j * kHeadDim + d) =
-              cvt(cutlass::Array<float, 2>{{tdKrdK(x) * p.scale, tdKrdK(x + 1) * p.scale}});
-          *reinterpret_cast<Pair*>(dv + (int64_t)j * kHeadDim + d) =
-              cvt(cutlass::Array<float, 2>{{tdVrdV(x), tdVrdV(x + 1)}});
-        }
-      }
+    // dK gets the softmax scale here (dQ gets it in the postprocess kernel). dK and dV go
+    // through the key and value buffers (free once every wgmma is done), in the layout the
+    // tiles arrived in, then out by one TMA store each (rows past Lk clipped by the tensor
+    // map), as FlashAttention-3/4's epilogue: no loop of 16-byte stores and no waits for
+    // them in the consumers (docs/perf-notes.md C28, C116).
+    if (!v_waited) Barrier::wait(&ss.barrier_v, 0);   // (no step read V: its load may be in flight)
+    typename T::SmemCopydKV smem_copy_dkv;
+    auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
+    Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+    Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
+    CUTLASS_PRAGMA_UNROLL
+    for (int x = 0; x < size(tdKrdK); ++x) tdKrdK(x) *= p.scale;
+    Tensor rdK = convert_type<Element>(tdKrdK);
+    Tensor rdV = convert_type<Element>(tdVrdV);
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
+    copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdK));
+    copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdV));
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+    if (tid == 0) {
+      auto store = [&](auto const& tma, auto const& smem) {
+        Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+        Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+        auto cta = tma.get_slice(0);
+        copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
+      };
+      store(kp.tma_dk, sdK);
+      store(kp.tma_dv, sdV);
+      tma_store_arrive();
+      tma_store_wait<0>();   // shared memory outlives the stores' reads
     }
   }
 #endif
@@ -1570,7 +1548,7 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem(p.v, p.Lk, p.Hkv, p.v_sn, p.v_sh, p.v_sb),
                     typename T::SmemLayoutK{}, tile_k, _1{}),
       {}, {}, {}};   // the bias's TMAs and the dK / dV stores: below
-  if (p.debug_high & (1 << 20)) {   // bit 2^51: dK and dV by TMA stores (C116)
+  {   // dK and dV (B, Hkv, Lk, D), contiguous (the op allocates them), by TMA stores
     auto gmem_out = [&](void* ptr) {
       return make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), make_shape(p.Lk, p.D, p.Hkv, p.B),
                          make_stride((int64_t)p.D, _1{}, (int64_t)p.Lk * p.D, (int64_t)p.Hkv * p.Lk * p.D));
