@@ -69,9 +69,10 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // columns of C107 in the 80-row backward; 2^50 C110's two early statistics pairs; 2^51
 // C110's statistics by shuffles, then C112's band masks in hd64's plain forward, then
 // C116's opt-in dK / dV TMA-store epilogue, now the backward's only one; bit 16 the
-// backward's direct dK / dV stores, before C28, removed with C28's 16-byte store loop; 2^52 C99's
-// L2 prefetch of the next query tile and 2^53 C100's backward without the dS barrier, both
-// timed no better; 2^54 C104's one-warpgroup dQ, slower.)
+// backward's direct dK / dV stores, before C28, removed with C28's 16-byte store loop;
+// 2^52 C99's L2 prefetch of the next query tile and 2^53 C100's backward without the dS
+// barrier, both timed no better, then C117's V loaded after the first query tile in the
+// backward, even; 2^54 C104's one-warpgroup dQ, slower.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
 int64_t debug_bits() {

@@ -302,10 +302,7 @@ struct BwdTraits {
     // Column ranges of the CTA's keys for the current head, as (start, length) slots: a
     // key hides query i iff unsigned(i - start) < length; unused slots are (0, 0).
     alignas(16) int2 col_ranges[kColRanges ? kBlockN : 1][kMaxStagedRanges];
-    // K and V's loads (K's alone with FLEXSPARSE_CUDA_DEBUG bit 2^53, C117, when V's
-    // follows the first query tile's and completes barrier_v).
     alignas(16) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_kv;
-    cutlass::arch::ClusterTransactionBarrier::ValueType barrier_v;
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     // kBiasTiles: a bias buffer is loaded (bias_full) and free again once the step has
@@ -610,14 +607,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                                     : T::Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x % 128 == 0;
   pipe_params.num_consumers = T::kMmaThreads;
-  if (threadIdx.x == 0) {
-    Barrier::init(&ss.barrier_kv, 1);
-    Barrier::init(&ss.barrier_v, 1);
-  }
-  // FLEXSPARSE_CUDA_DEBUG bit 2^53 (C117, opt-in until measured): V loads after the first
-  // query tile, on its own barrier, so that the first S^T = K Q^T waits for K and Q only
-  // (the consumers' wait at the CTA's start) and V's wait comes before the first dP^T.
-  const bool split_kv = p.debug_high & (1 << 22);
+  if (threadIdx.x == 0) Barrier::init(&ss.barrier_kv, 1);
   if (T::kBiasTiles && threadIdx.x == 0) {
     for (int i = 0; i < T::kBiasBufs; ++i) {
       Barrier::init(&ss.bias_full[i], 1);
@@ -656,26 +646,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Barrier::arrive_and_expect_tx(&ss.barrier_kv, (split_kv ? 1 : 2) * T::kBytesK);
+      Barrier::arrive_and_expect_tx(&ss.barrier_kv, 2 * T::kBytesK);
       auto cta_k = kp.tma_k.get_slice(0);
       auto cta_v = kp.tma_v.get_slice(0);
       copy(kp.tma_k.with(ss.barrier_kv, 0),
            cta_k.partition_S(local_tile(mK(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
            cta_k.partition_D(sK));
-      auto load_v = [&](uint64_t& bar) {
-        copy(kp.tma_v.with(bar, 0),
-             cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
-             cta_v.partition_D(sV));
-      };
-      bool v_pending = split_kv;
-      if (!split_kv) load_v(ss.barrier_kv);
-      auto load_v_once = [&]() {
-        if (v_pending) {
-          Barrier::arrive_and_expect_tx(&ss.barrier_v, T::kBytesK);
-          load_v(ss.barrier_v);
-          v_pending = false;
-        }
-      };
+      copy(kp.tma_v.with(ss.barrier_kv, 0),
+           cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
+           cta_v.partition_D(sV));
 
       Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
       Tensor mdO = kp.tma_do.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
@@ -705,7 +684,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           auto* bar_q = pipe_q.producer_get_barrier(write);
           copy(kp.tma_q.with(*bar_q, 0, reused), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
           SM90_BULK_COPY_G2S::copy(kp.lse2 + rows, bar_q, ss.lse2[write.index()], kBlockM * sizeof(float));
-          load_v_once();
           pipe_do.producer_acquire(write);
           auto* bar_do = pipe_do.producer_get_barrier(write);
           copy(kp.tma_do.with(*bar_do, 0, reused), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
@@ -721,7 +699,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, T::kStageBytes);
         ++write;
       }
-      load_v_once();   // no step at all: the consumers still wait for V before the epilogue
     } else if (warp_in_group == 1) {
       // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
       // the last reduction has read it, wait until it is filled, add it to dq_accum.
@@ -902,7 +879,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const PredicateParams& pr = p.pred;
 
     Barrier::wait(&ss.barrier_kv, 0);
-    bool v_waited = !split_kv;
     typename T::PipelineState read;
     int step = 0;   // steps done: the P^T / dS^T buffer's parity with one stage
 #ifdef FLEXSPARSE_BWD_TRACE
@@ -996,10 +972,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                        tSrQ(_, _, _, read.index()), tSrS);
         BWD_TRACE(1);
         pipe_do.consumer_wait(read);
-        if (!v_waited) {
-          Barrier::wait(&ss.barrier_v, 0);
-          v_waited = true;
-        }
         gemm<true, -1>(mma_sdp, a_operand(tdPrV, wg_sdp, ss.v.data(), typename T::SmemLayoutK{}),
                        tdPrdO(_, _, _, read.index()), tdPrdP);
         BWD_TRACE(2);
@@ -1326,7 +1298,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     // tiles arrived in, then out by one TMA store each (rows past Lk clipped by the tensor
     // map), as FlashAttention-3/4's epilogue: no loop of 16-byte stores and no waits for
     // them in the consumers (docs/perf-notes.md C28, C116).
-    if (!v_waited) Barrier::wait(&ss.barrier_v, 0);   // (no step read V: its load may be in flight)
     typename T::SmemCopydKV smem_copy_dkv;
     auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
     Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});

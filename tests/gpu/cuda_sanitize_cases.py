@@ -131,22 +131,18 @@ def main():
                                                 ("lookahead cross hd128", 1500, 2001, 128, (200, 30)),
                                                 ("lookahead cross hd256", 700, 555, 256, (100, 7))):
             run(f"[debug 0] band backward {name}", 1, 4, 2, Lq, Lk, D, M.sliding_window(left, right))
-    if not only or "tma epilogue" in only or "split kv" in only:
+    if not only or "tma epilogue" in only:
         # C116: the backward's dK / dV through the key / value buffers and TMA stores,
-        # every backward kernel, lengths no key tile divides, GQA; C117 (bit 2^53): V loaded
-        # after the first query tile, also where key tiles have no step (lookahead)
-        # (the bias at L = 384: rows TMA can read, so the bias-tile kernel)
-        for bits, label in ((0, "tma epilogue"), (1 << 53, "split kv")):
-            if only and label not in only:
-                continue
-            os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(bits)
-            for name, Lq, Lk, D, mask, kw in (("causal hd128", 333, 333, 128, M.causal(), {}),
-                                              ("full hd128 80-row", 333, 333, 128, M.full(), {}),
-                                              ("causal hd64", 333, 333, 64, M.causal(), {}),
-                                              ("causal hd256", 333, 333, 256, M.causal(), {}),
-                                              ("lookahead hd128", 300, 1000, 128, M.sliding_window(100, 0), {}),
-                                              ("bias tiles hd128", 384, 384, 128, M.causal(), {"bias": True})):
-                run(f"[debug {bits}] {label} {name}", 1, 4, 2, Lq, Lk, D, mask, **kw)
+        # every backward kernel, lengths no key tile divides, GQA, key tiles with no step
+        # (lookahead) (the bias at L = 384: rows TMA can read, so the bias-tile kernel)
+        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
+        for name, Lq, Lk, D, mask, kw in (("causal hd128", 333, 333, 128, M.causal(), {}),
+                                          ("full hd128 80-row", 333, 333, 128, M.full(), {}),
+                                          ("causal hd64", 333, 333, 64, M.causal(), {}),
+                                          ("causal hd256", 333, 333, 256, M.causal(), {}),
+                                          ("lookahead hd128", 300, 1000, 128, M.sliding_window(100, 0), {}),
+                                          ("bias tiles hd128", 384, 384, 128, M.causal(), {"bias": True})):
+            run(f"[debug 0] tma epilogue {name}", 1, 4, 2, Lq, Lk, D, mask, **kw)
 
 if __name__ == "__main__":
     main()
