@@ -5,7 +5,7 @@ ranges, a dense mask with fully masked rows, bias, odd lengths, GQA, the backwar
 is built (every head dim), the forward's two query buffers (C89; at hd64 with both
 epilogues, C111), its band kernels for sliding windows (C113) and the backward's (C114),
 its work tiles crossed in the key-tile loop (C91), and the backward's dK / dV by TMA stores
-(C116, bit 2^51).
+(C116), also from key tiles that no query sees.
 Prints one line per case; the tool's summary says whether any hazard was seen."""
 import os
 import sys
