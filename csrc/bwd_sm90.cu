@@ -10,8 +10,9 @@ size_t bwd_sm90_workspace_bytes(BackwardParams const& p) {
   const AttentionParams& f = p.fwd;
   const size_t rows = static_cast<size_t>(f.B) * f.Hq * std::max(bwd_lq_pad(f, 64), bwd_lq_pad(f, 80));
   // dq_accum, lse2, delta; deterministic: a turn counter per 64 rows (one per query step of
-  // either size) and warpgroup half
-  return rows * (f.D + 2) * sizeof(float) + (p.deterministic ? rows / 64 * 2 * sizeof(int) : 0);
+  // either size) and warpgroup half; last, the persistent kernel's tile counter (launch_bwd)
+  return rows * (f.D + 2) * sizeof(float) + (p.deterministic ? rows / 64 * 2 * sizeof(int) : 0) +
+         sizeof(int);
 }
 
 std::string bwd_sm90_unsupported(BackwardParams const& p) {

@@ -56,6 +56,12 @@ namespace flexsparse::sm90 {
 // warpgroups' dS^T stored (barrier), 8 dQ issued and dV done, 9 dK issued and dQ done,
 // 10 dQ handed to the writer, 11 dK done. The stamps cost registers (spills): compare the
 // trace build's time with the plain build's before reading durations.
+// BWD_LIFE: in every CTA (up to kBwdLifeCtas, by linear block index), one word per event of
+// its life: 0 the SM's index + 1, then that SM's clock at 1 the kernel's entry, 2 K and V
+// in shared memory (the consumers' wait), 3 the consumers' last step done, 4 the epilogue's
+// TMA stores read, 5 the dQ writer's last reduction read, 6 the producer's last load
+// issued; 7 the consumers' step count. Consecutive CTAs of one SM then give the gap between
+// one's end and the next one's entry (tests/gpu/bwd_trace.py, "CTA life").
 #ifdef FLEXSPARSE_BWD_TRACE
 using flexsparse::kBwdTraceCtas;
 using flexsparse::kBwdTraceSteps;
@@ -64,6 +70,16 @@ static __device__ uint32_t bwd_trace_buf[kBwdTraceCtas][kBwdTraceSteps + 1][2][k
 __device__ __forceinline__ int bwd_trace_cta() {
   if (blockIdx.y != 0 || blockIdx.z != 0) return -1;
   return blockIdx.x < 2 ? blockIdx.x : blockIdx.x == gridDim.x / 2 ? 2 : -1;
+}
+static __device__ uint32_t bwd_life_buf[flexsparse::kBwdLifeCtas][flexsparse::kBwdLifeEvents];
+__device__ __forceinline__ uint32_t bwd_clock() {
+  uint32_t c;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
+  return c;
+}
+__device__ __forceinline__ void bwd_life(int e, uint32_t value) {
+  const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta < flexsparse::kBwdLifeCtas) bwd_life_buf[cta][e] = value;
 }
 __device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
   asm volatile("{\n .reg .u32 c;\n mov.u32 c, %%clock;\n st.global.u32 [%0], c;\n}" ::"l"(at) : "memory");
@@ -78,14 +94,25 @@ __device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
     bwd_trace_buf[trace_cta][kBwdTraceSteps][0][2 * (i) + 1] = g;                               \
     bwd_trace_buf[trace_cta][kBwdTraceSteps][0][4] = blockIdx.x;                                \
   }
+#define BWD_LIFE(e, value) bwd_life(e, value)
 #else
 #define BWD_TRACE(e) \
   do {               \
+  } while (0)
+#define BWD_LIFE(e, value) \
+  do {                     \
   } while (0)
 #define BWD_TRACE_CALIBRATE(i) \
   do {                         \
   } while (0)
 #endif
+
+// The persistent backward's (C118) barriers and tile ring, past a kernel's shared storage
+// (bwd_kernel, kPersistent).
+struct BwdTileSlots {
+  uint64_t tile_full[2], tile_empty[2], kv_empty;
+  int tile[2];
+};
 
 // kBlockM_: query rows per step, 64, 80 or 128. At head dim 64 a 64-row step is half the
 // tensor-core work of a 128-row one for the same per-step cost (barriers, lse and delta,
@@ -318,6 +345,9 @@ struct BwdTraits {
   static constexpr int kZeroBitmapOffset = kBiasOffset + kBiasBufs * kBytesBias;
   static constexpr int kSmemBytes = kBiasTiles ? kZeroBitmapOffset + 4 * kZeroBitmapWords
                                                : sizeof(SharedStorage);
+  // The persistent kernel's BwdTileSlots after them (its launch asks for the larger size).
+  static constexpr int kTileSlotsOffset = (kSmemBytes + 15) / 16 * 16;
+  static constexpr int kPersistentSmemBytes = kTileSlotsOffset + sizeof(BwdTileSlots);
 
   struct KernelParams {
     BackwardParams bp;
@@ -336,6 +366,7 @@ struct BwdTraits {
     TmaBias tma_bias;     // kBiasTiles
     int bias_heads = 1, bias_batches = 1;   // the bias's extents of TMA's head and batch modes
     TmadKV tma_dk{}, tma_dv{};              // launch_bwd
+    int* tile_counter = nullptr;            // the persistent kernel's tiles drawn (zeroed per launch)
   };
 };
 
@@ -566,7 +597,7 @@ __device__ void zero_unlisted_dbias(typename T::KernelParams const& kp, int b, i
 // They default to the kernel's own (BwdTraits); bits 2^46, 2^47 and 2^49 run the other
 // choice (launch_bwd).
 template <class T, bool kCuteDsStore = false, bool kDqPairs = false, bool kDsFirst = T::kDsFirst,
-          bool kDsInterleaved = T::kDsInterleaved, int kStatsEarly = T::kStatsEarly>
+          bool kDsInterleaved = T::kDsInterleaved, int kStatsEarly = T::kStatsEarly, bool kPersistent = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
 bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -579,10 +610,38 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   BackwardParams const& bp = kp.bp;
   AttentionParams const& p = bp.fwd;
 
-  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  // The CTA's key tile: n_block of kv head hk, batch b, its place in the grid; with
+  // kPersistent (C118) the grid is one CTA per SM, each taking the tiles its producer draws
+  // from kp.tile_counter, the first one too (a tile t is (t % n_kb, t / n_kb % Hkv, t /
+  // (n_kb Hkv)): the order in which the non-persistent grid's CTAs start). So a tile is
+  // drawn only by a running CTA after every lower one was: the deterministic dQ turns,
+  // which wait for lower key tiles, wait only for tiles that are being run or done.
+  static_assert(!(kPersistent && T::kBiasTiles), "the persistent backward has no bias-tile roles");
+  const int n_kb = (p.Lk + kBlockN - 1) / kBlockN, n_tiles = n_kb * p.Hkv * p.B;
+  int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int group = p.Hq / p.Hkv;
-  const int kb = n_block * kBlockN / p.block_k;    // the descriptor's key block
+#ifdef FLEXSPARSE_BWD_TRACE
+  if (threadIdx.x == 0) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    BWD_LIFE(0, sm + 1);
+    BWD_LIFE(1, bwd_clock());
+  }
+#endif
+  int kb = n_block * kBlockN / p.block_k;    // the descriptor's key block
   const int sub = p.block_q / kBlockM;
+  auto set_tile = [&](int t) {
+    n_block = t % n_kb;
+    hk = t / n_kb % p.Hkv;
+    b = t / (n_kb * p.Hkv);
+    kb = n_block * kBlockN / p.block_k;
+  };
+  // kPersistent: the tile of the CTA's k-th iteration goes from the producer to the
+  // consumers' warps and the dQ writer through ring slot k & 1 (its (k >> 1)-th use):
+  // tile_full when written, tile_empty once each of the kTileReaders warps has read it.
+  // kv_empty: the consumers' epilogue has stored dK / dV out of the key / value buffers.
+  auto& slots = *reinterpret_cast<BwdTileSlots*>(smem_raw + T::kTileSlotsOffset);
+  constexpr int kTileReaders = T::kMmaThreads / 32 + 1;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int warp_in_group = cutlass::canonical_warp_idx_sync() % 4;
@@ -608,6 +667,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   pipe_params.is_leader = threadIdx.x % 128 == 0;
   pipe_params.num_consumers = T::kMmaThreads;
   if (threadIdx.x == 0) Barrier::init(&ss.barrier_kv, 1);
+  if constexpr (kPersistent) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < 2; ++i) {
+        cutlass::arch::ClusterBarrier::init(&slots.tile_full[i], 1);
+        cutlass::arch::ClusterBarrier::init(&slots.tile_empty[i], kTileReaders);
+      }
+      cutlass::arch::ClusterBarrier::init(&slots.kv_empty, 1);
+    }
+  }
   if (T::kBiasTiles && threadIdx.x == 0) {
     for (int i = 0; i < T::kBiasBufs; ++i) {
       Barrier::init(&ss.bias_full[i], 1);
@@ -634,6 +702,18 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   // FLEXSPARSE_CUDA_DEBUG bit 1048576: one buffer at head dim 64 too (A/Bs).
   const int bias_shift = (T::kBiasBufs == 2 && !(p.debug & 1048576)) ? 1 : 0;
   const int bias_mask = (1 << bias_shift) - 1;
+  // kPersistent: a reader warp's tile of iteration k (every lane calls it); false when the
+  // producer has drawn past the last tile.
+  auto read_tile = [&](int k) {
+    const int slot = k & 1;
+    cutlass::arch::ClusterBarrier::wait(&slots.tile_full[slot], (k >> 1) & 1);
+    const int t = slots.tile[slot];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&slots.tile_empty[slot]);
+    if (t >= n_tiles) return false;
+    set_tile(t);
+    return true;
+  };
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -646,15 +726,18 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       Tensor mK = kp.tma_k.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       Tensor mV = kp.tma_v.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
       auto tile_kv = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Barrier::arrive_and_expect_tx(&ss.barrier_kv, 2 * T::kBytesK);
       auto cta_k = kp.tma_k.get_slice(0);
       auto cta_v = kp.tma_v.get_slice(0);
-      copy(kp.tma_k.with(ss.barrier_kv, 0),
-           cta_k.partition_S(local_tile(mK(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
-           cta_k.partition_D(sK));
-      copy(kp.tma_v.with(ss.barrier_kv, 0),
-           cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
-           cta_v.partition_D(sV));
+      auto load_kv = [&] {
+        Barrier::arrive_and_expect_tx(&ss.barrier_kv, 2 * T::kBytesK);
+        copy(kp.tma_k.with(ss.barrier_kv, 0),
+             cta_k.partition_S(local_tile(mK(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
+             cta_k.partition_D(sK));
+        copy(kp.tma_v.with(ss.barrier_kv, 0),
+             cta_v.partition_S(local_tile(mV(_, _, hk, b), tile_kv, make_coord(n_block, 0))),
+             cta_v.partition_D(sV));
+      };
+      if constexpr (!kPersistent) load_kv();
 
       Tensor mQ = kp.tma_q.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
       Tensor mdO = kp.tma_do.get_tma_tensor(make_shape(p.Lq, p.D, p.Hq, p.B));
@@ -669,85 +752,128 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         store_step_rec(&ss.step_rec[rec_slot], rec);
         rec_slot = T::SharedStorage::next_rec_slot(rec_slot);
       };
-      for (int g = 0; g < group; ++g) {
-        const int h = hk * group + g;
-        QuerySteps<T> walk(p, b, h, kb);
-        Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
-        Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
-        int m;
-        bool partial;
-        while (walk.next(p, b, h, kb, sub, m, partial)) {
-          if (m * kBlockM >= p.Lq) continue;
-          const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
-          record(2 * m + (partial ? 1 : 0));
+      // kPersistent: a tile's K and V load after its first query stage is issued (which
+      // may then load while the consumers finish the previous tile), once the previous
+      // tile's dK / dV have left the key / value buffers.
+      bool kv_loaded = !kPersistent;
+      int iter = 0;
+      auto load_kv_once = [&] {
+        if (!kv_loaded) {
+          if (iter > 0) cutlass::arch::ClusterBarrier::wait(&slots.kv_empty, (iter - 1) & 1);
+          load_kv();
+          kv_loaded = true;
+        }
+      };
+      // kPersistent: draw the tile of iteration k and publish it in ring slot k & 1 once that
+      // slot's last readers are done; false past the last tile.
+      auto draw_tile = [&](int k) {
+        const int t = atomicAdd(kp.tile_counter, 1), slot = k & 1, use = k >> 1;
+        if (use >= 1) cutlass::arch::ClusterBarrier::wait(&slots.tile_empty[slot], (use - 1) & 1);
+        slots.tile[slot] = t;
+        cutlass::arch::ClusterBarrier::arrive(&slots.tile_full[slot]);
+        if (t >= n_tiles) return false;
+        set_tile(t);
+        return true;
+      };
+      bool have_tile = true;
+      if constexpr (kPersistent) have_tile = draw_tile(0);
+      for (; have_tile; ++iter) {
+        for (int g = 0; g < group; ++g) {
+          const int h = hk * group + g;
+          QuerySteps<T> walk(p, b, h, kb);
+          Tensor tQgQ = cta_q.partition_S(local_tile(mQ(_, _, h, b), tile_q, make_coord(_, 0)));
+          Tensor tdOgdO = cta_do.partition_S(local_tile(mdO(_, _, h, b), tile_q, make_coord(_, 0)));
+          int m;
+          bool partial;
+          while (walk.next(p, b, h, kb, sub, m, partial)) {
+            if (m * kBlockM >= p.Lq) continue;
+            const int64_t rows = ((int64_t)b * p.Hq + h) * kp.Lq_pad + m * kBlockM;
+            record(2 * m + (partial ? 1 : 0));
+            pipe_q.producer_acquire(write);
+            auto* bar_q = pipe_q.producer_get_barrier(write);
+            copy(kp.tma_q.with(*bar_q, 0, reused), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
+            SM90_BULK_COPY_G2S::copy(kp.lse2 + rows, bar_q, ss.lse2[write.index()], kBlockM * sizeof(float));
+            pipe_do.producer_acquire(write);
+            auto* bar_do = pipe_do.producer_get_barrier(write);
+            copy(kp.tma_do.with(*bar_do, 0, reused), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
+            SM90_BULK_COPY_G2S::copy(kp.delta + rows, bar_do, ss.delta[write.index()], kBlockM * sizeof(float));
+            ++write;
+            if constexpr (kPersistent) load_kv_once();
+          }
+          // The head's end: a stage of both pipelines that carries no data (its expected bytes
+          // completed here), whose record tells the consumers to go on to the next head.
+          record(kEndOfHead);
           pipe_q.producer_acquire(write);
-          auto* bar_q = pipe_q.producer_get_barrier(write);
-          copy(kp.tma_q.with(*bar_q, 0, reused), tQgQ(_, _, _, m), tQsQ(_, _, _, write.index()));
-          SM90_BULK_COPY_G2S::copy(kp.lse2 + rows, bar_q, ss.lse2[write.index()], kBlockM * sizeof(float));
+          Barrier::complete_transaction(pipe_q.producer_get_barrier(write), 0, T::kStageBytes);
           pipe_do.producer_acquire(write);
-          auto* bar_do = pipe_do.producer_get_barrier(write);
-          copy(kp.tma_do.with(*bar_do, 0, reused), tdOgdO(_, _, _, m), tdOsdO(_, _, _, write.index()));
-          SM90_BULK_COPY_G2S::copy(kp.delta + rows, bar_do, ss.delta[write.index()], kBlockM * sizeof(float));
+          Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, T::kStageBytes);
           ++write;
         }
-        // The head's end: a stage of both pipelines that carries no data (its expected bytes
-        // completed here), whose record tells the consumers to go on to the next head.
-        record(kEndOfHead);
-        pipe_q.producer_acquire(write);
-        Barrier::complete_transaction(pipe_q.producer_get_barrier(write), 0, T::kStageBytes);
-        pipe_do.producer_acquire(write);
-        Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, T::kStageBytes);
-        ++write;
+        if constexpr (!kPersistent) {
+          break;
+        } else {
+          load_kv_once();   // (a tile without steps)
+          if (!draw_tile(iter + 1)) break;
+          kv_loaded = false;
+        }
       }
+      BWD_LIFE(6, bwd_clock());
     } else if (warp_in_group == 1) {
       // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
       // the last reduction has read it, wait until it is filled, add it to dq_accum.
       const int lane = threadIdx.x % 32;
-      for (int g = 0; g < group; ++g) {
-        const int h = hk * group + g;
-        QuerySteps<T> walk(p, b, h, kb);
-        const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
-        int m;
-        bool partial;
-        while (walk.next(p, b, h, kb, sub, m, partial)) {
-          if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
-          const int i0 = m * kBlockM;
-          const int turn = bp.deterministic
-              ? dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN) : 0;
-          if (lane == 0) tma_store_wait<1>();
-          __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
-          if (lane == 0) tma_store_wait<0>();
-          __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
-          for (int w = 0; w < 2; ++w) {
-            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + w);
-            if (lane == 0) {
-              int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + w : nullptr;
-              if (flag != nullptr) wait_turn(flag, turn);
-              // FLEXSPARSE_CUDA_DEBUG bit 2048: no dQ reduction (wrong dq; timing probes only).
-              float* acc = kp.dq_accum + (row0 + i0) * kHeadDim + w * (kBlockM * kHeadDim / 2);
-              const float* half = ss.dq + w * (kBlockM * kHeadDim / 2);
-              constexpr int kPiece = kBlockM * kHeadDim / 2 / T::kDqReducePieces;   // floats
-              if (!(p.debug & 2048)) {
-                CUTLASS_PRAGMA_UNROLL
-                for (int e = 0; e < T::kDqReducePieces; ++e)
-                  bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
-              }
-              tma_store_arrive();
-              if (flag != nullptr) {
-                // The addition is complete (not only its shared-memory read) before the
-                // next CTA's turn.
-                asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-                __threadfence();
-                atomicAdd(flag, 1);
-              }
-            }
+      bool have_tile = true;
+      if constexpr (kPersistent) have_tile = read_tile(0);
+      for (int iter = 0; have_tile; ++iter) {
+        for (int g = 0; g < group; ++g) {
+          const int h = hk * group + g;
+          QuerySteps<T> walk(p, b, h, kb);
+          const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;
+          int m;
+          bool partial;
+          while (walk.next(p, b, h, kb, sub, m, partial)) {
+            if (m * kBlockM >= p.Lq) continue;   // (the consumers skip the same tiles)
+            const int i0 = m * kBlockM;
+            const int turn = bp.deterministic
+                ? dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN) : 0;
+            if (lane == 0) tma_store_wait<1>();
             __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
+            if (lane == 0) tma_store_wait<0>();
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+            for (int w = 0; w < 2; ++w) {
+              cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + w);
+              if (lane == 0) {
+                int* flag = bp.deterministic ? kp.dq_turn + ((row0 + i0) / kBlockM) * 2 + w : nullptr;
+                if (flag != nullptr) wait_turn(flag, turn);
+                // FLEXSPARSE_CUDA_DEBUG bit 2048: no dQ reduction (wrong dq; timing probes only).
+                float* acc = kp.dq_accum + (row0 + i0) * kHeadDim + w * (kBlockM * kHeadDim / 2);
+                const float* half = ss.dq + w * (kBlockM * kHeadDim / 2);
+                constexpr int kPiece = kBlockM * kHeadDim / 2 / T::kDqReducePieces;   // floats
+                if (!(p.debug & 2048)) {
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int e = 0; e < T::kDqReducePieces; ++e)
+                    bulk_reduce_add(acc + e * kPiece, half + e * kPiece, kPiece * sizeof(float));
+                }
+                tma_store_arrive();
+                if (flag != nullptr) {
+                  // The addition is complete (not only its shared-memory read) before the
+                  // next CTA's turn.
+                  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+                  __threadfence();
+                  atomicAdd(flag, 1);
+                }
+              }
+              __syncwarp();
+            }
           }
         }
+        if constexpr (!kPersistent) break;
+        else if (!read_tile(iter + 1)) break;
       }
       if (lane == 0) tma_store_wait<0>();       // shared memory outlives the reductions
+      if (lane == 0) BWD_LIFE(5, bwd_clock());
     } else if (T::kBiasTiles && warp_in_group == 2) {
       // bias tiles: one per step, into buffer (load & bias_mask) once the step that read it
       // last is done with it
@@ -874,454 +1000,474 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     const bool has_bias = !kPlain && p.bias != nullptr;
     const bool has_softcap = !kPlain && p.softcap > 0.f;
     const bool log2_scores = has_bias || has_softcap;
-    const int j0 = n_block * kBlockN;
-    const int jr[kRows] = {j0 + row_base, j0 + row_base + 8};   // this thread's keys
     const PredicateParams& pr = p.pred;
-
-    Barrier::wait(&ss.barrier_kv, 0);
     typename T::PipelineState read;
     int step = 0;   // steps done: the P^T / dS^T buffer's parity with one stage
-#ifdef FLEXSPARSE_BWD_TRACE
-    const int trace_cta = bwd_trace_cta();
-    BWD_TRACE_CALIBRATE(0);
-#endif
     int rec_slot = 0;   // step_rec's ring position
-    for (int g = 0; g < group; ++g) {
-      const int h = hk * group + g;
-      const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
-      const Element* bias = static_cast<const Element*>(p.bias);
-      if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
-      Element* dbias = kPlain || T::kBiasTiles ? nullptr : static_cast<Element*>(bp.dbias);
-      if (dbias != nullptr) dbias += b * bp.dbias_sb + h * bp.dbias_sh;
-      const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
-          : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
-      const uint8_t* dense = kPlain || pr.dense == nullptr ? nullptr
-          : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
-      const int32_t* bits_head = kPlain || pr.bits_index == nullptr ? nullptr
-          : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
-      // A window (sliding_window's descriptors, PredicateParams::window): key j shows the
-      // rows j + a <= i < j + b (window_band), this thread's two keys' visible intervals
-      // straight from it, nothing staged (C114).
-      // FLEXSPARSE_CUDA_DEBUG bit 2^52: the staged ranges instead (A/Bs).
-      const bool band = T::kColRanges && cr_base != nullptr && pr.window != nullptr && !(p.debug_high & (1 << 21));
-      // Otherwise the keys are the CTA's for the whole walk: their column ranges are read
-      // once.
-      const bool staged = !band && T::kColRanges && cr_base != nullptr &&
-                          (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
-      if (staged) {
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
-        for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
-          const int key = e / T::kMaxStagedRanges, slot = e % T::kMaxStagedRanges;
-          const int j = j0 + key;
-          int2 v = make_int2(0, 0);
-          if (j < p.Lk && slot < pr.n_col_ranges) {
-            const int32_t* cr = cr_base + (int64_t)j * pr.cr_sk + 2 * slot;
-            const int lo = __ldg(cr), hi = __ldg(cr + 1);
-            v = make_int2(lo, max(hi - lo, 0));
+    // One key tile per iteration (kPersistent: until the producer draws past the last).
+    bool have_tile = true;
+    if constexpr (kPersistent) have_tile = read_tile(0);
+    for (int iter = 0; have_tile; ++iter) {
+      const int j0 = n_block * kBlockN;
+      const int jr[kRows] = {j0 + row_base, j0 + row_base + 8};   // this thread's keys
+
+      Barrier::wait(&ss.barrier_kv, iter & 1);
+      if (tid == 0) BWD_LIFE(2, bwd_clock());
+#ifdef FLEXSPARSE_BWD_TRACE
+      const int trace_cta = bwd_trace_cta();
+      BWD_TRACE_CALIBRATE(0);
+#endif
+      for (int g = 0; g < group; ++g) {
+        const int h = hk * group + g;
+        const int64_t row0 = ((int64_t)b * p.Hq + h) * kp.Lq_pad;   // (b, h) in lse2/delta/dq_accum
+        const Element* bias = static_cast<const Element*>(p.bias);
+        if (has_bias) bias += b * p.bias_sb + (h / p.bias_head_div) * p.bias_sh;
+        Element* dbias = kPlain || T::kBiasTiles ? nullptr : static_cast<Element*>(bp.dbias);
+        if (dbias != nullptr) dbias += b * bp.dbias_sb + h * bp.dbias_sh;
+        const int32_t* cr_base = pr.col_ranges == nullptr ? nullptr
+            : pr.col_ranges + b * pr.cr_sb + (h / pr.cr_head_div) * pr.cr_sh;
+        const uint8_t* dense = kPlain || pr.dense == nullptr ? nullptr
+            : pr.dense + b * pr.dense_sb + (h / pr.dense_head_div) * pr.dense_sh;
+        const int32_t* bits_head = kPlain || pr.bits_index == nullptr ? nullptr
+            : pr.bits_index + b * pr.bi_sb + (h / pr.bi_head_div) * pr.bi_sh;
+        // A window (sliding_window's descriptors, PredicateParams::window): key j shows the
+        // rows j + a <= i < j + b (window_band), this thread's two keys' visible intervals
+        // straight from it, nothing staged (C114).
+        // FLEXSPARSE_CUDA_DEBUG bit 2^52: the staged ranges instead (A/Bs).
+        const bool band = T::kColRanges && cr_base != nullptr && pr.window != nullptr && !(p.debug_high & (1 << 21));
+        // Otherwise the keys are the CTA's for the whole walk: their column ranges are read
+        // once.
+        const bool staged = !band && T::kColRanges && cr_base != nullptr &&
+                            (kPlain || pr.n_col_ranges <= T::kMaxStagedRanges);
+        if (staged) {
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // last head's readers
+          for (int e = tid; e < kBlockN * T::kMaxStagedRanges; e += T::kMmaThreads) {
+            const int key = e / T::kMaxStagedRanges, slot = e % T::kMaxStagedRanges;
+            const int j = j0 + key;
+            int2 v = make_int2(0, 0);
+            if (j < p.Lk && slot < pr.n_col_ranges) {
+              const int32_t* cr = cr_base + (int64_t)j * pr.cr_sk + 2 * slot;
+              const int lo = __ldg(cr), hi = __ldg(cr + 1);
+              v = make_int2(lo, max(hi - lo, 0));
+            }
+            ss.col_ranges[key][slot] = v;
           }
-          ss.col_ranges[key][slot] = v;
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
         }
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-      }
-      // With at most 2 ranges per key, this thread's two keys as visible intervals of
-      // queries where they are (visible_interval): one compare per score instead of one per
-      // range slot. FLEXSPARSE_CUDA_DEBUG bit 8: the range tests instead (A/Bs).
-      int2 vis[kRows];
-      bool interval = band || (staged && pr.n_col_ranges <= 2 && !(p.debug & 8));
-      if (band) {
-        const int2 ab = window_band(pr.window, p.Lq, p.Lk);
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) vis[r] = band_rows(jr[r], ab.x, ab.y, p.Lq);
-      } else if (interval) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          const int2* slots = ss.col_ranges[row_base + 8 * r];
-          interval = visible_interval(slots[0], slots[1], p.Lq, vis[r]) && interval;
+        // With at most 2 ranges per key, this thread's two keys as visible intervals of
+        // queries where they are (visible_interval): one compare per score instead of one per
+        // range slot. FLEXSPARSE_CUDA_DEBUG bit 8: the range tests instead (A/Bs).
+        int2 vis[kRows];
+        bool interval = band || (staged && pr.n_col_ranges <= 2 && !(p.debug & 8));
+        if (band) {
+          const int2 ab = window_band(pr.window, p.Lq, p.Lk);
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) vis[r] = band_rows(jr[r], ab.x, ab.y, p.Lq);
+        } else if (interval) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const int2* slots = ss.col_ranges[row_base + 8 * r];
+            interval = visible_interval(slots[0], slots[1], p.Lq, vis[r]) && interval;
+          }
         }
-      }
 
-      for (;;) {
-        // The step the producer loaded into this stage (its record), or the head's end.
-        pipe_q.consumer_wait(read);
-        const int rec = load_step_rec(&ss.step_rec[rec_slot]);
-        rec_slot = T::SharedStorage::next_rec_slot(rec_slot);
-        if (rec == kEndOfHead) {
+        for (;;) {
+          // The step the producer loaded into this stage (its record), or the head's end.
+          pipe_q.consumer_wait(read);
+          const int rec = load_step_rec(&ss.step_rec[rec_slot]);
+          rec_slot = T::SharedStorage::next_rec_slot(rec_slot);
+          if (rec == kEndOfHead) {
+            pipe_do.consumer_wait(read);
+            pipe_q.consumer_release(read);
+            pipe_do.consumer_release(read);
+            ++read;
+            break;
+          }
+          const int m = rec >> 1;
+          const bool partial = rec & 1;
+          const int i0 = m * kBlockM;
+          BWD_TRACE(0);
+
+          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+          Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+          // The A operands from K and V (and K^T): the fragments made before the loop, or in
+          // the 80-row kernel rebuilt per step from a base offset by an opaque zero (held
+          // across the loop, its 16 + 8 loop-invariant descriptors of K, V and K^T were
+          // spilled and reloaded every step, docs/perf-notes.md C68).
+          const int kv_zero = T::kRowSteps ? opaque_zero() : 0;
+          auto a_operand = [&](auto const& before_loop, auto const& slice, Element* base, auto layout) {
+            if constexpr (T::kRowSteps) return slice.partition_fragment_A(make_tensor(make_smem_ptr(base + kv_zero), layout));
+            else return before_loop;
+          };
+          gemm<true, -1>(mma_sdp, a_operand(tSrK, wg_sdp, ss.k.data(), typename T::SmemLayoutK{}),
+                         tSrQ(_, _, _, read.index()), tSrS);
+          BWD_TRACE(1);
           pipe_do.consumer_wait(read);
-          pipe_q.consumer_release(read);
-          pipe_do.consumer_release(read);
-          ++read;
-          break;
-        }
-        const int m = rec >> 1;
-        const bool partial = rec & 1;
-        const int i0 = m * kBlockM;
-        BWD_TRACE(0);
+          gemm<true, -1>(mma_sdp, a_operand(tdPrV, wg_sdp, ss.v.data(), typename T::SmemLayoutK{}),
+                         tdPrdO(_, _, _, read.index()), tdPrdP);
+          BWD_TRACE(2);
 
-        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-        // The A operands from K and V (and K^T): the fragments made before the loop, or in
-        // the 80-row kernel rebuilt per step from a base offset by an opaque zero (held
-        // across the loop, its 16 + 8 loop-invariant descriptors of K, V and K^T were
-        // spilled and reloaded every step, docs/perf-notes.md C68).
-        const int kv_zero = T::kRowSteps ? opaque_zero() : 0;
-        auto a_operand = [&](auto const& before_loop, auto const& slice, Element* base, auto layout) {
-          if constexpr (T::kRowSteps) return slice.partition_fragment_A(make_tensor(make_smem_ptr(base + kv_zero), layout));
-          else return before_loop;
-        };
-        gemm<true, -1>(mma_sdp, a_operand(tSrK, wg_sdp, ss.k.data(), typename T::SmemLayoutK{}),
-                       tSrQ(_, _, _, read.index()), tSrS);
-        BWD_TRACE(1);
-        pipe_do.consumer_wait(read);
-        gemm<true, -1>(mma_sdp, a_operand(tdPrV, wg_sdp, ss.v.data(), typename T::SmemLayoutK{}),
-                       tdPrdO(_, _, _, read.index()), tdPrdP);
-        BWD_TRACE(2);
-
-        // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
-        // padding past Lq holds +inf and 0, so those columns get P = 0.
-        constexpr bool kByHand = T::kDsStoreByHand && !kCuteDsStore;
-        const int cols = kByHand ? 2 * (thread_index_here() & 3) : col_base;   // == col_base
-        const float* lse2 = ss.lse2[read.index()] + cols;
-        const float* delta = ss.delta[read.index()] + cols;
-        // (zeros never read: they keep the front end from warning that the lambdas below
-        // read delta_early before it is set, which they do not)
-        constexpr int kEarlyPairs = kStatsEarly > 0 ? kStatsEarly : 1;
-        float2 lse_early[kEarlyPairs] = {}, delta_early[kEarlyPairs] = {};
-        CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < kStatsEarly; ++e) lse_early[e] = *reinterpret_cast<const float2*>(lse2 + 8 * e);
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        BWD_TRACE(3);
-        Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
-        // Element predicates of partial tiles: hidden scores become -inf (raw).
-        if (partial) {
-          if (interval) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
+          // lse (log2 domain) and delta of the step's queries, loaded with its tiles; the
+          // padding past Lq holds +inf and 0, so those columns get P = 0.
+          constexpr bool kByHand = T::kDsStoreByHand && !kCuteDsStore;
+          const int cols = kByHand ? 2 * (thread_index_here() & 3) : col_base;   // == col_base
+          const float* lse2 = ss.lse2[read.index()] + cols;
+          const float* delta = ss.delta[read.index()] + cols;
+          // (zeros never read: they keep the front end from warning that the lambdas below
+          // read delta_early before it is set, which they do not)
+          constexpr int kEarlyPairs = kStatsEarly > 0 ? kStatsEarly : 1;
+          float2 lse_early[kEarlyPairs] = {}, delta_early[kEarlyPairs] = {};
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < kStatsEarly; ++e) lse_early[e] = *reinterpret_cast<const float2*>(lse2 + 8 * e);
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(tSrS);
+          BWD_TRACE(3);
+          Tensor S = make_tensor(tSrS.data(), rowcol(tSrS.layout()));
+          // Element predicates of partial tiles: hidden scores become -inf (raw).
+          if (partial) {
+            if (interval) {
               CUTLASS_PRAGMA_UNROLL
-              for (int c = 0; c < kCols; ++c) {
-                const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-                S(r, c) = unsigned(i - vis[r].x) < unsigned(vis[r].y) ? S(r, c) : -INFINITY;
-              }
-            }
-          } else if (staged) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int4* slots = reinterpret_cast<const int4*>(ss.col_ranges[row_base + 8 * r]);
-              const int4 a = slots[0];
-              const int4 z = pr.n_col_ranges > 2 ? slots[1] : make_int4(0, 0, 0, 0);
-              CUTLASS_PRAGMA_UNROLL
-              for (int c = 0; c < kCols; ++c) {
-                const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-                const bool hidden = unsigned(i - a.x) < unsigned(a.y) || unsigned(i - a.z) < unsigned(a.w) ||
-                                    unsigned(i - z.x) < unsigned(z.y) || unsigned(i - z.z) < unsigned(z.w);
-                S(r, c) = hidden ? -INFINITY : S(r, c);
-              }
-            }
-          } else if (!kPlain && cr_base != nullptr) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const int32_t* cr = cr_base + (int64_t)min(jr[r], p.Lk - 1) * pr.cr_sk;
-              for (int x = 0; x < pr.n_col_ranges; ++x) {
-                const int lo = __ldg(cr + 2 * x), hi = __ldg(cr + 2 * x + 1);
+              for (int r = 0; r < kRows; ++r) {
                 CUTLASS_PRAGMA_UNROLL
                 for (int c = 0; c < kCols; ++c) {
                   const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-                  S(r, c) = unsigned(i - lo) < unsigned(max(hi - lo, 0)) ? -INFINITY : S(r, c);
+                  S(r, c) = unsigned(i - vis[r].x) < unsigned(vis[r].y) ? S(r, c) : -INFINITY;
+                }
+              }
+            } else if (staged) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int4* slots = reinterpret_cast<const int4*>(ss.col_ranges[row_base + 8 * r]);
+                const int4 a = slots[0];
+                const int4 z = pr.n_col_ranges > 2 ? slots[1] : make_int4(0, 0, 0, 0);
+                CUTLASS_PRAGMA_UNROLL
+                for (int c = 0; c < kCols; ++c) {
+                  const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+                  const bool hidden = unsigned(i - a.x) < unsigned(a.y) || unsigned(i - a.z) < unsigned(a.w) ||
+                                      unsigned(i - z.x) < unsigned(z.y) || unsigned(i - z.z) < unsigned(z.w);
+                  S(r, c) = hidden ? -INFINITY : S(r, c);
+                }
+              }
+            } else if (!kPlain && cr_base != nullptr) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const int32_t* cr = cr_base + (int64_t)min(jr[r], p.Lk - 1) * pr.cr_sk;
+                for (int x = 0; x < pr.n_col_ranges; ++x) {
+                  const int lo = __ldg(cr + 2 * x), hi = __ldg(cr + 2 * x + 1);
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int c = 0; c < kCols; ++c) {
+                    const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+                    S(r, c) = unsigned(i - lo) < unsigned(max(hi - lo, 0)) ? -INFINITY : S(r, c);
+                  }
+                }
+              }
+            }
+            if (bits_head != nullptr) {
+              const int qblock = i0 / p.block_q;
+              const int idx = __ldg(bits_head + (int64_t)qblock * pr.bi_sq + kb);
+              if (idx >= 0 && idx < pr.bits_count) {
+                // Both of this thread's keys sit in one 32-bit word of a bitmap row; the
+                // step's queries sit in one query block (block_q is a multiple of kBlockM).
+                const int word = (jr[0] - kb * p.block_k) >> 5;
+                const int32_t* bits_rows = pr.bits + idx * pr.bits_sp +
+                                           (i0 - qblock * p.block_q + col_base) * pr.bits_sr + word;
+                CUTLASS_PRAGMA_UNROLL
+                for (int c = 0; c < kCols; ++c) {
+                  const uint32_t w = static_cast<uint32_t>(__ldg(bits_rows + (8 * (c / 2) + (c & 1)) * pr.bits_sr));
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int r = 0; r < kRows; ++r)
+                    S(r, c) = (w >> (jr[r] & 31)) & 1u ? S(r, c) : -INFINITY;
+                }
+              }
+            }
+            if (dense != nullptr) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < kCols; ++c) {
+                const int i = min(i0 + col_base + 8 * (c / 2) + (c & 1), p.Lq - 1);
+                CUTLASS_PRAGMA_UNROLL
+                for (int r = 0; r < kRows; ++r) {
+                  const int j = min(jr[r], p.Lk - 1);
+                  const bool d = __ldg(dense + i * pr.dense_sq + j * pr.dense_sk) != 0;
+                  S(r, c) = d ? S(r, c) : -INFINITY;
                 }
               }
             }
           }
-          if (bits_head != nullptr) {
-            const int qblock = i0 / p.block_q;
-            const int idx = __ldg(bits_head + (int64_t)qblock * pr.bi_sq + kb);
-            if (idx >= 0 && idx < pr.bits_count) {
-              // Both of this thread's keys sit in one 32-bit word of a bitmap row; the
-              // step's queries sit in one query block (block_q is a multiple of kBlockM).
-              const int word = (jr[0] - kb * p.block_k) >> 5;
-              const int32_t* bits_rows = pr.bits + idx * pr.bits_sp +
-                                         (i0 - qblock * p.block_q + col_base) * pr.bits_sr + word;
-              CUTLASS_PRAGMA_UNROLL
-              for (int c = 0; c < kCols; ++c) {
-                const uint32_t w = static_cast<uint32_t>(__ldg(bits_rows + (8 * (c / 2) + (c & 1)) * pr.bits_sr));
-                CUTLASS_PRAGMA_UNROLL
-                for (int r = 0; r < kRows; ++r)
-                  S(r, c) = (w >> (jr[r] & 31)) & 1u ? S(r, c) : -INFINITY;
-              }
+          Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
+          // P^T into S, dS^T (the gradient of the raw product Q K^T, unscaled) into dP.
+          // Columns c, c + 1 are adjacent queries: their lse2 and delta are read in pairs.
+          // Issue order after FlashAttention-3: dV, then (dS^T in shared memory from both
+          // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
+          const float scale_log2 = p.scale * LOG2E;
+          if (T::kBiasTiles || (!log2_scores && dbias == nullptr)) {
+            // P^T while the dP^T product still runs, so that the exponentials overlap the
+            // tensor cores; then dS^T. kBiasTiles (no softcap): the bias from the step's tile
+            // in shared memory, and dbias (= dS^T before the softmax scale) back into it.
+            Tensor tBrB = make_tensor<Element>(tSrS.layout());   // kBiasTiles: the bias
+            Tensor Bias = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
+            if constexpr (T::kBiasTiles) {
+              // FLEXSPARSE_CUDA_DEBUG bit 8192: the bias tile is read without waiting for it (one
+              // thread waits at the step's end; wrong results, a probe of its latency only).
+              const int bias_buf = step & bias_mask;
+              if (!(p.debug & 8192)) Barrier::wait(&ss.bias_full[bias_buf], (step >> bias_shift) & 1);
+              auto thr = s2r_bias.get_thread_slice(tid);
+              Tensor sBiasT = make_tensor(make_smem_ptr(bias_smem + bias_buf * kBlockM * kBlockN),
+                                          typename T::SmemLayoutBiasT{});
+              copy(s2r_bias, thr.partition_S(sBiasT), thr.retile_D(tBrB));
             }
-          }
-          if (dense != nullptr) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < kCols; ++c) {
-              const int i = min(i0 + col_base + 8 * (c / 2) + (c & 1), p.Lq - 1);
+            // kDsInterleaved: only the first kEarly columns' exponentials before the dP^T
+            // wait, then each column pair's dS^T right after the exponentials of a later pair.
+            constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
+            // P^T of columns c, c + 1 (adjacent queries: their lse2 read as a pair)
+            auto exp_pair = [&](int c) {
+              const float2 l = c / 2 < kStatsEarly ? lse_early[c / 2]
+                                                   : *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
               CUTLASS_PRAGMA_UNROLL
               for (int r = 0; r < kRows; ++r) {
-                const int j = min(jr[r], p.Lk - 1);
-                const bool d = __ldg(dense + i * pr.dense_sq + j * pr.dense_sk) != 0;
-                S(r, c) = d ? S(r, c) : -INFINITY;
+                if constexpr (T::kBiasTiles) {
+                  // (a hidden score stays hidden whatever its bias)
+                  const float s0 = S(r, c) == -INFINITY ? -INFINITY
+                      : fmaf(S(r, c), scale_log2, LOG2E * static_cast<float>(Bias(r, c)));
+                  const float s1 = S(r, c + 1) == -INFINITY ? -INFINITY
+                      : fmaf(S(r, c + 1), scale_log2, LOG2E * static_cast<float>(Bias(r, c + 1)));
+                  S(r, c) = exp2f(s0 - l.x);
+                  S(r, c + 1) = exp2f(s1 - l.y);
+                } else {
+                  S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
+                  S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
+                }
+              }
+            };
+            auto ds_pair = [&](int c) {
+              const float2 d = c / 2 < kStatsEarly ? delta_early[c / 2]
+                                                   : *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                dP(r, c) = S(r, c) * (dP(r, c) - d.x);
+                dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
+              }
+            };
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kEarly; c += 2) exp_pair(c);
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < kStatsEarly; ++e) delta_early[e] = *reinterpret_cast<const float2*>(delta + 8 * e);
+            BWD_TRACE(4);
+            warpgroup_wait<0>();                  // dP^T done
+            warpgroup_fence_operand(tdPrdP);
+            BWD_TRACE(5);
+            if constexpr (kEarly < kCols) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < kCols; c += 2) {
+                if (c + kEarly < kCols) exp_pair(c + kEarly);
+                ds_pair(c);
+              }
+            } else {
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < kCols; c += 2) ds_pair(c);
+            }
+          } else if constexpr (!T::kBiasTiles) {
+            // bias, softcap or dbias: P^T and dS^T in one pass once dP^T is done
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdPrdP);
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kCols; ++c) {
+              const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
+              const int ic = 8 * (c / 2) + (c & 1);
+              CUTLASS_PRAGMA_UNROLL
+              for (int r = 0; r < kRows; ++r) {
+                const float raw = S(r, c);
+                float s, dtanh = 1.f;
+                if (has_softcap) {
+                  const float th = tanhf(raw * p.scale / p.softcap);
+                  s = p.softcap * th;
+                  dtanh = 1.f - th * th;
+                } else {
+                  s = raw * p.scale;
+                }
+                s *= LOG2E;
+                if (has_bias)
+                  s += LOG2E * static_cast<float>(
+                      bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
+                s = raw == -INFINITY ? -INFINITY : s;
+                const float pv = exp2f(s - lse2[ic]);
+                const float ds = pv * (dP(r, c) - delta[ic]);
+                if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
+                  dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
+                S(r, c) = pv;
+                dP(r, c) = ds * dtanh;
               }
             }
           }
-        }
-        Tensor dP = make_tensor(tdPrdP.data(), rowcol(tdPrdP.layout()));
-        // P^T into S, dS^T (the gradient of the raw product Q K^T, unscaled) into dP.
-        // Columns c, c + 1 are adjacent queries: their lse2 and delta are read in pairs.
-        // Issue order after FlashAttention-3: dV, then (dS^T in shared memory from both
-        // warpgroups) dQ, then dK; dQ goes to shared memory while dK runs.
-        const float scale_log2 = p.scale * LOG2E;
-        if (T::kBiasTiles || (!log2_scores && dbias == nullptr)) {
-          // P^T while the dP^T product still runs, so that the exponentials overlap the
-          // tensor cores; then dS^T. kBiasTiles (no softcap): the bias from the step's tile
-          // in shared memory, and dbias (= dS^T before the softmax scale) back into it.
-          Tensor tBrB = make_tensor<Element>(tSrS.layout());   // kBiasTiles: the bias
-          Tensor Bias = make_tensor(tBrB.data(), rowcol(tBrB.layout()));
-          if constexpr (T::kBiasTiles) {
-            // FLEXSPARSE_CUDA_DEBUG bit 8192: the bias tile is read without waiting for it (one
-            // thread waits at the step's end; wrong results, a probe of its latency only).
-            const int bias_buf = step & bias_mask;
-            if (!(p.debug & 8192)) Barrier::wait(&ss.bias_full[bias_buf], (step >> bias_shift) & 1);
-            auto thr = s2r_bias.get_thread_slice(tid);
-            Tensor sBiasT = make_tensor(make_smem_ptr(bias_smem + bias_buf * kBlockM * kBlockN),
-                                        typename T::SmemLayoutBiasT{});
-            copy(s2r_bias, thr.partition_S(sBiasT), thr.retile_D(tBrB));
-          }
-          // kDsInterleaved: only the first kEarly columns' exponentials before the dP^T
-          // wait, then each column pair's dS^T right after the exponentials of a later pair.
-          constexpr int kEarly = kDsInterleaved && !T::kBiasTiles ? (kCols / 8) * 2 : kCols;
-          // P^T of columns c, c + 1 (adjacent queries: their lse2 read as a pair)
-          auto exp_pair = [&](int c) {
-            const float2 l = c / 2 < kStatsEarly ? lse_early[c / 2]
-                                                 : *reinterpret_cast<const float2*>(lse2 + 8 * (c / 2));
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              if constexpr (T::kBiasTiles) {
-                // (a hidden score stays hidden whatever its bias)
-                const float s0 = S(r, c) == -INFINITY ? -INFINITY
-                    : fmaf(S(r, c), scale_log2, LOG2E * static_cast<float>(Bias(r, c)));
-                const float s1 = S(r, c + 1) == -INFINITY ? -INFINITY
-                    : fmaf(S(r, c + 1), scale_log2, LOG2E * static_cast<float>(Bias(r, c + 1)));
-                S(r, c) = exp2f(s0 - l.x);
-                S(r, c + 1) = exp2f(s1 - l.y);
-              } else {
-                S(r, c) = exp2f(S(r, c) * scale_log2 - l.x);
-                S(r, c + 1) = exp2f(S(r, c + 1) * scale_log2 - l.y);
-              }
-            }
-          };
-          auto ds_pair = [&](int c) {
-            const float2 d = c / 2 < kStatsEarly ? delta_early[c / 2]
-                                                 : *reinterpret_cast<const float2*>(delta + 8 * (c / 2));
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              dP(r, c) = S(r, c) * (dP(r, c) - d.x);
-              dP(r, c + 1) = S(r, c + 1) * (dP(r, c + 1) - d.y);
-            }
-          };
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kEarly; c += 2) exp_pair(c);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < kStatsEarly; ++e) delta_early[e] = *reinterpret_cast<const float2*>(delta + 8 * e);
-          BWD_TRACE(4);
-          warpgroup_wait<0>();                  // dP^T done
-          warpgroup_fence_operand(tdPrdP);
-          BWD_TRACE(5);
-          if constexpr (kEarly < kCols) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < kCols; c += 2) {
-              if (c + kEarly < kCols) exp_pair(c + kEarly);
-              ds_pair(c);
-            }
-          } else {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < kCols; c += 2) ds_pair(c);
-          }
-        } else if constexpr (!T::kBiasTiles) {
-          // bias, softcap or dbias: P^T and dS^T in one pass once dP^T is done
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tdPrdP);
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < kCols; ++c) {
-            const int i = i0 + col_base + 8 * (c / 2) + (c & 1);
-            const int ic = 8 * (c / 2) + (c & 1);
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) {
-              const float raw = S(r, c);
-              float s, dtanh = 1.f;
-              if (has_softcap) {
-                const float th = tanhf(raw * p.scale / p.softcap);
-                s = p.softcap * th;
-                dtanh = 1.f - th * th;
-              } else {
-                s = raw * p.scale;
-              }
-              s *= LOG2E;
-              if (has_bias)
-                s += LOG2E * static_cast<float>(
-                    bias[min(i, p.Lq - 1) * p.bias_sq + min(jr[r], p.Lk - 1) * p.bias_sk]);
-              s = raw == -INFINITY ? -INFINITY : s;
-              const float pv = exp2f(s - lse2[ic]);
-              const float ds = pv * (dP(r, c) - delta[ic]);
-              if (dbias != nullptr && i < p.Lq && jr[r] < p.Lk)
-                dbias[i * bp.dbias_sq + jr[r] * bp.dbias_sk] = static_cast<Element>(ds);
-              S(r, c) = pv;
-              dP(r, c) = ds * dtanh;
-            }
-          }
-        }
-        Tensor tdVrP_ = convert_type<Element>(tSrS);
-        Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
-        // dS^T buffer: the step count's parity (not the pipeline stage's: the head's end
-        // takes a stage, and the buffers must alternate between consecutive steps, whose
-        // dQ products read both warpgroups' dS^T), made warp-uniform with a shuffle so that
-        // ptxas keeps the dQ product's descriptors in uniform registers.
-        const int buf = __shfl_sync(0xffffffff, step, 0) & 1;
-        Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
-        if constexpr (T::kSplitQueries) {
-          // Both warpgroups' halves of P^T and dS^T to shared memory, then dV, dQ and dK
-          // over all of the step's queries. (The buffer written here was last read by the
-          // wgmmas of two steps ago, which both warpgroups waited for before the last step's
-          // barrier.)
-          copy(smem_copy_ds, thr_copy_ds.retile_S(tdVrP_), tPsP(_, _, _, buf));
-          copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdO(_, _, _, read.index()), tdVrdV);
-          gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
-          pipe_do.consumer_release(read);
-          gemm<false, 1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
-        } else {
-          Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
-          if constexpr (!kDsFirst) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
-          Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
-          if constexpr (kByHand) {
-            // CuTe's copy computed the four swizzled addresses on a 64-bit pointer every
-            // step (~35 instructions and a spilled offset, C86): one 32-bit base instead.
-            const uint32_t at = cute::cast_smem_ptr_to_uint(ss.ds.data()) + buf * (kBlockM * kBlockN * sizeof(Element)) +
-                                ds_store_offset(thread_index_here() - 128);
-            Tensor src = thr_copy_ds.retile_S(tdKrdS_);   // ((8, 4), 1, 1): 8 values per store
-            CUTLASS_PRAGMA_UNROLL
-            for (int k = 0; k < 4; ++k) {
-              Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
-              stmatrix_x4(at ^ (32 * k), r(0), r(1), r(2), r(3));
-            }
-          } else if constexpr (T::kDsStoreTransByHand && !kCuteDsStore) {
-            // (the stores at CuTe's addresses took ~30 instructions of 64-bit swizzle
-            // arithmetic per step on the path to the dS barrier, C105)
-            const uint32_t at = cute::cast_smem_ptr_to_uint(ss.ds.data()) + buf * (kBlockM * kBlockN * sizeof(Element)) +
-                                ds_store_offset_keys_contiguous<kBlockM>(thread_index_here() - 128);
-            Tensor src = thr_copy_ds.retile_S(tdKrdS_);   // ((8, kBlockM / 16), 1, 1)
-            CUTLASS_PRAGMA_UNROLL
-            for (int k = 0; k < kBlockM / 16; ++k) {
-              Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
-              stmatrix_x4_trans(at + 2048 * k, r(0), r(1), r(2), r(3));
-            }
-          } else {
+          Tensor tdVrP_ = convert_type<Element>(tSrS);
+          Tensor tdKrdS_ = convert_type<Element>(tdPrdP);
+          // dS^T buffer: the step count's parity (not the pipeline stage's: the head's end
+          // takes a stage, and the buffers must alternate between consecutive steps, whose
+          // dQ products read both warpgroups' dS^T), made warp-uniform with a shuffle so that
+          // ptxas keeps the dQ product's descriptors in uniform registers.
+          const int buf = __shfl_sync(0xffffffff, step, 0) & 1;
+          Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
+          if constexpr (T::kSplitQueries) {
+            // Both warpgroups' halves of P^T and dS^T to shared memory, then dV, dQ and dK
+            // over all of the step's queries. (The buffer written here was last read by the
+            // wgmmas of two steps ago, which both warpgroups waited for before the last step's
+            // barrier.)
+            copy(smem_copy_ds, thr_copy_ds.retile_S(tdVrP_), tPsP(_, _, _, buf));
             copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
-          }
-          if constexpr (kDsFirst) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
-          cutlass::arch::fence_view_async_shared();
-          BWD_TRACE(6);
-          // kBiasTiles: the last step's dbias store has read its dS buffer before anyone
-          // passes this barrier (the next step writes that buffer).
-          if constexpr (T::kBiasTiles) {
-            if (store_dbias && tid == 0) tma_store_wait<0>();
-          }
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          BWD_TRACE(7);
-          if constexpr (T::kBiasTiles) {
-            if (tid == 0) {
-              // FLEXSPARSE_CUDA_DEBUG bit 4096: no dbias store (wrong dbias; timing probes only).
-              if (store_dbias && !(p.debug & 4096)) {   // the step's dbias tile, clipped to (Lq, Lk) by TMA
-                Tensor sdB = make_tensor(make_smem_ptr(ss.ds.data() + buf * T::kBlockM * T::kBlockN),
-                                         typename T::SmemLayoutBias{});
-                Tensor mdB = kp.tma_dbias.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
-                auto cta_db = kp.tma_dbias.get_slice(0);
-                tma_store(kp.tma_dbias, cta_db.partition_S(sdB),
-                          cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
-                                                        make_coord(m, n_block))),
-                          store_hints);
-                tma_store_arrive();
+            cutlass::arch::fence_view_async_shared();
+            cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+            gemm<false, -1>(mma_dkv, tdVrPt(_, _, _, buf), tdVrdO(_, _, _, read.index()), tdVrdV);
+            gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+            pipe_do.consumer_release(read);
+            gemm<false, 1>(mma_dkv, tdKrdSt(_, _, _, buf), tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+          } else {
+            Tensor tdVrP = make_tensor(tdVrP_.data(), accumulator_as_a(tSrS.layout()));
+            if constexpr (!kDsFirst) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
+            Tensor tdKrdS = make_tensor(tdKrdS_.data(), accumulator_as_a(tdPrdP.layout()));
+            if constexpr (kByHand) {
+              // CuTe's copy computed the four swizzled addresses on a 64-bit pointer every
+              // step (~35 instructions and a spilled offset, C86): one 32-bit base instead.
+              const uint32_t at = cute::cast_smem_ptr_to_uint(ss.ds.data()) + buf * (kBlockM * kBlockN * sizeof(Element)) +
+                                  ds_store_offset(thread_index_here() - 128);
+              Tensor src = thr_copy_ds.retile_S(tdKrdS_);   // ((8, 4), 1, 1): 8 values per store
+              CUTLASS_PRAGMA_UNROLL
+              for (int k = 0; k < 4; ++k) {
+                Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
+                stmatrix_x4(at ^ (32 * k), r(0), r(1), r(2), r(3));
               }
-              // The bias buffer is free: every thread has used its bias registers (the
-              // barrier), so the next step's tile loads while this one's products run.
-              if (p.debug & 8192) Barrier::wait(&ss.bias_full[step & bias_mask], (step >> bias_shift) & 1);
-              cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[step & bias_mask]);
+            } else if constexpr (T::kDsStoreTransByHand && !kCuteDsStore) {
+              // (the stores at CuTe's addresses took ~30 instructions of 64-bit swizzle
+              // arithmetic per step on the path to the dS barrier, C105)
+              const uint32_t at = cute::cast_smem_ptr_to_uint(ss.ds.data()) + buf * (kBlockM * kBlockN * sizeof(Element)) +
+                                  ds_store_offset_keys_contiguous<kBlockM>(thread_index_here() - 128);
+              Tensor src = thr_copy_ds.retile_S(tdKrdS_);   // ((8, kBlockM / 16), 1, 1)
+              CUTLASS_PRAGMA_UNROLL
+              for (int k = 0; k < kBlockM / 16; ++k) {
+                Tensor r = recast<uint32_t>(src(make_coord(_, k), 0, 0));
+                stmatrix_x4_trans(at + 2048 * k, r(0), r(1), r(2), r(3));
+              }
+            } else {
+              copy(smem_copy_ds, thr_copy_ds.retile_S(tdKrdS_), tdSsdS(_, _, _, buf));
             }
+            if constexpr (kDsFirst) gemm<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
+            cutlass::arch::fence_view_async_shared();
+            BWD_TRACE(6);
+            // kBiasTiles: the last step's dbias store has read its dS buffer before anyone
+            // passes this barrier (the next step writes that buffer).
+            if constexpr (T::kBiasTiles) {
+              if (store_dbias && tid == 0) tma_store_wait<0>();
+            }
+            cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+            BWD_TRACE(7);
+            if constexpr (T::kBiasTiles) {
+              if (tid == 0) {
+                // FLEXSPARSE_CUDA_DEBUG bit 4096: no dbias store (wrong dbias; timing probes only).
+                if (store_dbias && !(p.debug & 4096)) {   // the step's dbias tile, clipped to (Lq, Lk) by TMA
+                  Tensor sdB = make_tensor(make_smem_ptr(ss.ds.data() + buf * T::kBlockM * T::kBlockN),
+                                           typename T::SmemLayoutBias{});
+                  Tensor mdB = kp.tma_dbias.get_tma_tensor(make_shape(p.Lq, p.Lk, p.Hq, p.B));
+                  auto cta_db = kp.tma_dbias.get_slice(0);
+                  tma_store(kp.tma_dbias, cta_db.partition_S(sdB),
+                            cta_db.partition_D(local_tile(mdB(_, _, h, b), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                                                          make_coord(m, n_block))),
+                            store_hints);
+                  tma_store_arrive();
+                }
+                // The bias buffer is free: every thread has used its bias registers (the
+                // barrier), so the next step's tile loads while this one's products run.
+                if (p.debug & 8192) Barrier::wait(&ss.bias_full[step & bias_mask], (step >> bias_shift) & 1);
+                cutlass::arch::ClusterBarrier::arrive(&ss.bias_empty[step & bias_mask]);
+              }
+            }
+            // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
+            if constexpr (T::kDqSwapAB)
+              gemm<true, 1>(mma_dq, a_operand(tdQrK, wg_dq, ss.k.data(), typename T::SmemLayoutKt{}),
+                            tdQrdS(_, _, _, buf), tdQrdQ);
+            else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
+            BWD_TRACE(8);
+            pipe_do.consumer_release(read);
+            gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
+            BWD_TRACE(9);
           }
-          // dQ = dS K over this CTA's keys, this warpgroup's half of it (TiledMmadQ).
-          if constexpr (T::kDqSwapAB)
-            gemm<true, 1>(mma_dq, a_operand(tdQrK, wg_dq, ss.k.data(), typename T::SmemLayoutKt{}),
-                          tdQrdS(_, _, _, buf), tdQrdQ);
-          else gemm<true, 1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);     // dV done
-          BWD_TRACE(8);
-          pipe_do.consumer_release(read);
-          gemm<false, 1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);   // dQ done
-          BWD_TRACE(9);
+          warpgroup_fence_operand(tdQrdQ);
+          // dQ to shared memory for the dQ writer warp, once it has freed this half.
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
+          if constexpr (kDqPairs) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int x = 0; x < size(tdQrdQ); x += 2)
+              *reinterpret_cast<float2*>(sdQ + dq_slot<true>(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
+          } else {
+            static_assert(decltype(size(tdQrdQ))::value % 4 == 0, "dQ in runs of four entries");
+            CUTLASS_PRAGMA_UNROLL
+            for (int x = 0; x < size(tdQrdQ); x += 4)
+              *reinterpret_cast<float4*>(sdQ + dq_slot<false>(x, tid)) =
+                  make_float4(tdQrdQ(x), tdQrdQ(x + 1), tdQrdQ(x + 2), tdQrdQ(x + 3));
+          }
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
+          BWD_TRACE(10);
+          warpgroup_wait<0>();                    // dK done
+          warpgroup_fence_operand(tdVrdV);
+          warpgroup_fence_operand(tdKrdK);
+          BWD_TRACE(11);
+          pipe_q.consumer_release(read);
+          ++read;
+          ++step;
         }
-        warpgroup_fence_operand(tdQrdQ);
-        // dQ to shared memory for the dQ writer warp, once it has freed this half.
-        cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);
-        if constexpr (kDqPairs) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int x = 0; x < size(tdQrdQ); x += 2)
-            *reinterpret_cast<float2*>(sdQ + dq_slot<true>(x, tid)) = make_float2(tdQrdQ(x), tdQrdQ(x + 1));
-        } else {
-          static_assert(decltype(size(tdQrdQ))::value % 4 == 0, "dQ in runs of four entries");
-          CUTLASS_PRAGMA_UNROLL
-          for (int x = 0; x < size(tdQrdQ); x += 4)
-            *reinterpret_cast<float4*>(sdQ + dq_slot<false>(x, tid)) =
-                make_float4(tdQrdQ(x), tdQrdQ(x + 1), tdQrdQ(x + 2), tdQrdQ(x + 3));
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);
-        BWD_TRACE(10);
-        warpgroup_wait<0>();                    // dK done
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        BWD_TRACE(11);
-        pipe_q.consumer_release(read);
-        ++read;
-        ++step;
       }
-    }
 #ifdef FLEXSPARSE_BWD_TRACE
-    BWD_TRACE_CALIBRATE(1);
+      BWD_TRACE_CALIBRATE(1);
+      if (tid == 0) {
+        BWD_LIFE(3, bwd_clock());
+        BWD_LIFE(7, step);
+      }
 #endif
-    // kBiasTiles: the last dbias store has read its dS buffer before the epilogue reuses
-    // shared memory (and before the CTA's shared memory goes).
-    if constexpr (T::kBiasTiles) {
-      if (store_dbias && tid == 0) tma_store_wait<0>();
-    }
+      // kBiasTiles: the last dbias store has read its dS buffer before the epilogue reuses
+      // shared memory (and before the CTA's shared memory goes).
+      if constexpr (T::kBiasTiles) {
+        if (store_dbias && tid == 0) tma_store_wait<0>();
+      }
 
-    // ------------------------------------------------------------------ epilogue
-    // dK gets the softmax scale here (dQ gets it in the postprocess kernel). dK and dV go
-    // through the key and value buffers (free once every wgmma is done), in the layout the
-    // tiles arrived in, then out by one TMA store each (rows past Lk clipped by the tensor
-    // map), as FlashAttention-3/4's epilogue: no loop of 16-byte stores and no waits for
-    // them in the consumers (docs/perf-notes.md C28, C116).
-    typename T::SmemCopydKV smem_copy_dkv;
-    auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
-    Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
-    Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
-    CUTLASS_PRAGMA_UNROLL
-    for (int x = 0; x < size(tdKrdK); ++x) tdKrdK(x) *= p.scale;
-    Tensor rdK = convert_type<Element>(tdKrdK);
-    Tensor rdV = convert_type<Element>(tdVrdV);
-    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
-    copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdK));
-    copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdV));
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-    if (tid == 0) {
-      auto store = [&](auto const& tma, auto const& smem) {
-        Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-        Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-        auto cta = tma.get_slice(0);
-        copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
-      };
-      store(kp.tma_dk, sdK);
-      store(kp.tma_dv, sdV);
-      tma_store_arrive();
-      tma_store_wait<0>();   // shared memory outlives the stores' reads
+      // ------------------------------------------------------------------ epilogue
+      // dK gets the softmax scale here (dQ gets it in the postprocess kernel). dK and dV go
+      // through the key and value buffers (free once every wgmma is done), in the layout the
+      // tiles arrived in, then out by one TMA store each (rows past Lk clipped by the tensor
+      // map), as FlashAttention-3/4's epilogue: no loop of 16-byte stores and no waits for
+      // them in the consumers (docs/perf-notes.md C28, C116).
+      typename T::SmemCopydKV smem_copy_dkv;
+      auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
+      Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+      Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
+      CUTLASS_PRAGMA_UNROLL
+      for (int x = 0; x < size(tdKrdK); ++x) tdKrdK(x) *= p.scale;
+      Tensor rdK = convert_type<Element>(tdKrdK);
+      Tensor rdV = convert_type<Element>(tdVrdV);
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
+      copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdK));
+      copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdV));
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+      if (tid == 0) {
+        auto store = [&](auto const& tma, auto const& smem) {
+          Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+          Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+          auto cta = tma.get_slice(0);
+          copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
+        };
+        store(kp.tma_dk, sdK);
+        store(kp.tma_dv, sdV);
+        tma_store_arrive();
+        tma_store_wait<0>();   // shared memory outlives the stores' reads
+        BWD_LIFE(4, bwd_clock());
+        // kPersistent: the next tile's K and V may load into these buffers
+        if constexpr (kPersistent) cutlass::arch::ClusterBarrier::arrive(&slots.kv_empty);
+      }
+      if constexpr (!kPersistent) {
+        break;
+      } else {
+        if (!read_tile(iter + 1)) break;
+        clear(tdVrdV);
+        clear(tdKrdK);
+      }
     }
   }
 #endif
@@ -1565,16 +1711,33 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
       kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly == 1 ? 0 : 1>;
   }
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
-  const int smem = T::kSmemBytes;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int smem = T::kSmemBytes;
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
+  // bit 2^53 (C118, opt-in until measured): the persistent kernel, one CTA per SM drawing
+  // key tiles, in the bf16 hd128 64-row general kernel (sliding windows, documents,
+  // causal, prefix-LM). Its tile counter is the workspace's last word.
+  if constexpr (T::kHeadDim == 128 && T::kBlockM == 64 && !T::kBiasTiles &&
+                std::is_same_v<Element, cutlass::bfloat16_t>) {
+    if (p.debug_high & (1 << 22)) {
+      static_assert(T::kPersistentSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
+      kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly, true>;
+      smem = T::kPersistentSmemBytes;
+      kp.tile_counter = reinterpret_cast<int*>(static_cast<char*>(bp.workspace) + bwd_sm90_workspace_bytes(bp)) - 1;
+      CUDA_CHECK(cudaMemsetAsync(kp.tile_counter, 0, sizeof(int), stream));
+      const int tiles = grid.x * grid.y * grid.z;
+      grid = dim3(std::min(tiles, sm_count()));
+    }
+  }
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
 #ifdef FLEXSPARSE_BWD_TRACE
   trace_clear(bwd_trace_buf, sizeof(bwd_trace_buf), stream);
+  trace_clear(bwd_life_buf, sizeof(bwd_life_buf), stream);
 #endif
   kernel<<<grid, T::kThreads, smem, stream>>>(kp);
   CUDA_CHECK(cudaGetLastError());
 #ifdef FLEXSPARSE_BWD_TRACE
   trace_fetch(bwd_trace_buf, bwd_trace_host(), sizeof(bwd_trace_buf), stream);
+  trace_fetch(bwd_life_buf, bwd_life_host(), sizeof(bwd_life_buf), stream);
 #endif
 
   auto postprocess = dq_pairs ? bwd_postprocess<T, true> : bwd_postprocess<T>;

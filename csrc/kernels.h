@@ -91,6 +91,11 @@ void bwd_sm90(BackwardParams const& p, DType dtype, cudaStream_t stream);
 // (tests/gpu/bwd_trace.py).
 constexpr int kBwdTraceCtas = 3, kBwdTraceSteps = 130, kBwdTraceEvents = 12;
 uint32_t* bwd_trace_host();
+// Every CTA's life in the last launch (bwd_sm90.cuh, BWD_LIFE), [kBwdLifeCtas][kBwdLifeEvents]
+// words, returned by the op flexsparse::bwd_life: where each CTA's fixed cost goes and the
+// gap between one CTA's end and the next one's start on the same SM.
+constexpr int kBwdLifeCtas = 16384, kBwdLifeEvents = 8;
+uint32_t* bwd_life_host();
 #endif
 // Column ranges per key the backward stages in shared memory. The plain kernels
 // (BwdTraits::kPlain) have no path for more, so bwd_sm90 and BwdTraits read this one value.

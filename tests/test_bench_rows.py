@@ -156,6 +156,33 @@ def test_bwd_trace_reads_the_stamps_from_the_op_buffer():
     assert cal == {66: [0, 0, 1800, 1000]} and steps[(66, 1)][4][11] == 2 ** 32 - 3
 
 
+def test_bwd_trace_life_summary():
+    """tests/gpu/bwd_trace.py's CTA-life reader (BWD_LIFE, trace builds): the op
+    flexsparse::bwd_life's buffer (CTA, event; uint32 SM clocks in int32, event 0 the SM
+    + 1, unrecorded rows zero) becomes BWDLIFE lines, and the summary orders each SM's
+    CTAs by entry (across the clock's wrap) and gives each phase's median, the gap between
+    one CTA's end and the next one's entry, and the fixed cost per CTA."""
+    import torch
+    bt = _gpu_script("bwd_trace")
+    buf = torch.zeros(16, 8, dtype=torch.int64)
+    cta = 0
+    for sm in range(2):
+        for i in (2, 0, 1):           # recorded out of order; SM 0's clock wraps after CTA 0
+            e1 = ((2 ** 32 - 500) + 1000 * i if sm == 0 else 1000 * i) % 2 ** 32
+            offsets = (100, 900, 950, 960, 300)   # K/V, last step, stores read, dQ writer, producer
+            buf[cta] = torch.tensor([sm + 1, e1] + [(e1 + o) % 2 ** 32 for o in offsets] + [4])
+            cta += 1
+    lines = bt.life_lines(buf.to(torch.int32))
+    assert len(lines) == 6 and lines[0].startswith("BWDLIFE 0 1 ")
+    text = "\n".join(["=== launch 0 done"] + lines + ["=== launch 1 done"])
+    summary = bt.life_summary(text)
+    assert "6 CTAs on 2 SMs, median 4 steps" in summary
+    assert "entry to K/V 100" in summary and "last step's end 800 (200 per step)" in summary
+    assert "stores read 50" in summary and "CTA's end 10" in summary
+    assert "next CTA's entry 40" in summary and "less steps) 200" in summary
+    assert "no records" in bt.life_summary("=== launch 0 done\n=== launch 1 done")
+
+
 def test_fwd_trace_reads_the_stamps_from_the_op_buffer():
     """tests/gpu/fwd_trace.py (the forward's timeline probe): the op flexsparse::fwd_trace's
     buffer (CTA slot, tile, role, event; uint32 clocks in int32) becomes the lines parse()

@@ -9,7 +9,8 @@ BWD_TRACE; the kernel does not print: a printf made ptxas serialize its wgmmas).
 
 Per row and FLEXSPARSE_CUDA_DEBUG value it prints the median cycles of each phase of the
 step over the steady steps, the step period and the tensor cores' floor for the step's
-five products. Events: 0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued,
+five products; and every CTA's life outside its steps (BWD_LIFE: entry, K and V's
+arrival, the last step, the epilogue, the gap to the next CTA on the same SM). Events: 0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued,
 3 S^T done, 4 P^T computed, 5 dP^T done, 6 dS^T computed, dV issued, dS^T stored, 7 both
 warpgroups' dS^T stored, 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed
 to the writer, 11 dK done. The stamps slow the loop somewhat (spills): compare phases
@@ -48,6 +49,7 @@ def run_one(row):
         torch.cuda.synchronize()
         if rep == 1:
             print("\n".join(trace_lines(torch.ops.flexsparse.bwd_trace())))
+            print("\n".join(life_lines(torch.ops.flexsparse.bwd_life())))
         print(f"=== launch {rep} done", flush=True)
 
 
@@ -71,6 +73,57 @@ def trace_lines(buf):
                 if any(e):
                     lines.append(f"BWDTRACE {cta} {wg} {s} " + " ".join(map(str, e)))
     return lines
+
+
+def life_lines(buf):
+    """Every CTA's life (the op flexsparse::bwd_life: (CTA, event) int32 holding uint32
+    words; event 0 the SM + 1, 0 where no CTA recorded) as lines "BWDLIFE cta e0..e7"."""
+    return [f"BWDLIFE {cta} " + " ".join(map(str, e))
+            for cta, e in enumerate(buf.long().bitwise_and(0xFFFFFFFF).tolist()) if e[0]]
+
+
+def life_summary(text):
+    """Where a backward CTA's time goes outside its steps, from the BWDLIFE lines of the
+    last launch (csrc/bwd_sm90.cuh, BWD_LIFE; one CTA per key tile, so not with the
+    persistent kernel's bit): per CTA, median SM cycles from its entry to K and V in shared
+    memory, from there to the last step's end (and per step), to the epilogue's stores
+    read, to its end (the later of that and the dQ writer's last reduction read), and from
+    its end to the next CTA's entry on the same SM; and the fixed cost per CTA: entry to
+    the next entry less its steps at the median step time."""
+    last = text.split("=== launch 0 done")[-1].split("=== launch 1 done")[0]
+    ctas = [list(map(int, line.split()[2:])) for line in last.splitlines() if line.startswith("BWDLIFE")]
+    if not ctas:
+        return "CTA life: no records (not a trace build?)"
+    by_sm = {}
+    for e in ctas:
+        by_sm.setdefault(e[0] - 1, []).append(e)
+    med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+    start_kv, kv_last, last_epi, epi_end, gap, per_step, fixed = [], [], [], [], [], [], []
+    for sm, es in by_sm.items():
+        ref = es[0][1]
+        rel = lambda c: ((c - ref + (1 << 31)) % (1 << 32)) - (1 << 31)  # noqa: E731
+        es.sort(key=lambda e: rel(e[1]))
+        for i, e in enumerate(es):
+            end = max(rel(e[4]), rel(e[5]))
+            start_kv.append(dt(e[1], e[2]))
+            kv_last.append(dt(e[2], e[3]))
+            last_epi.append(dt(e[3], e[4]))
+            epi_end.append(end - rel(e[4]))
+            if e[7]:
+                per_step.append(dt(e[2], e[3]) / e[7])
+            if i + 1 < len(es):
+                gap.append(rel(es[i + 1][1]) - end)
+    step = med(per_step)
+    for sm, es in by_sm.items():
+        ref = es[0][1]
+        for a, b in zip(es, es[1:]):
+            fixed.append(((b[1] - a[1]) % (1 << 32)) - a[7] * step)
+    steps = med([e[7] for e in ctas])
+    return (f"CTA life ({len(ctas)} CTAs on {len(by_sm)} SMs, median {steps:.0f} steps), median SM "
+            f"cycles: entry to K/V {med(start_kv):.0f}, K/V to the last step's end {med(kv_last):.0f} "
+            f"({step:.0f} per step), to the epilogue's stores read {med(last_epi):.0f}, to the CTA's end "
+            f"{med(epi_end):.0f}, end to the next CTA's entry {med(gap):.0f}; fixed cost per CTA "
+            f"(entry to next entry less steps) {med(fixed):.0f}")
 
 
 def parse(text):
@@ -148,6 +201,7 @@ def main():
                 with open(os.path.join(args.raw, name), "w") as f:
                     f.write(res.stdout)
             print(summarize(row, bits, *parse(res.stdout)), flush=True)
+            print(life_summary(res.stdout), flush=True)
 
 
 if __name__ == "__main__":

@@ -778,7 +778,7 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
         if takes_order_bits and not bits & (CUTE_DS_STORE | DQ_PAIRS):
             first, interleaved = _order_defaults(D, 128 if case == "full_hd64" else 64)
             early = int(bits == STATS_EARLY and D == 128)
-            args = ">, false, false, {}, {}, {}>".format(str(first != bool(bits & DS_FIRST)).lower(),
+            args = ">, false, false, {}, {}, {}, false>".format(str(first != bool(bits & DS_FIRST)).lower(),
                                                         str(interleaved != bool(bits & DS_INTERLEAVED)).lower(),
                                                         early)
             assert UNDER_SANITIZER or kernels and all(args in n for n in kernels), (args, kernels)
@@ -825,7 +825,7 @@ def test_backward_80_row_steps_store_variants(monkeypatch):
         torch.empty(4 * B * Hq * 1024 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], names = _bwd_kernel_names(lambda: grads((q, k, v)))
         assert UNDER_SANITIZER or names and all(
-            re.search(r"BwdTraits<[^,]+, 128, 2, 80, true, false>, " + args + ">", n) for n in names), names
+            re.search(r"BwdTraits<[^,]+, 128, 2, 80, true, false>, " + args + ", false>", n) for n in names), names
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
     ref = grads((q.double(), k.double(), v.double()), backend="reference")
     by_hand = results[0]
@@ -976,6 +976,64 @@ def test_backward_tma_store_epilogue(case):
           bias_shape=(B, Hq, Lq, Lk) if bias is not None else None)
     if kind == "lookahead":
         assert got[1][:, :, :600].abs().max().item() == 0.0   # the keys no query sees
+
+
+PERSISTENT_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: the persistent backward (C118, opt-in)
+
+
+@pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
+                                  "prefix_4096", "lookahead_300_1000", "causal_4096_nondet"])
+def test_backward_persistent(case, monkeypatch):
+    """C118 (bit 2^53): the bf16 hd128 64-row backward as one CTA per SM drawing key tiles
+    (a tile ring in shared memory, K / V of the next tile after the epilogue's stores)
+    computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
+    for bit (dk and dv too without it; dq there to its unordered reductions' rounding),
+    and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
+    tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
+    window (the band path), documents, prefix-LM; key tiles no query sees (lookahead,
+    Lq < Lk: tiles with no step, whose CTAs still wait for K and V and write zeros)."""
+    needs_backward()
+    parts = case.split("_")
+    kind = parts[0]
+    Lq = int(parts[1])
+    Lk = int(parts[2]) if kind == "lookahead" else Lq
+    deterministic = not case.endswith("nondet")
+    torch.manual_seed(Lq + Lk + len(case))
+    B, Hq, Hkv, D = 2, 8 if case.endswith("gqa") else 4, 2 if case.endswith("gqa") else 4, 128
+    mask = {"causal": M.causal(), "sliding": M.sliding_window(256, 0),
+            "document": M.document([1000, 1, 2000]), "prefix": M.prefix_lm(1000),
+            "lookahead": M.sliding_window(100, 0)}[kind]
+    desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
+    q = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flexsparse.attention(*leaves, desc, backend="cuda", deterministic=deterministic)
+        return torch.autograd.grad(out, leaves, dout)
+
+    results, kernels = {}, {}
+    for bits in (0, PERSISTENT_BWD):
+        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
+        torch.empty(4 * B * Hq * 4096 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
+        results[bits], kernels[bits] = _bwd_kernel_names(grads)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
+    if not UNDER_SANITIZER:
+        assert kernels[0] and all(n.split("(")[0].endswith(", false>") for n in kernels[0]), kernels[0]
+        assert kernels[PERSISTENT_BWD] and all(
+            "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>" in n and n.split("(")[0].endswith(", true>")
+            for n in kernels[PERSISTENT_BWD]), kernels[PERSISTENT_BWD]
+    for name, a, b in zip(("dq", "dk", "dv"), results[0], results[PERSISTENT_BWD]):
+        assert torch.isfinite(b).all(), name
+        if deterministic or name != "dq":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+    if kind == "lookahead":
+        assert results[PERSISTENT_BWD][1][:, :, :600].abs().max().item() == 0.0
+    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(PERSISTENT_BWD))   # against float64 too
+    check(B, Hq, Hkv, Lq, Lk, D, mask, torch.bfloat16, desc=desc, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("case", ["causal_128_4096", "sliding_128_4096", "document_128_3001",
