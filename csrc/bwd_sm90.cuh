@@ -752,9 +752,12 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         store_step_rec(&ss.step_rec[rec_slot], rec);
         rec_slot = T::SharedStorage::next_rec_slot(rec_slot);
       };
-      // kPersistent: a tile's K and V load after its first query stage is issued (which
-      // may then load while the consumers finish the previous tile), once the previous
-      // tile's dK / dV have left the key / value buffers.
+      // kPersistent: a tile's K and V load after its first stage is issued (a query step's,
+      // which may then load while the consumers finish the previous tile, or a head's end),
+      // once the previous tile's dK / dV have left the key / value buffers. Not later: the
+      // consumers wait for K and V before they read any stage, so with the pipeline's
+      // kStages stages issued and K / V not, the producer would wait for a free stage
+      // forever (a tile no head of a GQA group sees issues only end stages).
       bool kv_loaded = !kPersistent;
       int iter = 0;
       auto load_kv_once = [&] {
@@ -808,11 +811,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           pipe_do.producer_acquire(write);
           Barrier::complete_transaction(pipe_do.producer_get_barrier(write), 0, T::kStageBytes);
           ++write;
+          if constexpr (kPersistent) load_kv_once();
         }
         if constexpr (!kPersistent) {
           break;
         } else {
-          load_kv_once();   // (a tile without steps)
           if (!draw_tile(iter + 1)) break;
           kv_loaded = false;
         }

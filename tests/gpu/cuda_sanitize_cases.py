@@ -147,12 +147,12 @@ def main():
     if not only or "persistent" in only:
         # C118 (bit 2^53): the persistent backward, more key tiles than SMs (5 x 4 x 8 = 160),
         # so that CTAs take several and the tile ring, kv_empty and barrier_kv's parity turn
-        # over; key tiles with no step (lookahead)
+        # over; key tiles with no step (lookahead; with GQA: four end stages per such tile)
         os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(1 << 53)
-        for name, B, Lq, Lk, mask in (("causal", 5, 1024, 1024, M.causal()),
-                                      ("sliding", 5, 1024, 1024, M.sliding_window(200, 0)),
-                                      ("lookahead", 2, 300, 1000, M.sliding_window(100, 0))):
-            run(f"[debug 2^53] persistent {name}", B, 4, 4, Lq, Lk, 128, mask)
+        for name, B, Hq, Hkv, Lq, Lk, mask in (("causal", 5, 4, 4, 1024, 1024, M.causal()),
+                                               ("sliding", 5, 4, 4, 1024, 1024, M.sliding_window(200, 0)),
+                                               ("lookahead gqa", 2, 8, 2, 300, 1000, M.sliding_window(100, 0))):
+            run(f"[debug 2^53] persistent {name}", B, Hq, Hkv, Lq, Lk, 128, mask)
 
 if __name__ == "__main__":
     main()

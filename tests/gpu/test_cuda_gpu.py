@@ -982,7 +982,8 @@ PERSISTENT_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: the persistent backward (C11
 
 
 @pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
-                                  "prefix_4096", "lookahead_300_1000", "causal_4096_nondet"])
+                                  "prefix_4096", "lookahead_300_1000", "lookahead_300_1000_gqa",
+                                  "causal_4096_nondet"])
 def test_backward_persistent(case, monkeypatch):
     """C118 (bit 2^53): the bf16 hd128 64-row backward as one CTA per SM drawing key tiles
     (a tile ring in shared memory, K / V of the next tile after the epilogue's stores)
@@ -991,7 +992,9 @@ def test_backward_persistent(case, monkeypatch):
     and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
     tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
     window (the band path), documents, prefix-LM; key tiles no query sees (lookahead,
-    Lq < Lk: tiles with no step, whose CTAs still wait for K and V and write zeros)."""
+    Lq < Lk: tiles with no step, whose CTAs still wait for K and V and write zeros; with
+    GQA, four heads' end stages and no step before K and V, which the producer must load
+    before the pipeline's stages run out)."""
     needs_backward()
     parts = case.split("_")
     kind = parts[0]
