@@ -872,6 +872,21 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             }
           }
         }
+        if constexpr (kPersistent) {
+          // The consumers' epilogue writes dK and dV through sdQ, as one more step without
+          // a reduction: both halves free (the epilogue waits on kBarrierdQEmpty), then
+          // the epilogue done with sdQ (it arrives on kBarrierdQFull), so that this warp's
+          // next arrives, the next tile's, come after the epilogue's waits (a second
+          // arrive on a named barrier before its generation completes would miscount).
+          if (lane == 0) tma_store_wait<1>();
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
+          if (lane == 0) tma_store_wait<0>();
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull);
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + 1);
+        }
         if constexpr (!kPersistent) break;
         else if (!read_tile(iter + 1)) break;
       }
@@ -1435,7 +1450,53 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // through the key and value buffers (free once every wgmma is done), in the layout the
       // tiles arrived in, then out by one TMA store each (rows past Lk clipped by the tensor
       // map), as FlashAttention-3/4's epilogue: no loop of 16-byte stores and no waits for
-      // them in the consumers (docs/perf-notes.md C28, C116).
+      // them in the consumers (docs/perf-notes.md C28, C116). The persistent kernel's goes
+      // through the dQ buffer instead (C118), so that the next tile's K and V can load.
+      if constexpr (kPersistent) {
+        typename T::SmemCopydKV smem_copy_dkv;
+        auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 0; x < size(tdKrdK); ++x) tdKrdK(x) *= p.scale;
+        Tensor rdK = convert_type<Element>(tdKrdK);
+        Tensor rdV = convert_type<Element>(tdVrdV);
+        // kPersistent: K and V are free once every wgmma is done, so the next tile's load
+        // there while dK and dV go out through the dQ buffer (one bf16 key tile: 128 x 128
+        // x 2 bytes = 64 x 128 floats), one after the other.
+        static_assert(cosize_v<typename T::SmemLayoutK> * sizeof(Element) <= kBlockM * kHeadDim * sizeof(float),
+                      "a dK / dV tile fits the dQ buffer");
+        static_assert(offsetof(typename T::SharedStorage, dq) % 1024 == 0, "the dQ buffer takes SmemLayoutK's swizzle");
+        Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
+        auto store = [&](auto const& tma) {
+          Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+          Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+          auto cta = tma.get_slice(0);
+          copy(tma, cta.partition_S(sdKV), cta.partition_D(gdKV));
+          tma_store_arrive();
+          tma_store_wait<0>();   // the dQ buffer's next writer waits for these reads
+        };
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
+        if (tid == 0) cutlass::arch::ClusterBarrier::arrive(&slots.kv_empty);
+        cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
+        copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+        if (tid == 0) store(kp.tma_dk);
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK read out of sdQ
+        copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+        if (tid == 0) {
+          store(kp.tma_dv);
+          BWD_LIFE(4, bwd_clock());
+        }
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dV read out of sdQ
+        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
+        if (!read_tile(iter + 1)) break;
+        clear(tdVrdV);
+        clear(tdKrdK);
+        continue;
+      }
       typename T::SmemCopydKV smem_copy_dkv;
       auto thr_copy_dkv = smem_copy_dkv.get_thread_slice(tid);
       Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
@@ -1461,16 +1522,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         tma_store_arrive();
         tma_store_wait<0>();   // shared memory outlives the stores' reads
         BWD_LIFE(4, bwd_clock());
-        // kPersistent: the next tile's K and V may load into these buffers
-        if constexpr (kPersistent) cutlass::arch::ClusterBarrier::arrive(&slots.kv_empty);
       }
-      if constexpr (!kPersistent) {
-        break;
-      } else {
-        if (!read_tile(iter + 1)) break;
-        clear(tdVrdV);
-        clear(tdKrdK);
-      }
+      break;   // (one tile per CTA)
     }
   }
 #endif
