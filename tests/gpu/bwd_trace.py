@@ -10,8 +10,8 @@ BWD_TRACE; the kernel does not print: a printf made ptxas serialize its wgmmas).
 Per row and FLEXSPARSE_CUDA_DEBUG value it prints the median cycles of each phase of the
 step over the steady steps, the step period and the tensor cores' floor for the step's
 five products; and every CTA's life outside its steps (BWD_LIFE: entry, K and V's
-arrival, the last step, the epilogue, the gap to the next CTA on the same SM). Events: 0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued,
-3 S^T done, 4 P^T computed, 5 dP^T done, 6 dS^T computed, dV issued, dS^T stored, 7 both
+arrival, the last step, the epilogue, the gap to the next CTA on the same SM). Events:
+0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued, 3 S^T done, 4 P^T computed, 5 dP^T done, 6 dS^T computed, dV issued, dS^T stored, 7 both
 warpgroups' dS^T stored, 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed
 to the writer, 11 dK done. The stamps slow the loop somewhat (spills): compare phases
 with each other and across variants, and the trace build's time with the plain one's.
