@@ -825,6 +825,16 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // dQ writer: per step, tell each consumer warpgroup that its half of sdQ is free once
       // the last reduction has read it, wait until it is filled, add it to dq_accum.
       const int lane = threadIdx.x % 32;
+      // sdQ's halves free for the consumer warpgroups: each once the reductions that read
+      // it are done (the older first), each consumer warpgroup waiting on its own barrier.
+      auto release_sdq = [&] {
+        if (lane == 0) tma_store_wait<1>();
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
+        if (lane == 0) tma_store_wait<0>();
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+      };
       bool have_tile = true;
       if constexpr (kPersistent) have_tile = read_tile(0);
       for (int iter = 0; have_tile; ++iter) {
@@ -839,12 +849,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             const int i0 = m * kBlockM;
             const int turn = bp.deterministic
                 ? dq_turn_of(p, b, h, i0 / p.block_q, n_block, p.block_k / kBlockN) : 0;
-            if (lane == 0) tma_store_wait<1>();
-            __syncwarp();
-            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
-            if (lane == 0) tma_store_wait<0>();
-            __syncwarp();
-            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+            release_sdq();
             for (int w = 0; w < 2; ++w) {
               cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + w);
               if (lane == 0) {
@@ -878,12 +883,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           // the epilogue done with sdQ (it arrives on kBarrierdQFull), so that this warp's
           // next arrives, the next tile's, come after the epilogue's waits (a second
           // arrive on a named barrier before its generation completes would miscount).
-          if (lane == 0) tma_store_wait<1>();
-          __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
-          if (lane == 0) tma_store_wait<0>();
-          __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+          release_sdq();
           cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull);
           cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + 1);
         }
