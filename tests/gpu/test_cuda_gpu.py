@@ -888,6 +888,14 @@ def test_forward_band_kernels_bitwise(case, monkeypatch):
         check(1, 4, Hkv, Lq, Lk, D, mask, torch.bfloat16, backward=False)
 
 
+def _seeded_case(case):
+    """A case named kind_D_dtype_Lq_Lk as (kind, D, torch dtype, Lq, Lk), torch seeded by it."""
+    kind, D, dt, Lq, Lk = case.split("_")
+    D, Lq, Lk = int(D), int(Lq), int(Lk)
+    torch.manual_seed(D + Lq + Lk)
+    return kind, D, {"bf16": torch.bfloat16, "fp16": torch.float16}[dt], Lq, Lk
+
+
 @pytest.mark.parametrize("case", ["sliding256_64_bf16_4096_4096", "sliding64_128_bf16_3001_3001",
                                   "sliding1000_128_fp16_4601_4601", "lookahead_128_bf16_1500_2000",
                                   "lookahead_64_fp16_2000_1500", "wide_128_bf16_777_777",
@@ -901,10 +909,7 @@ def test_backward_band_bitwise(case, monkeypatch):
     bf16 and fp16), for windows, one looking ahead with Lq != Lk both ways, one wider than
     the sequence, odd lengths, GQA; and against float64 (check())."""
     needs_backward()
-    kind, D, dt, Lq, Lk = case.split("_")
-    D, Lq, Lk = int(D), int(Lq), int(Lk)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-    torch.manual_seed(D + Lq + Lk)
+    kind, D, dtype, Lq, Lk = _seeded_case(case)
     B, Hq, Hkv = 2, 8, 2
     left, right = {"sliding256": (256, 0), "sliding64": (63, 0), "sliding1000": (1000, 0),
                    "sliding300": (300, 0), "lookahead": (200, 30), "wide": (5000, 0)}[kind]
@@ -947,10 +952,7 @@ def test_backward_tma_store_epilogue(case):
     1000, so keys 0-599 see no query: their CTAs write zeros, once K and V have landed in
     the buffers the epilogue writes over)."""
     needs_backward()
-    kind, D, dt, Lq, Lk = case.split("_")
-    D, Lq, Lk = int(D), int(Lq), int(Lk)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
-    torch.manual_seed(D + Lq + Lk)
+    kind, D, dtype, Lq, Lk = _seeded_case(case)
     B, Hq, Hkv = 2, 4, 2
     mask = {"causal": M.causal(), "full": M.full(), "bias": M.causal(),
             "document": M.document([300, 1, 476]), "lookahead": M.sliding_window(100, 0)}[kind]
