@@ -707,9 +707,15 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   auto read_tile = [&](int k) {
     const int slot = k & 1;
     cutlass::arch::ClusterBarrier::wait(&slots.tile_full[slot], (k >> 1) & 1);
-    const int t = slots.tile[slot];
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&slots.tile_empty[slot]);
+    // Lane 0 alone reads the slot and frees it: its own arrive orders its read before the
+    // producer's next write (racecheck does not count __syncwarp plus one lane's arrive as
+    // ordering the other lanes' reads).
+    int t = 0;
+    if (threadIdx.x % 32 == 0) {
+      t = slots.tile[slot];
+      cutlass::arch::ClusterBarrier::arrive(&slots.tile_empty[slot]);
+    }
+    t = __shfl_sync(0xffffffffu, t, 0);
     if (t >= n_tiles) return false;
     set_tile(t);
     return true;
