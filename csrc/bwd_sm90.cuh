@@ -77,9 +77,8 @@ __device__ __forceinline__ uint32_t bwd_clock() {
   asm volatile("mov.u32 %0, %%clock;" : "=r"(c));
   return c;
 }
-__device__ __forceinline__ void bwd_life(int e, uint32_t value) {
-  const uint32_t cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (cta < flexsparse::kBwdLifeCtas) bwd_life_buf[cta][e] = value;
+__device__ __forceinline__ void bwd_life(int tile, int e, uint32_t value) {
+  if (tile >= 0 && tile < flexsparse::kBwdLifeCtas) bwd_life_buf[tile][e] = value;
 }
 __device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
   asm volatile("{\n .reg .u32 c;\n mov.u32 c, %%clock;\n st.global.u32 [%0], c;\n}" ::"l"(at) : "memory");
@@ -94,7 +93,9 @@ __device__ __forceinline__ void bwd_trace_stamp(uint32_t* at) {
     bwd_trace_buf[trace_cta][kBwdTraceSteps][0][2 * (i) + 1] = g;                               \
     bwd_trace_buf[trace_cta][kBwdTraceSteps][0][4] = blockIdx.x;                                \
   }
-#define BWD_LIFE(e, value) bwd_life(e, value)
+// (the key tile's linear index: the CTA's in one CTA per tile, the tile's in the persistent
+// kernel, whose records then are per tile)
+#define BWD_LIFE(e, value) bwd_life(n_block + n_kb * (hk + p.Hkv * b), e, value)
 #else
 #define BWD_TRACE(e) \
   do {               \
@@ -621,12 +622,14 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
   int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int group = p.Hq / p.Hkv;
 #ifdef FLEXSPARSE_BWD_TRACE
-  if (threadIdx.x == 0) {
+  // entry: the kernel's, or in the persistent kernel the consumers' read of each tile
+  auto life_entry = [&] {
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     BWD_LIFE(0, sm + 1);
     BWD_LIFE(1, bwd_clock());
-  }
+  };
+  if (!kPersistent && threadIdx.x == 0) life_entry();
 #endif
   int kb = n_block * kBlockN / p.block_k;    // the descriptor's key block
   const int sub = p.block_q / kBlockM;
@@ -718,6 +721,9 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     t = __shfl_sync(0xffffffffu, t, 0);
     if (t >= n_tiles) return false;
     set_tile(t);
+#ifdef FLEXSPARSE_BWD_TRACE
+    if (threadIdx.x == 128) life_entry();
+#endif
     return true;
   };
 
@@ -1536,11 +1542,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 }
 
 // delta = rowsum(dO * O) - grad_lse and lse2 = lse * log2(e) (+inf for rows with no
-// visible key and for the padding up to Lq_pad), one warp per row; zeroes dq_accum.
+// visible key and for the padding up to Lq_pad), one warp per row; zeroes dq_accum and,
+// where given, the persistent backward's tile counter.
 template <class Element>
 __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* lse2,
-                               float* delta, int* dq_turn, int Lq_pad) {
+                               float* delta, int* dq_turn, int Lq_pad, int* tile_counter) {
   AttentionParams const& p = bp.fwd;
+  if (tile_counter != nullptr && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;
   const int warps = blockDim.x / 32;
   const int i = blockIdx.x * warps + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -1583,7 +1591,8 @@ __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* 
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256)
 bwd_preprocess_wide(BackwardParams const bp, float* dq_accum, float* lse2, float* delta,
-                    int* dq_turn, int Lq_pad, bool zero_accum) {
+                    int* dq_turn, int Lq_pad, bool zero_accum, int* tile_counter) {
+  if (tile_counter != nullptr && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;
   constexpr int kThreadsPerRow = kHeadDim / 8;     // 8, 16 or 32
   constexpr int kRowsPerCta = 256 / kThreadsPerRow;
   static_assert(sizeof(Element) == 2 && kThreadsPerRow <= 32 && 128 % kRowsPerCta == 0, "16-bit, hd <= 256");
@@ -1694,19 +1703,31 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   float* lse2 = dq_accum + rows * p.D;
   float* delta = lse2 + rows;
   int* dq_turn = bp.deterministic ? reinterpret_cast<int*>(delta + rows) : nullptr;
+  // The persistent backward (C118): one CTA per SM drawing key tiles from a counter (the
+  // workspace's last word, zeroed by the preprocess), in the bf16 hd128 64-row general
+  // kernel (sliding windows, documents, causal, prefix-LM, shared-question; +1-3% there
+  // against one CTA per key tile, docs/perf-notes.md C118). FLEXSPARSE_CUDA_DEBUG bit 2^53
+  // takes one CTA per key tile; the A/B variant bits below take it too.
+  constexpr bool kHasPersistent = T::kHeadDim == 128 && T::kBlockM == 64 && !T::kBiasTiles &&
+                                  std::is_same_v<Element, cutlass::bfloat16_t>;
+  constexpr int kVariantBits = (1 << 22) | 512 | 1024 | (1 << 15) | (1 << 16) | (1 << 18);
+  const bool persistent = kHasPersistent && !(p.debug_high & kVariantBits);
+  int* tile_counter = persistent
+      ? reinterpret_cast<int*>(static_cast<char*>(bp.workspace) + bwd_sm90_workspace_bytes(bp)) - 1
+      : nullptr;
 
   // FLEXSPARSE_CUDA_DEBUG bit 33554432: the one-warp-per-row preprocess; bit 67108864:
   // dq_accum zeroed by cudaMemsetAsync instead of in the (wide) preprocess (A/Bs).
   if (p.debug & 33554432) {
     bwd_preprocess<Element><<<dim3((Lq_pad + 7) / 8, p.Hq, p.B), 256, 0, stream>>>(
-        bp, dq_accum, lse2, delta, dq_turn, Lq_pad);
+        bp, dq_accum, lse2, delta, dq_turn, Lq_pad, tile_counter);
   } else {
     const bool memset_accum = p.debug & 67108864;
     if (memset_accum)
       CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, rows * p.D * sizeof(float), stream));
     constexpr int kRowsPerCta = 256 / (T::kHeadDim / 8);
     bwd_preprocess_wide<Element, T::kHeadDim><<<dim3(Lq_pad / kRowsPerCta, p.Hq, p.B), 256, 0, stream>>>(
-        bp, dq_accum, lse2, delta, dq_turn, Lq_pad, !memset_accum);
+        bp, dq_accum, lse2, delta, dq_turn, Lq_pad, !memset_accum, tile_counter);
   }
   CUDA_CHECK(cudaGetLastError());
 
@@ -1775,17 +1796,12 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   int smem = T::kSmemBytes;
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
-  // bit 2^53 (C118, opt-in until measured): the persistent kernel, one CTA per SM drawing
-  // key tiles, in the bf16 hd128 64-row general kernel (sliding windows, documents,
-  // causal, prefix-LM). Its tile counter is the workspace's last word.
-  if constexpr (T::kHeadDim == 128 && T::kBlockM == 64 && !T::kBiasTiles &&
-                std::is_same_v<Element, cutlass::bfloat16_t>) {
-    if (p.debug_high & (1 << 22)) {
+  if constexpr (kHasPersistent) {
+    if (persistent) {
       static_assert(T::kPersistentSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
       kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly, true>;
       smem = T::kPersistentSmemBytes;
-      kp.tile_counter = reinterpret_cast<int*>(static_cast<char*>(bp.workspace) + bwd_sm90_workspace_bytes(bp)) - 1;
-      CUDA_CHECK(cudaMemsetAsync(kp.tile_counter, 0, sizeof(int), stream));
+      kp.tile_counter = tile_counter;
       const int tiles = grid.x * grid.y * grid.z;
       grid = dim3(std::min(tiles, sm_count()));
     }

@@ -181,6 +181,12 @@ def test_bwd_trace_life_summary():
     assert "stores read 50" in summary and "CTA's end 10" in summary
     assert "next CTA's entry 40" in summary and "less steps) 200" in summary
     assert "no records" in bt.life_summary("=== launch 0 done\n=== launch 1 done")
+    # the persistent kernel's tiles: no dQ writer's read (event 5 zero) but on a CTA's last
+    # tile, so a tile ends at its stores' read
+    buf[:, 5] = 0
+    summary = bt.life_summary("\n".join(["=== launch 0 done"] + bt.life_lines(buf.to(torch.int32))
+                                         + ["=== launch 1 done"]))
+    assert "CTA's end 0" in summary and "next CTA's entry 50" in summary, summary
 
 
 def test_fwd_trace_reads_the_stamps_from_the_op_buffer():

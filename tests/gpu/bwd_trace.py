@@ -84,9 +84,10 @@ def life_lines(buf):
 
 def life_summary(text):
     """Where a backward CTA's time goes outside its steps, from the BWDLIFE lines of the
-    last launch (csrc/bwd_sm90.cuh, BWD_LIFE; one CTA per key tile, so not with the
-    persistent kernel's bit): per CTA, median SM cycles from its entry to K and V in shared
-    memory, from there to the last step's end (and per step), to the epilogue's stores
+    last launch (csrc/bwd_sm90.cuh, BWD_LIFE, per key tile; in the persistent kernel a
+    "CTA" here is a tile, its entry the consumers' read of it, and the dQ writer's last
+    read is recorded for a CTA's last tile only): per CTA, median SM cycles from its entry
+    to K and V in shared memory, from there to the last step's end (and per step), to the epilogue's stores
     read, to its end (the later of that and the dQ writer's last reduction read), and from
     its end to the next CTA's entry on the same SM; and the fixed cost per CTA: entry to
     the next entry less its steps at the median step time."""
@@ -104,7 +105,7 @@ def life_summary(text):
         rel = lambda c: ((c - ref + (1 << 31)) % (1 << 32)) - (1 << 31)  # noqa: E731
         es.sort(key=lambda e: rel(e[1]))
         for i, e in enumerate(es):
-            end = max(rel(e[4]), rel(e[5]))
+            end = max(rel(e[4]), rel(e[5])) if e[5] else rel(e[4])
             start_kv.append(dt(e[1], e[2]))
             kv_last.append(dt(e[2], e[3]))
             last_epi.append(dt(e[3], e[4]))

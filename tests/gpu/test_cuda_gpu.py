@@ -778,9 +778,10 @@ def test_backward_store_variants_bitwise(case, monkeypatch):
         if takes_order_bits and not bits & (CUTE_DS_STORE | DQ_PAIRS):
             first, interleaved = _order_defaults(D, 128 if case == "full_hd64" else 64)
             early = int(bits == STATS_EARLY and D == 128)
-            args = ">, false, false, {}, {}, {}, false>".format(str(first != bool(bits & DS_FIRST)).lower(),
-                                                        str(interleaved != bool(bits & DS_INTERLEAVED)).lower(),
-                                                        early)
+            persistent = D == 128 and bits == 0   # C118: the bf16 hd128 64-row kernel's default
+            args = ">, false, false, {}, {}, {}, {}>".format(str(first != bool(bits & DS_FIRST)).lower(),
+                                                     str(interleaved != bool(bits & DS_INTERLEAVED)).lower(),
+                                                     early, str(persistent).lower())
             assert UNDER_SANITIZER or kernels and all(args in n for n in kernels), (args, kernels)
     names = ("dq", "dk", "dv", "dbias")
     for bits, got in results.items():
@@ -980,16 +981,16 @@ def test_backward_tma_store_epilogue(case):
         assert got[1][:, :, :600].abs().max().item() == 0.0   # the keys no query sees
 
 
-PERSISTENT_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: the persistent backward (C118, opt-in)
+PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the persistent backward (C118)
 
 
 @pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
                                   "prefix_4096", "lookahead_300_1000", "lookahead_300_1000_gqa",
                                   "causal_4096_nondet"])
 def test_backward_persistent(case, monkeypatch):
-    """C118 (bit 2^53): the bf16 hd128 64-row backward as one CTA per SM drawing key tiles
-    (a tile ring in shared memory, K / V of the next tile after the epilogue's stores)
-    computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
+    """C118 (the default; bit 2^53 takes one CTA per key tile): the bf16 hd128 64-row
+    backward as one CTA per SM drawing key tiles (a tile ring in shared memory, K / V of
+    the next tile during the epilogue's stores) computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
     for bit (dk and dv too without it; dq there to its unordered reductions' rounding),
     and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
     tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
@@ -1019,25 +1020,25 @@ def test_backward_persistent(case, monkeypatch):
         return torch.autograd.grad(out, leaves, dout)
 
     results, kernels = {}, {}
-    for bits in (0, PERSISTENT_BWD):
+    for bits in (PER_TILE_BWD, 0):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 4096 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], kernels[bits] = _bwd_kernel_names(grads)
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
     if not UNDER_SANITIZER:
-        assert kernels[0] and all(n.split("(")[0].endswith(", false>") for n in kernels[0]), kernels[0]
-        assert kernels[PERSISTENT_BWD] and all(
+        assert kernels[PER_TILE_BWD] and all(
+            n.split("(")[0].endswith(", false>") for n in kernels[PER_TILE_BWD]), kernels[PER_TILE_BWD]
+        assert kernels[0] and all(
             "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>" in n and n.split("(")[0].endswith(", true>")
-            for n in kernels[PERSISTENT_BWD]), kernels[PERSISTENT_BWD]
-    for name, a, b in zip(("dq", "dk", "dv"), results[0], results[PERSISTENT_BWD]):
+            for n in kernels[0]), kernels[0]
+    for name, a, b in zip(("dq", "dk", "dv"), results[PER_TILE_BWD], results[0]):
         assert torch.isfinite(b).all(), name
         if deterministic or name != "dq":
             assert torch.equal(a, b), name
         else:
             torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     if kind == "lookahead":
-        assert results[PERSISTENT_BWD][1][:, :, :600].abs().max().item() == 0.0
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(PERSISTENT_BWD))   # against float64 too
+        assert results[0][1][:, :, :600].abs().max().item() == 0.0
     check(B, Hq, Hkv, Lq, Lk, D, mask, torch.bfloat16, desc=desc, deterministic=deterministic)
 
 
