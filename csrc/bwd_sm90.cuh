@@ -1478,16 +1478,48 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                       "a dK / dV tile fits the dQ buffer");
         static_assert(offsetof(typename T::SharedStorage, dq) % 1024 == 0, "the dQ buffer takes SmemLayoutK's swizzle");
         Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
-        auto store = [&](auto const& tma) {
+        auto store_from = [&](auto const& tma, auto const& smem) {
           Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
           Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
           auto cta = tma.get_slice(0);
-          copy(tma, cta.partition_S(sdKV), cta.partition_D(gdKV));
+          copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
           tma_store_arrive();
+        };
+        auto store = [&](auto const& tma) {
+          store_from(tma, sdKV);
           tma_store_wait<0>();   // the dQ buffer's next writer waits for these reads
         };
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
         if (tid == 0) cutlass::arch::ClusterBarrier::arrive(&slots.kv_empty);
+        // FLEXSPARSE_CUDA_DEBUG bit 2^54 (C119, opt-in until measured): dV through the dS
+        // buffers (two 64 x 128 tiles, free once every wgmma is done: the next tile's first
+        // dS store comes after this epilogue), its store issued before the wait for the dQ
+        // buffer; then dK through the dQ buffer, one wait for both stores' reads.
+        if (p.debug_high & (1 << 23)) {
+          static_assert(cosize_v<typename T::SmemLayoutdS> >= cosize_v<typename T::SmemLayoutK> &&
+                            offsetof(typename T::SharedStorage, ds) % 1024 == 0,
+                        "a dV tile fits the dS buffers, in SmemLayoutK's swizzle");
+          Tensor sdVst = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutK{});
+          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdVst));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          if (tid == 0) store_from(kp.tma_dv, sdVst);
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
+          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          if (tid == 0) {
+            store(kp.tma_dk);   // (its wait covers dV's store too)
+            BWD_LIFE(4, bwd_clock());
+          }
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK and dV read
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
+          if (!read_tile(iter + 1)) break;
+          clear(tdVrdV);
+          clear(tdKrdK);
+          continue;
+        }
         cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
         copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));

@@ -148,11 +148,13 @@ def main():
         # C118 (the default there): the persistent backward, more key tiles than SMs (5 x 4 x 8 = 160),
         # so that CTAs take several and the tile ring, kv_empty and barrier_kv's parity turn
         # over; key tiles with no step (lookahead; with GQA: four end stages per such tile)
-        os.environ["FLEXSPARSE_CUDA_DEBUG"] = "0"
-        for name, B, Hq, Hkv, Lq, Lk, mask in (("causal", 5, 4, 4, 1024, 1024, M.causal()),
-                                               ("sliding", 5, 4, 4, 1024, 1024, M.sliding_window(200, 0)),
-                                               ("lookahead gqa", 2, 8, 2, 300, 1000, M.sliding_window(100, 0))):
-            run(f"[debug 0] persistent {name}", B, Hq, Hkv, Lq, Lk, 128, mask)
+        # (and with bit 2^54, C119: dV staged in the dS buffers)
+        for bits, value in (("0", 0), ("2^54", 1 << 54)):
+            os.environ["FLEXSPARSE_CUDA_DEBUG"] = str(value)
+            for name, B, Hq, Hkv, Lq, Lk, mask in (("causal", 5, 4, 4, 1024, 1024, M.causal()),
+                                                   ("sliding", 5, 4, 4, 1024, 1024, M.sliding_window(200, 0)),
+                                                   ("lookahead gqa", 2, 8, 2, 300, 1000, M.sliding_window(100, 0))):
+                run(f"[debug {bits}] persistent {name}", B, Hq, Hkv, Lq, Lk, 128, mask)
 
 if __name__ == "__main__":
     main()

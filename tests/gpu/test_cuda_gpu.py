@@ -982,6 +982,7 @@ def test_backward_tma_store_epilogue(case):
 
 
 PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the persistent backward (C118)
+DV_VIA_DS_BWD = 1 << 54   # the persistent backward's dV staged in the dS buffers (C119, opt-in)
 
 
 @pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
@@ -990,7 +991,8 @@ PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the 
 def test_backward_persistent(case, monkeypatch):
     """C118 (the default; bit 2^53 takes one CTA per key tile): the bf16 hd128 64-row
     backward as one CTA per SM drawing key tiles (a tile ring in shared memory, K / V of
-    the next tile during the epilogue's stores) computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
+    the next tile during the epilogue's stores) computes what one CTA per tile does, and
+    so does its epilogue with dV staged in the dS buffers (C119, bit 2^54): with deterministic=True dq, dk and dv equal bit
     for bit (dk and dv too without it; dq there to its unordered reductions' rounding),
     and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
     tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
@@ -1020,7 +1022,7 @@ def test_backward_persistent(case, monkeypatch):
         return torch.autograd.grad(out, leaves, dout)
 
     results, kernels = {}, {}
-    for bits in (PER_TILE_BWD, 0):
+    for bits in (PER_TILE_BWD, 0, DV_VIA_DS_BWD):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 4096 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], kernels[bits] = _bwd_kernel_names(grads)
@@ -1028,15 +1030,17 @@ def test_backward_persistent(case, monkeypatch):
     if not UNDER_SANITIZER:
         assert kernels[PER_TILE_BWD] and all(
             n.split("(")[0].endswith(", false>") for n in kernels[PER_TILE_BWD]), kernels[PER_TILE_BWD]
-        assert kernels[0] and all(
-            "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>" in n and n.split("(")[0].endswith(", true>")
-            for n in kernels[0]), kernels[0]
-    for name, a, b in zip(("dq", "dk", "dv"), results[PER_TILE_BWD], results[0]):
-        assert torch.isfinite(b).all(), name
-        if deterministic or name != "dq":
-            assert torch.equal(a, b), name
-        else:
-            torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+        for bits in (0, DV_VIA_DS_BWD):
+            assert kernels[bits] and all(
+                "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>" in n and n.split("(")[0].endswith(", true>")
+                for n in kernels[bits]), kernels[bits]
+    for bits in (0, DV_VIA_DS_BWD):
+        for name, a, b in zip(("dq", "dk", "dv"), results[PER_TILE_BWD], results[bits]):
+            assert torch.isfinite(b).all(), (bits, name)
+            if deterministic or name != "dq":
+                assert torch.equal(a, b), (bits, name)
+            else:
+                torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     if kind == "lookahead":
         assert results[0][1][:, :, :600].abs().max().item() == 0.0
     check(B, Hq, Hkv, Lq, Lk, D, mask, torch.bfloat16, desc=desc, deterministic=deterministic)
