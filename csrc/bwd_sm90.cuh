@@ -56,12 +56,14 @@ namespace flexsparse::sm90 {
 // warpgroups' dS^T stored (barrier), 8 dQ issued and dV done, 9 dK issued and dQ done,
 // 10 dQ handed to the writer, 11 dK done. The stamps cost registers (spills): compare the
 // trace build's time with the plain build's before reading durations.
-// BWD_LIFE: in every CTA (up to kBwdLifeCtas, by linear block index), one word per event of
-// its life: 0 the SM's index + 1, then that SM's clock at 1 the kernel's entry, 2 K and V
-// in shared memory (the consumers' wait), 3 the consumers' last step done, 4 the epilogue's
-// TMA stores read, 5 the dQ writer's last reduction read, 6 the producer's last load
-// issued; 7 the consumers' step count. Consecutive CTAs of one SM then give the gap between
-// one's end and the next one's entry (tests/gpu/bwd_trace.py, "CTA life").
+// BWD_LIFE: per key tile (up to kBwdLifeCtas, by linear tile index: the CTA's, or in the
+// persistent kernel each tile it takes), one word per event of its life: 0 the SM's index
+// + 1, then that SM's clock at 1 the kernel's entry (persistent: the consumers' read of
+// the tile), 2 K and V in shared memory (the consumers' wait), 3 the consumers' last step
+// done, 4 the epilogue's TMA stores read, 5 the dQ writer's last reduction read, 6 the
+// producer's last load issued (both persistent: a CTA's last tile only); 7 the consumers'
+// step count in the tile. Consecutive tiles of one SM then give the gap between one's end
+// and the next one's entry (tests/gpu/bwd_trace.py, "CTA life").
 #ifdef FLEXSPARSE_BWD_TRACE
 using flexsparse::kBwdTraceCtas;
 using flexsparse::kBwdTraceSteps;
@@ -1046,6 +1048,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 #ifdef FLEXSPARSE_BWD_TRACE
       const int trace_cta = bwd_trace_cta();
       BWD_TRACE_CALIBRATE(0);
+      const int tile_first_step = step;   // (the persistent kernel's step count runs on across tiles)
 #endif
       for (int g = 0; g < group; ++g) {
         const int h = hk * group + g;
@@ -1448,7 +1451,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       BWD_TRACE_CALIBRATE(1);
       if (tid == 0) {
         BWD_LIFE(3, bwd_clock());
-        BWD_LIFE(7, step);
+        BWD_LIFE(7, step - tile_first_step);
       }
 #endif
       // kBiasTiles: the last dbias store has read its dS buffer before the epilogue reuses
