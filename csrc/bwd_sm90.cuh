@@ -1743,10 +1743,15 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   // kernel (sliding windows, documents, causal, prefix-LM, shared-question; +1-3% there
   // against one CTA per key tile, docs/perf-notes.md C118). FLEXSPARSE_CUDA_DEBUG bit 2^53
   // takes one CTA per key tile; the A/B variant bits below take it too.
-  constexpr bool kHasPersistent = T::kHeadDim == 128 && T::kBlockM == 64 && !T::kBiasTiles &&
-                                  std::is_same_v<Element, cutlass::bfloat16_t>;
+  constexpr bool kBf16Plain = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>;
+  constexpr bool kPersistentDefault = kBf16Plain && T::kHeadDim == 128 && T::kBlockM == 64;
+  // C120 (opt-in until measured, bit 2^55): hd64's 128-row kernel (causal, windows,
+  // documents, full at head dim 64) persistent too.
+  constexpr bool kPersistentOptIn = kBf16Plain && T::kHeadDim == 64 && T::kBlockM == 128;
+  constexpr bool kHasPersistent = kPersistentDefault || kPersistentOptIn;
   constexpr int kVariantBits = (1 << 22) | 512 | 1024 | (1 << 15) | (1 << 16) | (1 << 18);
-  const bool persistent = kHasPersistent && !(p.debug_high & kVariantBits);
+  const bool persistent = kHasPersistent && !(p.debug_high & kVariantBits) &&
+                          (kPersistentDefault || (p.debug_high & (1 << 24)));
   int* tile_counter = persistent
       ? reinterpret_cast<int*>(static_cast<char*>(bp.workspace) + bwd_sm90_workspace_bytes(bp)) - 1
       : nullptr;
