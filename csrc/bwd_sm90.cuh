@@ -900,6 +900,33 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           release_sdq();
           cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull);
           cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + 1);
+          // C121 (bit 2^56): two steps, and this warp stores them. dK: stored, read, then
+          // both halves free for dV; dV: stored, and an empty bulk group after it, so
+          // that the next release_sdq's wait<1> (the first half) waits for dV's read too.
+          if (p.debug_high & (1 << 25)) {
+            Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
+            auto store = [&](auto const& tma) {
+              if (lane == 0) {
+                Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+                Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                                         make_coord(n_block, 0));
+                auto cta = tma.get_slice(0);
+                copy(tma, cta.partition_S(sdKV), cta.partition_D(gdKV));
+                tma_store_arrive();
+              }
+              __syncwarp();
+            };
+            store(kp.tma_dk);
+            if (lane == 0) tma_store_wait<0>();
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
+            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
+            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull);
+            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + 1);
+            store(kp.tma_dv);
+            if (lane == 0) tma_store_arrive();   // (the empty group)
+            __syncwarp();
+          }
         }
         if constexpr (!kPersistent) break;
         else if (!read_tile(iter + 1)) break;
@@ -1494,6 +1521,29 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         };
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
         if (tid == 0) cutlass::arch::ClusterBarrier::arrive(&slots.kv_empty);
+        // FLEXSPARSE_CUDA_DEBUG bit 2^56 (C121, opt-in until measured; before 2^54): the dQ
+        // writer issues the epilogue's stores, as it issues each step's reduction: dK and
+        // then dV fill sdQ as two more steps would (wait for kBarrierdQEmpty, fill, fence,
+        // arrive on kBarrierdQFull), and the consumers go on to the next tile without
+        // waiting for dV's store to be read (the next fill waits for it, through the
+        // writer's release of sdQ).
+        if (p.debug_high & (1 << 25)) {
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // sdQ free
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves: a
+                                                                               // key tile spans them)
+          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // dK in sdQ
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);    // dK read (both halves)
+          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // dV in sdQ
+          if (tid == 0) BWD_LIFE(4, bwd_clock());
+          if (!read_tile(iter + 1)) break;
+          clear(tdVrdV);
+          clear(tdKrdK);
+          continue;
+        }
         // FLEXSPARSE_CUDA_DEBUG bit 2^54 (C119, opt-in until measured): dV through the dS
         // buffers (two 64 x 128 tiles, free once every wgmma is done: the next tile's first
         // dS store comes after this epilogue), its store issued before the wait for the dQ

@@ -984,6 +984,7 @@ def test_backward_tma_store_epilogue(case):
 PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the persistent backward (C118)
 DV_VIA_DS_BWD = 1 << 54   # the persistent backward's dV staged in the dS buffers (C119, opt-in)
 PERSISTENT_HD64_BWD = 1 << 55   # hd64's 128-row backward persistent too (C120, opt-in)
+WRITER_STORES_BWD = 1 << 56   # the persistent epilogue's stores issued by the dQ writer (C121, opt-in)
 
 
 @pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
@@ -995,8 +996,9 @@ def test_backward_persistent(case, monkeypatch):
     """C118 (the default; bit 2^53 takes one CTA per key tile): the bf16 hd128 64-row
     backward as one CTA per SM drawing key tiles (a tile ring in shared memory, K / V of
     the next tile during the epilogue's stores) computes what one CTA per tile does, and
-    so do its epilogue with dV staged in the dS buffers (C119, bit 2^54) and, at head dim
-    64, the 128-row kernel made persistent (C120, bit 2^55, with and without C119): with
+    so do its epilogue with dV staged in the dS buffers (C119, bit 2^54), its epilogue
+    with the stores issued by the dQ writer (C121, bit 2^56) and, at head dim 64, the
+    128-row kernel made persistent (C120, bit 2^55, alone and with C119 or C121): with
     deterministic=True dq, dk and dv equal bit for bit (dk and dv too without it; dq there
     to its unordered reductions' rounding), and the kernel that ran is the persistent
     instantiation. Cases: GQA at a length no tile divides; 4096 (B=2, 4 kv heads: 256 key
@@ -1030,10 +1032,11 @@ def test_backward_persistent(case, monkeypatch):
 
     # (one CTA per tile first, then the persistent settings, and the kernel they take)
     if D == 128:
-        settings = (PER_TILE_BWD, 0, DV_VIA_DS_BWD)
+        settings = (PER_TILE_BWD, 0, DV_VIA_DS_BWD, WRITER_STORES_BWD)
         traits = "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>"
     else:
-        settings = (0, PERSISTENT_HD64_BWD, PERSISTENT_HD64_BWD | DV_VIA_DS_BWD)
+        settings = (0, PERSISTENT_HD64_BWD, PERSISTENT_HD64_BWD | DV_VIA_DS_BWD,
+                    PERSISTENT_HD64_BWD | WRITER_STORES_BWD)
         traits = "BwdTraits<cutlass::bfloat16_t, 64, 2, 128, true, false>"
     results, kernels = {}, {}
     for bits in settings:
