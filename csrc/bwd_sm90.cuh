@@ -641,6 +641,14 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
     b = t / (n_kb * p.Hkv);
     kb = n_block * kBlockN / p.block_k;
   };
+  // dK or dV of the current key tile from a SmemLayoutK tile in shared memory, by one TMA
+  // store (rows past Lk clipped by the tensor map); the caller commits the bulk group.
+  auto store_key_tile = [&](auto const& tma, auto const& smem) {
+    Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
+    Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    auto cta = tma.get_slice(0);
+    copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
+  };
   // kPersistent: the tile of the CTA's k-th iteration goes from the producer to the
   // consumers' warps and the dQ writer through ring slot k & 1 (its (k >> 1)-th use):
   // tile_full when written, tile_empty once each of the kTileReaders warps has read it.
@@ -907,11 +915,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
             Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
             auto store = [&](auto const& tma) {
               if (lane == 0) {
-                Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-                Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                                         make_coord(n_block, 0));
-                auto cta = tma.get_slice(0);
-                copy(tma, cta.partition_S(sdKV), cta.partition_D(gdKV));
+                store_key_tile(tma, sdKV);
                 tma_store_arrive();
               }
               __syncwarp();
@@ -1509,10 +1513,7 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
         static_assert(offsetof(typename T::SharedStorage, dq) % 1024 == 0, "the dQ buffer takes SmemLayoutK's swizzle");
         Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
         auto store_from = [&](auto const& tma, auto const& smem) {
-          Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-          Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-          auto cta = tma.get_slice(0);
-          copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
+          store_key_tile(tma, smem);
           tma_store_arrive();
         };
         auto store = [&](auto const& tma) {
@@ -1539,16 +1540,11 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           cutlass::arch::fence_view_async_shared();
           cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // dV in sdQ
           if (tid == 0) BWD_LIFE(4, bwd_clock());
-          if (!read_tile(iter + 1)) break;
-          clear(tdVrdV);
-          clear(tdKrdK);
-          continue;
-        }
-        // FLEXSPARSE_CUDA_DEBUG bit 2^54 (C119, opt-in until measured): dV through the dS
-        // buffers (two 64 x 128 tiles, free once every wgmma is done: the next tile's first
-        // dS store comes after this epilogue), its store issued before the wait for the dQ
-        // buffer; then dK through the dQ buffer, one wait for both stores' reads.
-        if (p.debug_high & (1 << 23)) {
+        } else if (p.debug_high & (1 << 23)) {
+          // FLEXSPARSE_CUDA_DEBUG bit 2^54 (C119, opt-in until measured): dV through the dS
+          // buffers (two 64 x 128 tiles, free once every wgmma is done: the next tile's
+          // first dS store comes after this epilogue), its store issued before the wait for
+          // the dQ buffer; then dK through the dQ buffer, one wait for both stores' reads.
           static_assert(cosize_v<typename T::SmemLayoutdS> >= cosize_v<typename T::SmemLayoutK> &&
                             offsetof(typename T::SharedStorage, ds) % 1024 == 0,
                         "a dV tile fits the dS buffers, in SmemLayoutK's swizzle");
@@ -1568,27 +1564,24 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           }
           cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK and dV read
           cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
-          if (!read_tile(iter + 1)) break;
-          clear(tdVrdV);
-          clear(tdKrdK);
-          continue;
+        } else {
+          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
+          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          if (tid == 0) store(kp.tma_dk);
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK read out of sdQ
+          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+          if (tid == 0) {
+            store(kp.tma_dv);
+            BWD_LIFE(4, bwd_clock());
+          }
+          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dV read out of sdQ
+          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
         }
-        cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
-        copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-        if (tid == 0) store(kp.tma_dk);
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK read out of sdQ
-        copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-        if (tid == 0) {
-          store(kp.tma_dv);
-          BWD_LIFE(4, bwd_clock());
-        }
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dV read out of sdQ
-        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
         if (!read_tile(iter + 1)) break;
         clear(tdVrdV);
         clear(tdKrdK);
@@ -1608,14 +1601,8 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
       if (tid == 0) {
-        auto store = [&](auto const& tma, auto const& smem) {
-          Tensor mdKV = tma.get_tma_tensor(make_shape(p.Lk, p.D, p.Hkv, p.B));
-          Tensor gdKV = local_tile(mdKV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-          auto cta = tma.get_slice(0);
-          copy(tma, cta.partition_S(smem), cta.partition_D(gdKV));
-        };
-        store(kp.tma_dk, sdK);
-        store(kp.tma_dv, sdV);
+        store_key_tile(kp.tma_dk, sdK);
+        store_key_tile(kp.tma_dv, sdV);
         tma_store_arrive();
         tma_store_wait<0>();   // shared memory outlives the stores' reads
         BWD_LIFE(4, bwd_clock());
