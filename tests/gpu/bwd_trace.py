@@ -11,10 +11,11 @@ Per row and FLEXSPARSE_CUDA_DEBUG value it prints the median cycles of each phas
 step over the steady steps, the step period and the tensor cores' floor for the step's
 five products; and every CTA's life outside its steps (BWD_LIFE: entry, K and V's
 arrival, the last step, the epilogue, the gap to the next CTA on the same SM). Events:
-0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued, 3 S^T done, 4 P^T computed, 5 dP^T done, 6 dS^T computed, dV issued, dS^T stored, 7 both
-warpgroups' dS^T stored, 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed
-to the writer, 11 dK done. The stamps slow the loop somewhat (spills): compare phases
-with each other and across variants, and the trace build's time with the plain one's.
+0 query stage ready, 1 S^T issued, 2 dO ready and dP^T issued, 3 S^T done, 4 P^T
+computed, 5 dP^T done, 6 dS^T computed, dV issued, dS^T stored, 7 both warpgroups' dS^T
+stored, 8 dQ issued and dV done, 9 dK issued and dQ done, 10 dQ handed to the writer,
+11 dK done. The stamps slow the loop somewhat (spills): compare phases with each other
+and across variants, and the trace build's time with the plain one's.
 """
 import argparse
 import os
@@ -87,10 +88,10 @@ def life_summary(text):
     last launch (csrc/bwd_sm90.cuh, BWD_LIFE, per key tile; in the persistent kernel a
     "CTA" here is a tile, its entry the consumers' read of it, and the dQ writer's last
     read is recorded for a CTA's last tile only): per CTA, median SM cycles from its entry
-    to K and V in shared memory, from there to the last step's end (and per step), to the epilogue's stores
-    read, to its end (the later of that and the dQ writer's last reduction read), and from
-    its end to the next CTA's entry on the same SM; and the fixed cost per CTA: entry to
-    the next entry less its steps at the median step time."""
+    to K and V in shared memory, from there to the last step's end (and per step), to the
+    epilogue's stores read, to its end (the later of that and the dQ writer's last
+    reduction read), and from its end to the next CTA's entry on the same SM; and the
+    fixed cost per CTA: entry to the next entry less its steps at the median step time."""
     last = text.split("=== launch 0 done")[-1].split("=== launch 1 done")[0]
     ctas = [list(map(int, line.split()[2:])) for line in last.splitlines() if line.startswith("BWDLIFE")]
     if not ctas:
@@ -115,8 +116,7 @@ def life_summary(text):
             if i + 1 < len(es):
                 gap.append(rel(es[i + 1][1]) - end)
     step = med(per_step)
-    for sm, es in by_sm.items():
-        ref = es[0][1]
+    for es in by_sm.values():
         for a, b in zip(es, es[1:]):
             fixed.append(((b[1] - a[1]) % (1 << 32)) - a[7] * step)
     steps = med([e[7] for e in ctas])
