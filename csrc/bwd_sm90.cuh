@@ -1614,13 +1614,13 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
 }
 
 // delta = rowsum(dO * O) - grad_lse and lse2 = lse * log2(e) (+inf for rows with no
-// visible key and for the padding up to Lq_pad), one warp per row; zeroes dq_accum and,
-// where given, the persistent backward's tile counter.
+// visible key and for the padding up to Lq_pad), one warp per row; zeroes dq_accum and
+// the persistent backward's tile counter.
 template <class Element>
 __global__ void bwd_preprocess(BackwardParams const bp, float* dq_accum, float* lse2,
                                float* delta, int* dq_turn, int Lq_pad, int* tile_counter) {
   AttentionParams const& p = bp.fwd;
-  if (tile_counter != nullptr && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;
+  if (blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;
   const int warps = blockDim.x / 32;
   const int i = blockIdx.x * warps + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = blockIdx.y, b = blockIdx.z;
@@ -1664,7 +1664,7 @@ template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256)
 bwd_preprocess_wide(BackwardParams const bp, float* dq_accum, float* lse2, float* delta,
                     int* dq_turn, int Lq_pad, bool zero_accum, int* tile_counter) {
-  if (tile_counter != nullptr && blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;
+  if (blockIdx.x + blockIdx.y + blockIdx.z + threadIdx.x == 0) *tile_counter = 0;
   constexpr int kThreadsPerRow = kHeadDim / 8;     // 8, 16 or 32
   constexpr int kRowsPerCta = 256 / kThreadsPerRow;
   static_assert(sizeof(Element) == 2 && kThreadsPerRow <= 32 && 128 % kRowsPerCta == 0, "16-bit, hd <= 256");
@@ -1775,23 +1775,9 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   float* lse2 = dq_accum + rows * p.D;
   float* delta = lse2 + rows;
   int* dq_turn = bp.deterministic ? reinterpret_cast<int*>(delta + rows) : nullptr;
-  // The persistent backward (C118): one CTA per SM drawing key tiles from a counter (the
-  // workspace's last word, zeroed by the preprocess), in the bf16 hd128 64-row general
-  // kernel (sliding windows, documents, causal, prefix-LM, shared-question; +1-3% there
-  // against one CTA per key tile, docs/perf-notes.md C118). FLEXSPARSE_CUDA_DEBUG bit 2^53
-  // takes one CTA per key tile; the A/B variant bits below take it too.
-  constexpr bool kBf16Plain = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>;
-  constexpr bool kPersistentDefault = kBf16Plain && T::kHeadDim == 128 && T::kBlockM == 64;
-  // C120 (opt-in until measured, bit 2^55): hd64's 128-row kernel (causal, windows,
-  // documents, full at head dim 64) persistent too.
-  constexpr bool kPersistentOptIn = kBf16Plain && T::kHeadDim == 64 && T::kBlockM == 128;
-  constexpr bool kHasPersistent = kPersistentDefault || kPersistentOptIn;
-  constexpr int kVariantBits = (1 << 22) | 512 | 1024 | (1 << 15) | (1 << 16) | (1 << 18);
-  const bool persistent = kHasPersistent && !(p.debug_high & kVariantBits) &&
-                          (kPersistentDefault || (p.debug_high & (1 << 24)));
-  int* tile_counter = persistent
-      ? reinterpret_cast<int*>(static_cast<char*>(bp.workspace) + bwd_sm90_workspace_bytes(bp)) - 1
-      : nullptr;
+  // The persistent kernel's tile counter (below): the workspace's last word, zeroed by the
+  // preprocess on every launch (one store).
+  int* tile_counter = reinterpret_cast<int*>(static_cast<char*>(bp.workspace) + bwd_sm90_workspace_bytes(bp)) - 1;
 
   // FLEXSPARSE_CUDA_DEBUG bit 33554432: the one-warp-per-row preprocess; bit 67108864:
   // dq_accum zeroed by cudaMemsetAsync instead of in the (wide) preprocess (A/Bs).
@@ -1873,7 +1859,18 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   static_assert(T::kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
   int smem = T::kSmemBytes;
   dim3 grid((p.Lk + T::kBlockN - 1) / T::kBlockN, p.Hkv, p.B);
-  if constexpr (kHasPersistent) {
+  // The persistent backward (C118): one CTA per SM drawing key tiles from the counter, in
+  // the bf16 hd128 64-row general kernel (sliding windows, documents, causal, prefix-LM,
+  // shared-question; +1-3% there against one CTA per key tile, docs/perf-notes.md C118),
+  // where no A/B variant above was asked for. FLEXSPARSE_CUDA_DEBUG bit 2^53 takes one CTA
+  // per key tile. C120 (opt-in until measured, bit 2^55): hd64's 128-row kernel (causal,
+  // windows, documents, full at head dim 64) persistent too.
+  constexpr bool kBf16Plain = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>;
+  constexpr bool kPersistentDefault = kBf16Plain && T::kHeadDim == 128 && T::kBlockM == 64;
+  constexpr bool kPersistentOptIn = kBf16Plain && T::kHeadDim == 64 && T::kBlockM == 128;
+  if constexpr (kPersistentDefault || kPersistentOptIn) {
+    const bool persistent = kernel == bwd_kernel<T> && !(p.debug_high & (1 << 22)) &&
+                            (kPersistentDefault || (p.debug_high & (1 << 24)));
     if (persistent) {
       static_assert(T::kPersistentSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
       kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly, true>;
