@@ -908,29 +908,6 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
           release_sdq();
           cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull);
           cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + 1);
-          // C121 (bit 2^56): two steps, and this warp stores them. dK: stored, read, then
-          // both halves free for dV; dV: stored, and an empty bulk group after it, so
-          // that the next release_sdq's wait<1> (the first half) waits for dV's read too.
-          if (p.debug_high & (1 << 25)) {
-            Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
-            auto store = [&](auto const& tma) {
-              if (lane == 0) {
-                store_key_tile(tma, sdKV);
-                tma_store_arrive();
-              }
-              __syncwarp();
-            };
-            store(kp.tma_dk);
-            if (lane == 0) tma_store_wait<0>();
-            __syncwarp();
-            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty);
-            cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQEmpty + 1);
-            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull);
-            cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQFull + 1);
-            store(kp.tma_dv);
-            if (lane == 0) tma_store_arrive();   // (the empty group)
-            __syncwarp();
-          }
         }
         if constexpr (!kPersistent) break;
         else if (!read_tile(iter + 1)) break;
@@ -1512,76 +1489,29 @@ bwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
                       "a dK / dV tile fits the dQ buffer");
         static_assert(offsetof(typename T::SharedStorage, dq) % 1024 == 0, "the dQ buffer takes SmemLayoutK's swizzle");
         Tensor sdKV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.dq)), typename T::SmemLayoutK{});
-        auto store_from = [&](auto const& tma, auto const& smem) {
-          store_key_tile(tma, smem);
-          tma_store_arrive();
-        };
         auto store = [&](auto const& tma) {
-          store_from(tma, sdKV);
+          store_key_tile(tma, sdKV);
+          tma_store_arrive();
           tma_store_wait<0>();   // the dQ buffer's next writer waits for these reads
         };
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // every wgmma is done
         if (tid == 0) cutlass::arch::ClusterBarrier::arrive(&slots.kv_empty);
-        // FLEXSPARSE_CUDA_DEBUG bit 2^56 (C121, opt-in until measured; before 2^54): the dQ
-        // writer issues the epilogue's stores, as it issues each step's reduction: dK and
-        // then dV fill sdQ as two more steps would (wait for kBarrierdQEmpty, fill, fence,
-        // arrive on kBarrierdQFull), and the consumers go on to the next tile without
-        // waiting for dV's store to be read (the next fill waits for it, through the
-        // writer's release of sdQ).
-        if (p.debug_high & (1 << 25)) {
-          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // sdQ free
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves: a
-                                                                               // key tile spans them)
-          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // dK in sdQ
-          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);    // dK read (both halves)
-          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // dV in sdQ
-          if (tid == 0) BWD_LIFE(4, bwd_clock());
-        } else if (p.debug_high & (1 << 23)) {
-          // FLEXSPARSE_CUDA_DEBUG bit 2^54 (C119, opt-in until measured): dV through the dS
-          // buffers (two 64 x 128 tiles, free once every wgmma is done: the next tile's
-          // first dS store comes after this epilogue), its store issued before the wait for
-          // the dQ buffer; then dK through the dQ buffer, one wait for both stores' reads.
-          static_assert(cosize_v<typename T::SmemLayoutdS> >= cosize_v<typename T::SmemLayoutK> &&
-                            offsetof(typename T::SharedStorage, ds) % 1024 == 0,
-                        "a dV tile fits the dS buffers, in SmemLayoutK's swizzle");
-          Tensor sdVst = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutK{});
-          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdVst));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          if (tid == 0) store_from(kp.tma_dv, sdVst);
-          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
-          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          if (tid == 0) {
-            store(kp.tma_dk);   // (its wait covers dV's store too)
-            BWD_LIFE(4, bwd_clock());
-          }
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK and dV read
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
-        } else {
-          cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
-          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          if (tid == 0) store(kp.tma_dk);
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK read out of sdQ
-          copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
-          if (tid == 0) {
-            store(kp.tma_dv);
-            BWD_LIFE(4, bwd_clock());
-          }
-          cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dV read out of sdQ
-          cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
+        cutlass::arch::NamedBarrier::sync(128 + 32, kBarrierdQEmpty + wg);   // the dQ writer is done with sdQ
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);       // (both halves)
+        copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdK), thr_copy_dkv.partition_D(sdKV));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+        if (tid == 0) store(kp.tma_dk);
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dK read out of sdQ
+        copy(smem_copy_dkv, thr_copy_dkv.retile_S(rdV), thr_copy_dkv.partition_D(sdKV));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);
+        if (tid == 0) {
+          store(kp.tma_dv);
+          BWD_LIFE(4, bwd_clock());
         }
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBarrierdS);   // dV read out of sdQ
+        cutlass::arch::NamedBarrier::arrive(128 + 32, kBarrierdQFull + wg);   // sdQ free (the dQ writer)
         if (!read_tile(iter + 1)) break;
         clear(tdVrdV);
         clear(tdKrdK);
@@ -1863,14 +1793,11 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   // the bf16 hd128 64-row general kernel (sliding windows, documents, causal, prefix-LM,
   // shared-question; +1-3% there against one CTA per key tile, docs/perf-notes.md C118),
   // where no A/B variant above was asked for. FLEXSPARSE_CUDA_DEBUG bit 2^53 takes one CTA
-  // per key tile. C120 (opt-in until measured, bit 2^55): hd64's 128-row kernel (causal,
-  // windows, documents, full at head dim 64) persistent too.
-  constexpr bool kBf16Plain = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t>;
-  constexpr bool kPersistentDefault = kBf16Plain && T::kHeadDim == 128 && T::kBlockM == 64;
-  constexpr bool kPersistentOptIn = kBf16Plain && T::kHeadDim == 64 && T::kBlockM == 128;
-  if constexpr (kPersistentDefault || kPersistentOptIn) {
-    const bool persistent = kernel == bwd_kernel<T> && !(p.debug_high & (1 << 22)) &&
-                            (kPersistentDefault || (p.debug_high & (1 << 24)));
+  // per key tile. (hd64's 128-row kernel made persistent the same way measured even, C120.)
+  constexpr bool kHasPersistent = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t> &&
+                                  T::kHeadDim == 128 && T::kBlockM == 64;
+  if constexpr (kHasPersistent) {
+    const bool persistent = kernel == bwd_kernel<T> && !(p.debug_high & (1 << 22));
     if (persistent) {
       static_assert(T::kPersistentSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
       kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly, true>;

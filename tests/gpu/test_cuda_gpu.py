@@ -982,44 +982,33 @@ def test_backward_tma_store_epilogue(case):
 
 
 PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the persistent backward (C118)
-DV_VIA_DS_BWD = 1 << 54   # the persistent backward's dV staged in the dS buffers (C119, opt-in)
-PERSISTENT_HD64_BWD = 1 << 55   # hd64's 128-row backward persistent too (C120, opt-in)
-WRITER_STORES_BWD = 1 << 56   # the persistent epilogue's stores issued by the dQ writer (C121, opt-in)
 
 
 @pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
                                   "prefix_4096", "lookahead_300_1000", "lookahead_300_1000_gqa",
-                                  "causal_4096_nondet", "causal_4096_hd64", "sliding_4096_hd64",
-                                  "document_3001_hd64", "full_2000_gqa_hd64", "lookahead_300_1000_gqa_hd64",
-                                  "causal_4096_nondet_hd64"])
+                                  "causal_4096_nondet"])
 def test_backward_persistent(case, monkeypatch):
     """C118 (the default; bit 2^53 takes one CTA per key tile): the bf16 hd128 64-row
     backward as one CTA per SM drawing key tiles (a tile ring in shared memory, K / V of
-    the next tile during the epilogue's stores) computes what one CTA per tile does, and
-    so do its epilogue with dV staged in the dS buffers (C119, bit 2^54), its epilogue
-    with the stores issued by the dQ writer (C121, bit 2^56) and, at head dim 64, the
-    128-row kernel made persistent (C120, bit 2^55, alone and with C119 or C121): with
-    deterministic=True dq, dk and dv equal bit for bit (dk and dv too without it; dq there
-    to its unordered reductions' rounding), and the kernel that ran is the persistent
-    instantiation. Cases: GQA at a length no tile divides; 4096 (B=2, 4 kv heads: 256 key
-    tiles, so each CTA takes about two); a window (the band path), documents, prefix-LM,
-    the full mask (hd64); key tiles no query sees (lookahead, Lq < Lk: tiles with no step,
-    whose CTAs still wait for K and V and write zeros; with GQA, four heads' end stages and
-    no step before K and V, which the producer must load before the pipeline's stages run
-    out)."""
+    the next tile during the epilogue's stores) computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
+    for bit (dk and dv too without it; dq there to its unordered reductions' rounding),
+    and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
+    tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
+    window (the band path), documents, prefix-LM; key tiles no query sees (lookahead,
+    Lq < Lk: tiles with no step, whose CTAs still wait for K and V and write zeros; with
+    GQA, four heads' end stages and no step before K and V, which the producer must load
+    before the pipeline's stages run out)."""
     needs_backward()
-    D = 64 if case.endswith("_hd64") else 128
-    case = case.removesuffix("_hd64")
     parts = case.split("_")
     kind = parts[0]
     Lq = int(parts[1])
     Lk = int(parts[2]) if kind == "lookahead" else Lq
     deterministic = not case.endswith("nondet")
-    torch.manual_seed(Lq + Lk + len(case) + D)
-    B, Hq, Hkv = 2, 8 if case.endswith("gqa") else 4, 2 if case.endswith("gqa") else 4
+    torch.manual_seed(Lq + Lk + len(case))
+    B, Hq, Hkv, D = 2, 8 if case.endswith("gqa") else 4, 2 if case.endswith("gqa") else 4, 128
     mask = {"causal": M.causal(), "sliding": M.sliding_window(256, 0),
             "document": M.document([1000, 1, 2000]), "prefix": M.prefix_lm(1000),
-            "lookahead": M.sliding_window(100, 0), "full": M.full()}[kind]
+            "lookahead": M.sliding_window(100, 0)}[kind]
     desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
     q = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
@@ -1030,38 +1019,26 @@ def test_backward_persistent(case, monkeypatch):
         out = flexsparse.attention(*leaves, desc, backend="cuda", deterministic=deterministic)
         return torch.autograd.grad(out, leaves, dout)
 
-    # (one CTA per tile first, then the persistent settings, and the kernel they take)
-    if D == 128:
-        settings = (PER_TILE_BWD, 0, DV_VIA_DS_BWD, WRITER_STORES_BWD)
-        traits = "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>"
-    else:
-        settings = (0, PERSISTENT_HD64_BWD, PERSISTENT_HD64_BWD | DV_VIA_DS_BWD,
-                    PERSISTENT_HD64_BWD | WRITER_STORES_BWD)
-        traits = "BwdTraits<cutlass::bfloat16_t, 64, 2, 128, true, false>"
     results, kernels = {}, {}
-    for bits in settings:
+    for bits in (PER_TILE_BWD, 0):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 4096 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], kernels[bits] = _bwd_kernel_names(grads)
     monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
-    base, persistent = settings[0], settings[1:]
     if not UNDER_SANITIZER:
-        assert kernels[base] and all(
-            traits in n and n.split("(")[0].endswith(", false>") for n in kernels[base]), kernels[base]
-        for bits in persistent:
-            assert kernels[bits] and all(
-                traits in n and n.split("(")[0].endswith(", true>") for n in kernels[bits]), kernels[bits]
-    for bits in persistent:
-        for name, a, b in zip(("dq", "dk", "dv"), results[base], results[bits]):
-            assert torch.isfinite(b).all(), (bits, name)
-            if deterministic or name != "dq":
-                assert torch.equal(a, b), (bits, name)
-            else:
-                torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+        assert kernels[PER_TILE_BWD] and all(
+            n.split("(")[0].endswith(", false>") for n in kernels[PER_TILE_BWD]), kernels[PER_TILE_BWD]
+        assert kernels[0] and all(
+            "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>" in n and n.split("(")[0].endswith(", true>")
+            for n in kernels[0]), kernels[0]
+    for name, a, b in zip(("dq", "dk", "dv"), results[PER_TILE_BWD], results[0]):
+        assert torch.isfinite(b).all(), name
+        if deterministic or name != "dq":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     if kind == "lookahead":
-        assert results[persistent[0]][1][:, :, :600].abs().max().item() == 0.0
-    if D == 64:   # the opt-in kernel against float64 too
-        monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(PERSISTENT_HD64_BWD))
+        assert results[0][1][:, :, :600].abs().max().item() == 0.0
     check(B, Hq, Hkv, Lq, Lk, D, mask, torch.bfloat16, desc=desc, deterministic=deterministic)
 
 
