@@ -64,8 +64,7 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // column ranges where a window would take the band kernels (C113) (fwd_sm90.cuh) and, in
 // the backward, the per-key intervals from the window (C114) (bwd_sm90.cuh); 2^53 one CTA
 // per key tile instead of the persistent backward (C118, the bf16 hd128 64-row kernel's
-// default), 2^54 the 80-row (full-mask) backward persistent too (C122, opt-in)
-// (bwd_sm90.cuh). (Earlier
+// default) (bwd_sm90.cuh). (Earlier
 // uses, removed, docs/perf-notes.md: 2^46 C89's 4-byte stores, then C101's turn ring run on
 // across work tiles; 2^47 C91's crossed work tiles; 2^49-2^51 C95's softmax probes, then
 // 2^49 C96's early list walk probe, now every forward kernel's walk, then C110's early
@@ -76,7 +75,7 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // 2^52 C99's L2 prefetch of the next query tile and 2^53 C100's backward without the dS
 // barrier, both timed no better, then C117's V loaded after the first query tile in the
 // backward, even (now C118's); 2^54 C104's one-warpgroup dQ, slower, then C119's dV
-// through the dS buffers in the persistent epilogue (now C122's); 2^55 C120's persistent hd64 128-row
+// through the dS buffers in the persistent epilogue; 2^55 C120's persistent hd64 128-row
 // backward; 2^56 C121's persistent epilogue stores issued by the dQ writer: all three
 // timed even against the persistent default and removed.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no

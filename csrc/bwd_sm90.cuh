@@ -312,9 +312,8 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
     array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
-    // P^T of the step (split queries; else P^T stays in registers, and the persistent
-    // kernel's BwdTileSlots take the place: the 80-row kernel has no byte left past here)
-    array_aligned<Element, kSplitQueries ? cosize_v<SmemLayoutdS> : 32, 1024> p;
+    // P^T of the step (split queries; else a placeholder: P^T stays in registers)
+    array_aligned<Element, kSplitQueries ? cosize_v<SmemLayoutdS> : 8, 1024> p;
     // dQ of one step in each consumer thread's register order (dq_slot), one half per
     // warpgroup: what the bulk reduction adds to the accumulator.
     alignas(128) float dq[kBlockM * kHeadDim];
@@ -349,12 +348,9 @@ struct BwdTraits {
   static constexpr int kZeroBitmapOffset = kBiasOffset + kBiasBufs * kBytesBias;
   static constexpr int kSmemBytes = kBiasTiles ? kZeroBitmapOffset + 4 * kZeroBitmapWords
                                                : sizeof(SharedStorage);
-  // The persistent kernel's BwdTileSlots: in the P^T placeholder, else after the rest (its
-  // launch then asks for the larger size).
-  static constexpr int kTileSlotsOffset = !kSplitQueries ? offsetof(SharedStorage, p) : (kSmemBytes + 15) / 16 * 16;
-  static constexpr int kPersistentSmemBytes =
-      !kSplitQueries ? kSmemBytes : kTileSlotsOffset + int(sizeof(BwdTileSlots));
-  static_assert(kSplitQueries || sizeof(BwdTileSlots) <= 32 * sizeof(Element), "the slots fit the placeholder");
+  // The persistent kernel's BwdTileSlots after them (its launch asks for the larger size).
+  static constexpr int kTileSlotsOffset = (kSmemBytes + 15) / 16 * 16;
+  static constexpr int kPersistentSmemBytes = kTileSlotsOffset + sizeof(BwdTileSlots);
 
   struct KernelParams {
     BackwardParams bp;
@@ -1798,14 +1794,10 @@ void launch_bwd(BackwardParams const& bp, cudaStream_t stream) {
   // shared-question; +1-3% there against one CTA per key tile, docs/perf-notes.md C118),
   // where no A/B variant above was asked for. FLEXSPARSE_CUDA_DEBUG bit 2^53 takes one CTA
   // per key tile. (hd64's 128-row kernel made persistent the same way measured even, C120.)
-  // C122 (opt-in until measured, bit 2^54): the 80-row kernel (the full mask) persistent too.
-  constexpr bool kPersistentKernel = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t> &&
-                                     T::kHeadDim == 128;
-  constexpr bool kHasPersistent = kPersistentKernel && T::kBlockM == 64;
-  constexpr bool kPersistentOptIn = kPersistentKernel && T::kBlockM == 80;
-  if constexpr (kHasPersistent || kPersistentOptIn) {
-    const bool persistent = kernel == bwd_kernel<T> && !(p.debug_high & (1 << 22)) &&
-                            (kHasPersistent || (p.debug_high & (1 << 23)));
+  constexpr bool kHasPersistent = !T::kBiasTiles && std::is_same_v<Element, cutlass::bfloat16_t> &&
+                                  T::kHeadDim == 128 && T::kBlockM == 64;
+  if constexpr (kHasPersistent) {
+    const bool persistent = kernel == bwd_kernel<T> && !(p.debug_high & (1 << 22));
     if (persistent) {
       static_assert(T::kPersistentSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
       kernel = bwd_kernel<T, false, false, T::kDsFirst, T::kDsInterleaved, T::kStatsEarly, true>;

@@ -982,38 +982,33 @@ def test_backward_tma_store_epilogue(case):
 
 
 PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the persistent backward (C118)
-PERSISTENT_80_ROW_BWD = 1 << 54   # the 80-row (full-mask) backward persistent too (C122, opt-in)
 
 
 @pytest.mark.parametrize("case", ["causal_1000_gqa", "causal_4096", "sliding_4096", "document_3001",
                                   "prefix_4096", "lookahead_300_1000", "lookahead_300_1000_gqa",
-                                  "causal_4096_nondet", "full_4096_nondet", "full_1000_gqa_nondet",
-                                  "full_300_1000_nondet", "full_2000_517_nondet"])
+                                  "causal_4096_nondet"])
 def test_backward_persistent(case, monkeypatch):
     """C118 (the default; bit 2^53 takes one CTA per key tile): the bf16 hd128 64-row
     backward as one CTA per SM drawing key tiles (a tile ring in shared memory, K / V of
-    the next tile during the epilogue's stores) computes what one CTA per tile does, and
-    so does the full mask's 80-row kernel made persistent (C122, opt-in bit 2^54): with
-    deterministic=True dq, dk and dv equal bit for bit (dk and dv too without it; dq there
-    to its unordered reductions' rounding), and the kernel that ran is the persistent
-    instantiation. Cases: GQA at a length no tile divides; 4096 (B=2, 4 kv heads: 256 key
-    tiles, so each CTA takes about two); a window (the band path), documents, prefix-LM,
-    the full mask (Lq < Lk and Lq > Lk; not deterministic: deterministic full calls take
-    the 64-row kernel); key tiles no query sees (lookahead, Lq < Lk: tiles with no
-    step, whose CTAs still wait for K and V and write zeros; with GQA, four heads' end
-    stages and no step before K and V, which the producer must load before the pipeline's
-    stages run out)."""
+    the next tile during the epilogue's stores) computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
+    for bit (dk and dv too without it; dq there to its unordered reductions' rounding),
+    and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
+    tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
+    window (the band path), documents, prefix-LM; key tiles no query sees (lookahead,
+    Lq < Lk: tiles with no step, whose CTAs still wait for K and V and write zeros; with
+    GQA, four heads' end stages and no step before K and V, which the producer must load
+    before the pipeline's stages run out)."""
     needs_backward()
     parts = case.split("_")
     kind = parts[0]
     Lq = int(parts[1])
-    Lk = int(parts[2]) if parts[2:3] and parts[2].isdigit() else Lq
+    Lk = int(parts[2]) if kind == "lookahead" else Lq
     deterministic = not case.endswith("nondet")
     torch.manual_seed(Lq + Lk + len(case))
     B, Hq, Hkv, D = 2, 8 if case.endswith("gqa") else 4, 2 if case.endswith("gqa") else 4, 128
     mask = {"causal": M.causal(), "sliding": M.sliding_window(256, 0),
             "document": M.document([1000, 1, 2000]), "prefix": M.prefix_lm(1000),
-            "lookahead": M.sliding_window(100, 0), "full": M.full()}[kind]
+            "lookahead": M.sliding_window(100, 0)}[kind]
     desc = mask.compile(B, Hq, Hkv, Lq, Lk, device=T.DEV)
     q = torch.randn(B, Hq, Lq, D, device=T.DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, Lk, D, device=T.DEV, dtype=torch.bfloat16) for _ in range(2))
@@ -1024,32 +1019,26 @@ def test_backward_persistent(case, monkeypatch):
         out = flexsparse.attention(*leaves, desc, backend="cuda", deterministic=deterministic)
         return torch.autograd.grad(out, leaves, dout)
 
-    # one CTA per key tile, then the persistent kernel, and the kernel each takes
-    if kind == "full":
-        per_tile, persistent = 0, PERSISTENT_80_ROW_BWD
-        traits = "BwdTraits<cutlass::bfloat16_t, 128, 2, 80, true, false>"
-    else:
-        per_tile, persistent = PER_TILE_BWD, 0
-        traits = "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>"
     results, kernels = {}, {}
-    for bits in (per_tile, persistent):
+    for bits in (PER_TILE_BWD, 0):
         monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(bits))
         torch.empty(4 * B * Hq * 4096 * (D + 2), device=T.DEV).fill_(float("nan"))   # freed: reused
         results[bits], kernels[bits] = _bwd_kernel_names(grads)
+    monkeypatch.delenv("FLEXSPARSE_CUDA_DEBUG")
     if not UNDER_SANITIZER:
-        for bits, last in ((per_tile, ", false>"), (persistent, ", true>")):
-            assert kernels[bits] and all(
-                traits in n and n.split("(")[0].endswith(last) for n in kernels[bits]), kernels[bits]
-    for name, a, b in zip(("dq", "dk", "dv"), results[per_tile], results[persistent]):
+        assert kernels[PER_TILE_BWD] and all(
+            n.split("(")[0].endswith(", false>") for n in kernels[PER_TILE_BWD]), kernels[PER_TILE_BWD]
+        assert kernels[0] and all(
+            "BwdTraits<cutlass::bfloat16_t, 128, 2, 64, false, false>" in n and n.split("(")[0].endswith(", true>")
+            for n in kernels[0]), kernels[0]
+    for name, a, b in zip(("dq", "dk", "dv"), results[PER_TILE_BWD], results[0]):
         assert torch.isfinite(b).all(), name
         if deterministic or name != "dq":
             assert torch.equal(a, b), name
         else:
             torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
     if kind == "lookahead":
-        assert results[persistent][1][:, :, :600].abs().max().item() == 0.0
-    # the persistent kernel against float64 (the environment's setting stays in place)
-    monkeypatch.setenv("FLEXSPARSE_CUDA_DEBUG", str(persistent))
+        assert results[0][1][:, :, :600].abs().max().item() == 0.0
     check(B, Hq, Hkv, Lq, Lk, D, mask, torch.bfloat16, desc=desc, deterministic=deterministic)
 
 
