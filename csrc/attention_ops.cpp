@@ -77,7 +77,8 @@ int64_t bstride(const Tensor& t, int dim) { return t.size(dim) == 1 ? 0 : t.stri
 // backward, even (now C118's); 2^54 C104's one-warpgroup dQ, slower, then C119's dV
 // through the dS buffers in the persistent epilogue; 2^55 C120's persistent hd64 128-row
 // backward; 2^56 C121's persistent epilogue stores issued by the dQ writer: all three
-// timed even against the persistent default and removed.)
+// timed even against the persistent default and removed; then 2^54 C122's persistent
+// 80-row backward, even, removed.)
 // 2^38 is the block-grid builds' list_kernel and 2^45 their two-pass grid_list_kernel (no
 // slabs) (build_ops.h).
 int64_t debug_bits() {
