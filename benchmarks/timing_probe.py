@@ -1,0 +1,110 @@
+"""Where a forward's or backward's benchmark time goes beyond its kernels, ours (CUDA
+backend) against FlexAttention's FLASH backend, in one process: the ratio columns of
+cuda_bench come from triton's do_bench (the L2 flushed before each call), while the
+profiler's per-kernel split (kernel_split) counts GPU time only.
+
+    python -m benchmarks.timing_probe [rows] [--bwd]     rows: kind@L[@D],... as cuda_bench
+
+Per row and backend, in ms per call: `do_bench` (cuda_bench's timer), `back to back` (20
+calls between two CUDA events, no flush: GPU time plus any gap the host leaves),
+`kernels` (the sum of the GPU time of every kernel one call launches, torch.profiler),
+`host` (the host's time to issue one call while the GPU is kept busy, so that no launch
+waits for the GPU) and the kernels a call launches.
+"""
+import statistics
+import sys
+import time
+
+import torch
+import triton.testing
+
+import flexsparse
+from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case, parse_rows
+from benchmarks.cuda_bench import DTYPE, FLASH, H, HAS_FLASH, TOKENS
+
+BWD = "--bwd" in sys.argv
+
+
+def back_to_back_ms(fn, n=20):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def host_ms(fn, n=10):
+    """The host's time per call with the GPU busy (a sleep kernel ahead of the calls)."""
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))   # ~1 s of GPU time at ~2 GHz: the queue never drains
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def kernels(fn):
+    """[(name, ms)] of the kernels one call of fn launches."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((e.name, e.device_time_total / 1e3))
+    return out
+
+
+def main():
+    spec = next((a for a in sys.argv[1:] if not a.startswith("--")), "causal@8192,full@8192")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K, "
+          f"{'backward' if BWD else 'forward'}")
+    print("| row | backend | do_bench ms | back to back ms | kernels ms | host ms | kernels |")
+    print("|---|---|---|---|---|---|---|")
+    from torch.nn.attention.flex_attention import flex_attention
+    for kind, L, D in parse_rows(spec):
+        B = max(1, TOKENS // L)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=BWD) for _ in range(3))
+        torch._dynamo.reset()
+        fs_mask, mask_mod, per_head, _, _ = make_case(kind, B, L, device=q.device)
+        desc = fs_mask.compile(B, H, H, L, L, device=q.device)
+        calls = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda")}
+        if HAS_FLASH:
+            fa = torch.compile(flex_attention, dynamic=False)
+            bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
+            calls["flash"] = lambda a, b, c: fa(a, b, c, block_mask=bm, kernel_options=FLASH)
+        with _no_donated_buffers():
+            for name, call in calls.items():
+                if BWD:
+                    out = call(q, k, v)
+                    do = torch.randn_like(out)
+                    fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+                else:
+                    fn = lambda: call(q, k, v)  # noqa: E731
+                try:
+                    fn()
+                    bench = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                    b2b = back_to_back_ms(fn)
+                    ks = kernels(fn)
+                    host = host_ms(fn)
+                except Exception as e:  # report, keep going
+                    print(f"| {kind}@{L}@{D} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |")
+                    continue
+                names = "; ".join(f"{n[:40]} {t:.3f}" for n, t in ks)
+                print(f"| {kind}@{L}@{D} | {name} | {bench:.3f} | {b2b:.3f} | {sum(t for _, t in ks):.3f} "
+                      f"| {host:.3f} | {names} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
