@@ -5,11 +5,13 @@ profiler's per-kernel split (kernel_split) counts GPU time only.
 
     python -m benchmarks.timing_probe [rows] [--bwd]     rows: kind@L[@D],... as cuda_bench
 
-Per row and backend, in ms per call: `do_bench` (cuda_bench's timer), `back to back` (20
-calls between two CUDA events, no flush: GPU time plus any gap the host leaves),
-`kernels` (the sum of the GPU time of every kernel one call launches, torch.profiler),
-`host` (the host's time to issue one call while the GPU is kept busy, so that no launch
-waits for the GPU) and the kernels a call launches.
+Per row and backend, in ms per call: `do_bench` (cuda_bench's timer), single calls between
+two CUDA events with and without a 256 MB zero fill before each (do_bench's L2 flush, the
+medians of 30), `back to back` (20 calls between two CUDA events, no flush: GPU time plus
+any gap the host leaves), `kernels` (the sum of the GPU time of every kernel one call
+launches, torch.profiler), `host` (the host's time to issue one call while the GPU is kept
+busy, so that no launch waits for the GPU) and the kernels a call launches. The backends
+run one after the other (not in turns).
 """
 import statistics
 import sys
@@ -35,6 +37,23 @@ def back_to_back_ms(fn, n=20):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
+
+
+def single_calls_ms(fn, flush, n=30):
+    """Median ms of single calls between two CUDA events, each after a 256 MB zero fill (as
+    do_bench flushes the L2) or right after the previous call (flush=False)."""
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    fn()
+    torch.cuda.synchronize()
+    for start, end in events:
+        if flush:
+            cache.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def host_ms(fn, n=10):
@@ -69,8 +88,9 @@ def main():
     spec = next((a for a in sys.argv[1:] if not a.startswith("--")), "causal@8192,full@8192")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K, "
           f"{'backward' if BWD else 'forward'}")
-    print("| row | backend | do_bench ms | back to back ms | kernels ms | host ms | kernels |")
-    print("|---|---|---|---|---|---|---|")
+    print("| row | backend | do_bench ms | single, flushed | single, not flushed | back to back ms "
+          "| kernels ms | host ms | kernels |")
+    print("|---|---|---|---|---|---|---|---|---|")
     from torch.nn.attention.flex_attention import flex_attention
     for kind, L, D in parse_rows(spec):
         B = max(1, TOKENS // L)
@@ -96,13 +116,15 @@ def main():
                     fn()
                     bench = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
                     b2b = back_to_back_ms(fn)
+                    flushed, unflushed = single_calls_ms(fn, True), single_calls_ms(fn, False)
                     ks = kernels(fn)
                     host = host_ms(fn)
                 except Exception as e:  # report, keep going
                     print(f"| {kind}@{L}@{D} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |")
                     continue
                 names = "; ".join(f"{n[:40]} {t:.3f}" for n, t in ks)
-                print(f"| {kind}@{L}@{D} | {name} | {bench:.3f} | {b2b:.3f} | {sum(t for _, t in ks):.3f} "
+                print(f"| {kind}@{L}@{D} | {name} | {bench:.3f} | {flushed:.3f} | {unflushed:.3f} "
+                      f"| {b2b:.3f} | {sum(t for _, t in ks):.3f} "
                       f"| {host:.3f} | {names} |", flush=True)
 
 
