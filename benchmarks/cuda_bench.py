@@ -2,7 +2,7 @@
 path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible entries,
 4*D each forward, 2.5x that backward).
 
-    python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N]   rows: kind@L[@D],...
+    python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N] [--per-round]   rows: kind@L[@D],...
 
 (default rows: a quick set). --rounds N: the backends take turns N times per row and each
 column is the median of its N do_bench medians, so that the machine's drift over a row
@@ -29,6 +29,9 @@ BWD = "--no-bwd" not in sys.argv
 CUDA_ONLY = "--cuda-only" in sys.argv     # probes: the CUDA columns alone
 DET = "--deterministic" in sys.argv       # our backwards in deterministic mode
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 1
+# --per-round: every timing printed as it is taken (round, place in the round's order,
+# ms), so that a place's effect on a column can be read (docs/perf-notes.md, 55th session)
+PER_ROUND = "--per-round" in sys.argv
 # FlexAttention's FLASH backend (FA4, CuTe-DSL), where its wheels are installed
 # (../shared/tools/flash-backend-wheels.sh).
 FLASH = {"BACKEND": "FLASH"}
@@ -46,15 +49,17 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
-def interleaved(fns, rounds, timer=bench, report=print):
+def interleaved(fns, rounds, timer=bench, report=print, turns=None):
     """{name: median ms} of the callables in `fns` ({name: fn}), each timed `rounds` times,
     taking turns within a round, in an order rotated every round (debug_bits.rotated: no
     callable holds one place in every round). A callable that raises is reported and
-    takes no more turns (FlexAttention's compile failing on a mask, for instance)."""
+    takes no more turns (FlexAttention's compile failing on a mask, for instance).
+    `turns`, where given, is called with (round, place, name, ms) for every timing."""
     times = {name: [] for name in fns}
     live = dict(fns)
     names = list(fns)
     for r in range(rounds):
+        place = 0
         for name in (names[i] for i in rotated(len(names), r)):
             if name not in live:
                 continue
@@ -64,6 +69,10 @@ def interleaved(fns, rounds, timer=bench, report=print):
             except Exception as e:  # report, keep going
                 report(f"{name}: {type(e).__name__}: {str(e)[:200]}")
                 del live[name]
+                continue
+            if turns is not None:
+                turns(r, place, name, times[name][-1])
+            place += 1
     return {name: statistics.median(t) for name, t in times.items() if t}
 
 
@@ -98,7 +107,8 @@ def row(kind, L, D):
     F = torch.nn.functional
     if sdpa_causal is not None and not CUDA_ONLY and bias is None:
         fwd["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal)
-    res = interleaved(fwd, ROUNDS, report=lambda m: print(f"{kind} {m}"))
+    turns = (lambda r, i, n, ms: print(f"{kind}@{L}@{D} round {r} place {i} {n}: {ms:.3f} ms")) if PER_ROUND else None
+    res = interleaved(fwd, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns)
     if "flex" not in res:
         fa = None
     gerr = float("nan")
@@ -135,7 +145,7 @@ def row(kind, L, D):
                     steps[name + "_bwd"] = bwd_of(fn)
                 except Exception as e:  # report, keep going
                     print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
-            res.update(interleaved(steps, ROUNDS, report=lambda m: print(f"{kind} {m}")))
+            res.update(interleaved(steps, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns))
     tf = {n: (2.5 if n.endswith("_bwd") else 1.0) * flops / ms * 1e-9 for n, ms in res.items()}
     names = ("cuda", "triton", "flex", "flash", "sdpa",
              "cuda_bwd", "triton_bwd", "flex_bwd", "flash_bwd", "sdpa_bwd")

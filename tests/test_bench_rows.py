@@ -68,11 +68,16 @@ def test_cuda_bench_backends_take_turns():
             return next(times[name])
         return fn
 
-    got = interleaved({n: run(n) for n in ("a", "bad", "b")}, 3, timer=timer, report=reports.append)
+    seen = []
+    got = interleaved({n: run(n) for n in ("a", "bad", "b")}, 3, timer=timer, report=reports.append,
+                      turns=lambda *t: seen.append(t))
     # round 0 in order, then rotated by one and by two places ("bad" left after round 0)
     assert order == ["a", "bad", "b", "b", "a", "b", "a"]
     assert got == {"a": 2.0, "b": 5.0}
     assert reports == ["bad: RuntimeError: no kernel"]
+    # every timing with its round and its place among the timings of that round
+    assert seen == [(0, 0, "a", 3.0), (0, 1, "b", 5.0), (1, 0, "b", 4.0), (1, 1, "a", 1.0),
+                    (2, 0, "b", 9.0), (2, 1, "a", 2.0)]
 
 
 def test_in_turns_rotates_the_settings(monkeypatch):
