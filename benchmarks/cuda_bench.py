@@ -2,7 +2,8 @@
 path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible entries,
 4*D each forward, 2.5x that backward).
 
-    python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N] [--per-round]   rows: kind@L[@D],...
+    python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N] [--per-round]
+                                    [--timer do_bench|back_to_back]   rows: kind@L[@D],...
 
 (default rows: a quick set). --rounds N: the backends take turns N times per row and each
 column is the median of its N do_bench medians, so that the machine's drift over a row
@@ -45,7 +46,38 @@ DEFAULT = ("full@8192,causal@8192,causal@16384,document@8192,document@16384,slid
            "sliding64@8192,sliding256@8192,sliding4096@8192,sliding256@8192@64,causal_bias@8192")
 
 
+# --timer back_to_back: calls issued back to back between two CUDA events, no L2 flush
+# (sustained throughput, what a training loop sees), instead of do_bench's flushed single
+# calls; the 55th session found the two disagreeing on our forward (docs/benchmarks.md).
+TIMER = sys.argv[sys.argv.index("--timer") + 1] if "--timer" in sys.argv else "do_bench"
+if TIMER not in ("do_bench", "back_to_back"):
+    raise SystemExit(f"--timer: do_bench or back_to_back, got {TIMER!r}")
+
+
+def back_to_back(fn, ms=60.0):
+    """Median ms per call over three runs of back-to-back calls, each ~`ms` long."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    n = max(1, int(ms / max(start.elapsed_time(end), 1e-3)))
+    runs = []
+    for _ in range(3):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        runs.append(start.elapsed_time(end) / n)
+    return statistics.median(runs)
+
+
 def bench(fn):
+    if TIMER == "back_to_back":
+        return back_to_back(fn)
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
@@ -159,16 +191,18 @@ def row(kind, L, D):
 
 
 def row_spec(argv):
-    """The row list among the arguments (options and their values left out: --rounds N)."""
+    """The row list among the arguments (options and their values left out: --rounds N,
+    --timer NAME)."""
     args = [a for i, a in enumerate(argv) if not a.startswith("--")
-            and not (i > 0 and argv[i - 1] == "--rounds")]
+            and not (i > 0 and argv[i - 1] in ("--rounds", "--timer"))]
     return args[0] if args else DEFAULT
 
 
 def main():
     spec = row_spec(sys.argv[1:])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K"
-          + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else ""))
+          + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else "")
+          + ("; timed back to back (no L2 flush)" if TIMER == "back_to_back" else ""))
     print("| mask | L | D | cuda fwd | triton fwd | flex fwd | flash fwd | sdpa fwd | cuda bwd "
           "| triton bwd | flex bwd | flash bwd | sdpa bwd | cuda / flash (else flex) fwd / bwd "
           "| rel err vs triton out / grads |")

@@ -107,6 +107,8 @@ def test_cuda_bench_row_spec_skips_option_values():
     assert row_spec(["--rounds", "3"]) == DEFAULT
     assert row_spec(["full@8192@128", "--rounds", "3"]) == "full@8192@128"
     assert row_spec(["--rounds", "3", "causal@4096@64"]) == "causal@4096@64"
+    assert row_spec(["--timer", "back_to_back", "--per-round", "sliding@8192"]) == "sliding@8192"
+    assert row_spec(["--timer", "back_to_back"]) == DEFAULT
     assert row_spec([]) == DEFAULT
 
 
