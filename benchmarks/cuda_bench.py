@@ -4,6 +4,7 @@ path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible
 
     python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N] [--per-round]
                                     [--timer do_bench|back_to_back]   rows: kind@L[@D],...
+    python -m benchmarks.cuda_bench --merge FILE...   (the tables of several runs as one)
 
 (default rows: a quick set). --rounds N: the backends take turns N times per row and each
 column is the median of its N do_bench medians, so that the machine's drift over a row
@@ -179,15 +180,54 @@ def row(kind, L, D):
                     print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
             res.update(interleaved(steps, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns))
     tf = {n: (2.5 if n.endswith("_bwd") else 1.0) * flops / ms * 1e-9 for n, ms in res.items()}
-    names = ("cuda", "triton", "flex", "flash", "sdpa",
-             "cuda_bwd", "triton_bwd", "flex_bwd", "flash_bwd", "sdpa_bwd")
-    cells = " | ".join(f"{tf.get(n, float('nan')):6.0f}" for n in names)
-    anchor = "flash" if "flash" in tf else "flex"     # the fastest FlexAttention backend run
-    ratio = tf["cuda"] / tf[anchor] if anchor in tf else float("nan")
-    ratio_b = (tf["cuda_bwd"] / tf[anchor + "_bwd"] if anchor + "_bwd" in tf and "cuda_bwd" in tf
-               else float("nan"))
-    print(f"| {kind} | {L // 1024}K | {D} | {cells} | {ratio:.2f} / {ratio_b:.2f} | {err:.1e} / {gerr:.1e} |",
-          flush=True)
+    print(table_line(f"{kind} | {L // 1024}K | {D}", tf, err, gerr), flush=True)
+
+
+HEADER = ("| mask | L | D | cuda fwd | triton fwd | flex fwd | flash fwd | sdpa fwd | cuda bwd "
+          "| triton bwd | flex bwd | flash bwd | sdpa bwd | cuda / flash (else flex) fwd / bwd "
+          "| rel err vs triton out / grads |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+COLUMNS = ("cuda", "triton", "flex", "flash", "sdpa",
+           "cuda_bwd", "triton_bwd", "flex_bwd", "flash_bwd", "sdpa_bwd")
+
+
+def table_line(key, tf, err, gerr):
+    """One row of the table: `key` (mask | L | D), the TFLOP/s of each column (missing
+    ones nan), the CUDA backend's ratio to FLASH (else Flex) forward and backward, and the
+    errors against Triton."""
+    nan = float("nan")
+    cells = " | ".join(f"{tf.get(n, nan):6.0f}" for n in COLUMNS)
+    have = {n for n, v in tf.items() if v == v}
+    anchor = "flash" if "flash" in have else "flex"     # the fastest FlexAttention backend run
+    ratio = tf["cuda"] / tf[anchor] if {"cuda", anchor} <= have else nan
+    ratio_b = tf["cuda_bwd"] / tf[anchor + "_bwd"] if {"cuda_bwd", anchor + "_bwd"} <= have else nan
+    return f"| {key} | {cells} | {ratio:.2f} / {ratio_b:.2f} | {err:.1e} / {gerr:.1e} |"
+
+
+def merge_tables(texts):
+    """The tables that several runs of this script printed (their text), as one: per row
+    (mask, L, D), each TFLOP/s column the median of the runs that have it, the ratios
+    recomputed from those medians, the errors the largest. Rows keep the first run's
+    order; lines that are no table row are dropped."""
+    rows = {}
+    for text in texts:
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) != 3 + len(COLUMNS) + 2 or not cells[2].isdigit():
+                continue
+            key = " | ".join(cells[:3])
+            values = [float(c) for c in cells[3:3 + len(COLUMNS)]]
+            errs = [float(e) for e in cells[-1].split("/")]
+            rows.setdefault(key, []).append((values, errs))
+    out = []
+    for key, runs in rows.items():
+        tf = {}
+        for i, name in enumerate(COLUMNS):
+            got = [v[i] for v, _ in runs if v[i] == v[i]]
+            tf[name] = statistics.median(got) if got else float("nan")
+        err = max(e[0] for _, e in runs)
+        gerr = max(e[1] for _, e in runs)
+        out.append(table_line(key, tf, err, gerr))
+    return "\n".join(out)
 
 
 def row_spec(argv):
@@ -199,14 +239,18 @@ def row_spec(argv):
 
 
 def main():
+    if "--merge" in sys.argv:    # --merge FILE...: the tables of several runs as one
+        files = sys.argv[sys.argv.index("--merge") + 1:]
+        texts = [open(f).read() for f in files]
+        print(f"{len(files)} runs merged: each column the median of the runs' values")
+        print(HEADER)
+        print(merge_tables(texts))
+        return
     spec = row_spec(sys.argv[1:])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K"
           + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else "")
           + ("; timed back to back (no L2 flush)" if TIMER == "back_to_back" else ""))
-    print("| mask | L | D | cuda fwd | triton fwd | flex fwd | flash fwd | sdpa fwd | cuda bwd "
-          "| triton bwd | flex bwd | flash bwd | sdpa bwd | cuda / flash (else flex) fwd / bwd "
-          "| rel err vs triton out / grads |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     for kind, L, D in parse_rows(spec):
         try:
             row(kind, L, D)

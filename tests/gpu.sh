@@ -352,9 +352,19 @@ if [[ " $parts " == *" step "* ]]; then
     | tee "$OUT/step_timeline.md"
 fi
 if want cudabench; then
-  # CUDABENCH_ARGS="--rounds 3": the backends take turns, medians (steadier ratios)
-  timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} ${CUDABENCH_ARGS:-} 2>&1 \
-    | grep -v Warning | tee "$OUT/cuda_bench.md"
+  # CUDABENCH_ARGS="--rounds 3": the backends take turns, medians (steadier ratios).
+  # CUDABENCH_PROCS=N: N processes (same-build processes differ by up to 10% on one GPU,
+  # each in its own direction), their tables merged by medians (cuda_bench --merge).
+  procs="${CUDABENCH_PROCS:-1}"
+  for p in $(seq 1 "$procs"); do
+    timeout "${T_CUDABENCH:-240}" python3 -m benchmarks.cuda_bench ${CUDABENCH_ROWS:-} ${CUDABENCH_ARGS:-} 2>&1 \
+      | grep -v Warning | tee "$OUT/cuda_bench.$p.md"
+  done
+  if [ "$procs" -gt 1 ]; then
+    python3 -m benchmarks.cuda_bench --merge $(seq -f "$OUT/cuda_bench.%g.md" 1 "$procs") | tee "$OUT/cuda_bench.md"
+  else
+    mv "$OUT/cuda_bench.1.md" "$OUT/cuda_bench.md"
+  fi
 fi
 if want tests || want demo; then
   timeout 150 python3 -m flexsparse demo 2>&1 | tee "$OUT/demo.txt" | grep -v Warning

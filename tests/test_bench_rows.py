@@ -283,3 +283,32 @@ def test_build_bench_graph_input_on_cpu():
             inp.copy_(saved)
         assert not bb.same_descriptor(before, after), name
         assert bb.same_descriptor(before, make().compile(1, 2, 2, L, L, device="cpu", block_size=128)), name
+
+
+def test_cuda_bench_merge_tables_takes_medians_and_recomputes_ratios():
+    """cuda_bench --merge: the tables of several processes as one, each TFLOP/s column the
+    median of the processes that have it (a failed FLASH column stays nan and the ratio
+    falls back to Flex), ratios from the medians, errors the largest; other lines dropped."""
+    from benchmarks.cuda_bench import HEADER, merge_tables, table_line
+    nan = float("nan")
+
+    def tf(cuda, flash, cuda_bwd, flash_bwd, flex=300.0):
+        return {"cuda": cuda, "triton": 400.0, "flex": flex, "flash": flash, "sdpa": nan,
+                "cuda_bwd": cuda_bwd, "triton_bwd": 350.0, "flex_bwd": 250.0, "flash_bwd": flash_bwd,
+                "sdpa_bwd": nan}
+    runs = [(600.0, 650.0, 500.0, 520.0), (660.0, 640.0, 530.0, 500.0), (630.0, 700.0, 520.0, 510.0)]
+    texts = []
+    for i, r in enumerate(runs):
+        lines = ["NVIDIA H200, torch x", HEADER, "causal flash: some warning",
+                 table_line("causal | 8K | 128", tf(*r), 1e-3 * (i + 1), 2e-3),
+                 table_line("block_sparse | 8K | 128", tf(500.0 + i, nan, 400.0, nan), 1e-3, 1e-3),
+                 "| full@8192@128 | failed: RuntimeError: x |"]
+        texts.append("\n".join(lines))
+    merged = merge_tables(texts).splitlines()
+    assert len(merged) == 2
+    assert merged[0] == table_line("causal | 8K | 128", tf(630.0, 650.0, 520.0, 510.0), 3e-3, 2e-3)
+    cells = [c.strip() for c in merged[0].strip("|").split("|")]
+    assert cells[3] == "630" and cells[6] == "650" and cells[-2] == f"{630 / 650:.2f} / {520 / 510:.2f}"
+    # FLASH did not run: the ratio is to Flex, the FLASH column stays nan
+    cells = [c.strip() for c in merged[1].strip("|").split("|")]
+    assert cells[3] == "501" and cells[6] == "nan" and cells[-2] == f"{501 / 300:.2f} / {400 / 250:.2f}"
