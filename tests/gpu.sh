@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph|fwdedges ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|timing|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph|fwdedges ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -365,6 +365,17 @@ if want cudabench; then
   else
     mv "$OUT/cuda_bench.1.md" "$OUT/cuda_bench.md"
   fi
+fi
+# Why do_bench reads our forward below its kernel time (docs/perf-notes.md, 55th session):
+# the timing probe, then the forward table by do_bench and by back-to-back calls, each
+# timing printed with its round and place. Needs FA4 (the carry's second call).
+if [[ " $parts " == *" timing "* ]]; then
+  rows="${TIMING_ROWS:-causal@8192,prefix_lm@16384,sliding4096@8192,full@8192}"
+  timeout "${T_TIMING:-200}" python3 -m benchmarks.timing_probe "$rows" 2>&1 | grep -v Warning | tee "$OUT/timing.md"
+  for timer in do_bench back_to_back; do
+    timeout "${T_TIMING_BENCH:-200}" python3 -m benchmarks.cuda_bench "$rows" --no-bwd --rounds 3 --per-round \
+      --timer "$timer" 2>&1 | grep -v Warning | tee "$OUT/timing_$timer.md" | grep "^|"
+  done
 fi
 if want tests || want demo; then
   timeout 150 python3 -m flexsparse demo 2>&1 | tee "$OUT/demo.txt" | grep -v Warning
