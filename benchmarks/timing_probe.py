@@ -3,7 +3,9 @@ backend) against FlexAttention's FLASH backend, in one process: the ratio column
 cuda_bench come from triton's do_bench (the L2 flushed before each call), while the
 profiler's per-kernel split (kernel_split) counts GPU time only.
 
-    python -m benchmarks.timing_probe [rows] [--bwd]     rows: kind@L[@D],... as cuda_bench
+    python -m benchmarks.timing_probe [rows] [--bwd] [--host-ops]   rows: kind@L[@D],... as cuda_bench
+
+(--host-ops: also the host's time of 10 calls by operator, torch.profiler's CPU table.)
 
 Per row and backend, in ms per call: `do_bench` (cuda_bench's timer), single calls between
 two CUDA events with and without a 256 MB zero fill before each (do_bench's L2 flush, the
@@ -84,6 +86,18 @@ def kernels(fn):
     return out
 
 
+def host_breakdown(fn, top=12):
+    """The host's time of one call by operator (torch.profiler, CPU activity, self time),
+    the `top` largest, as text: where our 0.13-0.19 ms per call goes (55th session)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
 def main():
     spec = next((a for a in sys.argv[1:] if not a.startswith("--")), "causal@8192,full@8192")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K, "
@@ -122,6 +136,8 @@ def main():
                 except Exception as e:  # report, keep going
                     print(f"| {kind}@{L}@{D} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |")
                     continue
+                if "--host-ops" in sys.argv:
+                    print(f"host operators of 10 calls, {kind}@{L}@{D} {name}:\n{host_breakdown(fn)}")
                 names = "; ".join(f"{n[:40]} {t:.3f}" for n, t in ks)
                 print(f"| {kind}@{L}@{D} | {name} | {bench:.3f} | {flushed:.3f} | {unflushed:.3f} "
                       f"| {b2b:.3f} | {sum(t for _, t in ks):.3f} "

@@ -371,7 +371,8 @@ fi
 # timing printed with its round and place. Needs FA4 (the carry's second call).
 if [[ " $parts " == *" timing "* ]]; then
   rows="${TIMING_ROWS:-causal@8192,prefix_lm@16384,sliding4096@8192,full@8192}"
-  timeout "${T_TIMING:-200}" python3 -m benchmarks.timing_probe "$rows" 2>&1 | grep -v Warning | tee "$OUT/timing.md"
+  timeout "${T_TIMING:-200}" python3 -m benchmarks.timing_probe "$rows" --host-ops 2>&1 | grep -v Warning \
+    > "$OUT/timing.md"; grep "^|" "$OUT/timing.md"
   for timer in do_bench back_to_back; do
     timeout "${T_TIMING_BENCH:-200}" python3 -m benchmarks.cuda_bench "$rows" --no-bwd --rounds 3 --per-round \
       --timer "$timer" 2>&1 | grep -v Warning | tee "$OUT/timing_$timer.md" | grep "^|"
