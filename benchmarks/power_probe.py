@@ -12,9 +12,8 @@ import time
 
 import torch
 
-import flexsparse
-from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case, parse_rows
-from benchmarks.cuda_bench import DTYPE, FLASH, H, HAS_FLASH, TOKENS
+from benchmarks.bench import _no_donated_buffers, parse_rows
+from benchmarks.timing_probe import row_calls
 
 SECONDS = float(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 3.0
 BWD = "--bwd" in sys.argv
@@ -50,28 +49,11 @@ def sampled(fn):
 
 def main():
     spec = next((a for a in sys.argv[1:] if not a.startswith("--") and "@" in a), "prefix_lm@16384")
-    from torch.nn.attention.flex_attention import flex_attention
     print("| row | backend | ms per call | SM MHz | W |")
     print("|---|---|---|---|---|")
     for kind, L, D in parse_rows(spec):
-        B = max(1, TOKENS // L)
-        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=BWD) for _ in range(3))
-        fs_mask, mask_mod, per_head, _, _ = make_case(kind, B, L, device=q.device)
-        desc = fs_mask.compile(B, H, H, L, L, device=q.device)
-        calls = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda")}
-        if HAS_FLASH:
-            fa = torch.compile(flex_attention, dynamic=False)
-            bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
-            calls["flash"] = lambda a, b, c: fa(a, b, c, block_mask=bm, kernel_options=FLASH)
-        fns = {}
         with _no_donated_buffers():
-            for name, call in calls.items():
-                if BWD:
-                    out = call(q, k, v)
-                    do = torch.randn_like(out)
-                    fns[name] = (lambda o, d: lambda: torch.autograd.grad(o, (q, k, v), d, retain_graph=True))(out, do)
-                else:
-                    fns[name] = (lambda c: lambda: c(q, k, v))(call)
+            fns = row_calls(kind, L, D, BWD)
             for r in range(2):
                 for name, fn in (fns.items() if r == 0 else reversed(list(fns.items()))):
                     ms, mhz, w = sampled(fn)

@@ -9,8 +9,9 @@ profiler's per-kernel split (kernel_split) counts GPU time only.
 
 Per row and backend, in ms per call: `do_bench` (cuda_bench's timer), single calls between
 two CUDA events with and without a 256 MB zero fill before each (do_bench's L2 flush, the
-medians of 30), `back to back` (20 calls between two CUDA events, no flush: GPU time plus
-any gap the host leaves), `kernels` (the sum of the GPU time of every kernel one call
+medians of 30), `back to back` (cuda_bench's `--timer back_to_back`: calls between two
+CUDA events for ~60 ms, no flush, the median of three runs: GPU time plus any gap the host
+leaves), `kernels` (the sum of the GPU time of every kernel one call
 launches, torch.profiler), `host` (the host's time to issue one call while the GPU is kept
 busy, so that no launch waits for the GPU) and the kernels a call launches. The backends
 run one after the other (not in turns).
@@ -24,21 +25,37 @@ import triton.testing
 
 import flexsparse
 from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case, parse_rows
-from benchmarks.cuda_bench import DTYPE, FLASH, H, HAS_FLASH, TOKENS
+from benchmarks.cuda_bench import DTYPE, FLASH, H, HAS_FLASH, TOKENS, back_to_back
 
 BWD = "--bwd" in sys.argv
 
 
-def back_to_back_ms(fn, n=20):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+def row_calls(kind, L, D, bwd):
+    """{backend: fn} for one row (cuda_bench's sizes and masks): fn() runs our CUDA
+    backend's call or FlexAttention's FLASH backend's (where installed) on fresh inputs,
+    the forward, or with `bwd` the backward over a retained graph (its forward run here:
+    call this inside benchmarks.bench._no_donated_buffers())."""
+    from torch.nn.attention.flex_attention import flex_attention
+    B = max(1, TOKENS // L)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=bwd) for _ in range(3))
+    torch._dynamo.reset()
+    fs_mask, mask_mod, per_head, _, _ = make_case(kind, B, L, device=q.device)
+    desc = fs_mask.compile(B, H, H, L, L, device=q.device)
+    calls = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda")}
+    if HAS_FLASH:
+        fa = torch.compile(flex_attention, dynamic=False)
+        bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
+        calls["flash"] = lambda a, b, c: fa(a, b, c, block_mask=bm, kernel_options=FLASH)
+    fns = {}
+    for name, call in calls.items():
+        if bwd:
+            out = call(q, k, v)
+            fns[name] = (lambda o, d: lambda: torch.autograd.grad(o, (q, k, v), d, retain_graph=True))(
+                out, torch.randn_like(out))
+        else:
+            fns[name] = (lambda c: lambda: c(q, k, v))(call)
+    return fns
 
 
 def single_calls_ms(fn, flush, n=30):
@@ -105,31 +122,13 @@ def main():
     print("| row | backend | do_bench ms | single, flushed | single, not flushed | back to back ms "
           "| kernels ms | host ms | kernels |")
     print("|---|---|---|---|---|---|---|---|---|")
-    from torch.nn.attention.flex_attention import flex_attention
     for kind, L, D in parse_rows(spec):
-        B = max(1, TOKENS // L)
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=DTYPE, requires_grad=BWD) for _ in range(3))
-        torch._dynamo.reset()
-        fs_mask, mask_mod, per_head, _, _ = make_case(kind, B, L, device=q.device)
-        desc = fs_mask.compile(B, H, H, L, L, device=q.device)
-        calls = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda")}
-        if HAS_FLASH:
-            fa = torch.compile(flex_attention, dynamic=False)
-            bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
-            calls["flash"] = lambda a, b, c: fa(a, b, c, block_mask=bm, kernel_options=FLASH)
         with _no_donated_buffers():
-            for name, call in calls.items():
-                if BWD:
-                    out = call(q, k, v)
-                    do = torch.randn_like(out)
-                    fn = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
-                else:
-                    fn = lambda: call(q, k, v)  # noqa: E731
+            for name, fn in row_calls(kind, L, D, BWD).items():
                 try:
                     fn()
                     bench = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-                    b2b = back_to_back_ms(fn)
+                    b2b = back_to_back(fn)
                     flushed, unflushed = single_calls_ms(fn, True), single_calls_ms(fn, False)
                     ks = kernels(fn)
                     host = host_ms(fn)

@@ -990,9 +990,10 @@ PER_TILE_BWD = 1 << 53   # FLEXSPARSE_CUDA_DEBUG: one CTA per key tile, not the 
 def test_backward_persistent(case, monkeypatch):
     """C118 (the default; bit 2^53 takes one CTA per key tile): the bf16 hd128 64-row
     backward as one CTA per SM drawing key tiles (a tile ring in shared memory, K / V of
-    the next tile during the epilogue's stores) computes what one CTA per tile does: with deterministic=True dq, dk and dv equal bit
-    for bit (dk and dv too without it; dq there to its unordered reductions' rounding),
-    and the kernel that ran is the persistent instantiation. Cases: GQA at a length no
+    the next tile during the epilogue's stores) computes what one CTA per tile does: with
+    deterministic=True dq, dk and dv equal bit for bit (dk and dv too without it; dq there
+    to its unordered reductions' rounding), and the kernel that ran is the persistent
+    instantiation. Cases: GQA at a length no
     tile divides; 4096 (B=2, 4 kv heads: 256 key tiles, so each CTA takes about two); a
     window (the band path), documents, prefix-LM; key tiles no query sees (lookahead,
     Lq < Lk: tiles with no step, whose CTAs still wait for K and V and write zeros; with
