@@ -3,7 +3,7 @@ path) and SDPA, in one process: forward and backward, effective TFLOP/s (visible
 4*D each forward, 2.5x that backward).
 
     python -m benchmarks.cuda_bench [rows] [--no-bwd] [--rounds N] [--per-round]
-                                    [--timer do_bench|back_to_back]   rows: kind@L[@D],...
+                                    [--timer do_bench|back_to_back|call_by_call]   rows: kind@L[@D],...
     python -m benchmarks.cuda_bench --merge FILE...   (the tables of several runs as one)
 
 (default rows: a quick set). --rounds N: the backends take turns N times per row and each
@@ -47,12 +47,20 @@ DEFAULT = ("full@8192,causal@8192,causal@16384,document@8192,document@16384,slid
            "sliding64@8192,sliding256@8192,sliding4096@8192,sliding256@8192@64,causal_bias@8192")
 
 
-# --timer back_to_back: calls issued back to back between two CUDA events, no L2 flush
-# (sustained throughput, what a training loop sees), instead of do_bench's flushed single
-# calls; the 55th session found the two disagreeing on our forward (docs/benchmarks.md).
+# --timer: how a backend's time per call is taken.
+#   do_bench      triton's do_bench per backend and round (flushed single calls, ~60 ms).
+#   back_to_back  calls back to back between two CUDA events, no L2 flush (sustained
+#                 throughput, what a training loop sees).
+#   call_by_call  the backends' flushed single calls alternating call by call (call_by_call
+#                 below), so that all of them meet the same clock and power state.
+# The 56th session found the first two reading a backend up to 12% fast when it ran right
+# after the GPU had idled (a compile, a row's setup): the H200's clock falls over the
+# first ~100 ms of load (docs/perf-notes.md C123), so a 60 ms do_bench run times whoever
+# comes first in a round at a higher clock than the others.
+TIMERS = ("do_bench", "back_to_back", "call_by_call")
 TIMER = sys.argv[sys.argv.index("--timer") + 1] if "--timer" in sys.argv else "do_bench"
-if TIMER not in ("do_bench", "back_to_back"):
-    raise SystemExit(f"--timer: do_bench or back_to_back, got {TIMER!r}")
+if TIMER not in TIMERS:
+    raise SystemExit(f"--timer: one of {', '.join(TIMERS)}, got {TIMER!r}")
 
 
 def back_to_back(fn, ms=60.0):
@@ -109,6 +117,66 @@ def interleaved(fns, rounds, timer=bench, report=print, turns=None):
     return {name: statistics.median(t) for name, t in times.items() if t}
 
 
+def call_by_call(fns, rounds, report=print, turns=None, ms=60.0, flush=True, event=None, synchronize=None):
+    """{name: median ms} of the callables in `fns` ({name: fn}) timed call by call: every
+    cycle calls each live callable once, in an order rotated every cycle, each call
+    between two CUDA events after a 256 MB zero fill (do_bench's L2 flush; flush=False
+    leaves it out), for about `ms` per callable and round after a fifth as many untimed
+    cycles. Unlike taking turns by runs (`interleaved`), a clock that drifts during the
+    measurement reaches every callable alike. A callable that raises on its first call is
+    reported and left out. `turns`, where given, is called with (round, None, name, ms)
+    for the median of each round's share of the cycles. (`event` and `synchronize` stand
+    in for torch.cuda.Event and torch.cuda.synchronize in the CPU test.)"""
+    event = event or (lambda: torch.cuda.Event(enable_timing=True))
+    synchronize = synchronize or torch.cuda.synchronize
+    live = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            live[name] = fn
+        except Exception as e:  # report, keep going
+            report(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+    if not live:
+        return {}
+    names = list(live)
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda") if flush else None
+
+    def cycles(n, order_from=0):
+        events = []
+        for c in range(n):
+            for i in rotated(len(names), order_from + c):
+                start, end = event(), event()
+                if cache is not None:
+                    cache.zero_()
+                start.record()
+                live[names[i]]()
+                end.record()
+                events.append((names[i], start, end))
+        synchronize()
+        return [(name, s.elapsed_time(e)) for name, s, e in events]
+
+    one = cycles(1)
+    cycle_ms = sum(t for _, t in one)
+    per_round = max(3, int(ms * len(names) / max(cycle_ms, 1e-3)))
+    cycles(max(1, per_round // 5))
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        got = cycles(per_round, order_from=r * per_round)
+        for name in names:
+            mine = [t for n, t in got if n == name]
+            times[name] += mine
+            if turns is not None:
+                turns(r, None, name, statistics.median(mine))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure(fns, rounds, report=print, turns=None):
+    """The timer that --timer names, over the backends of one row."""
+    if TIMER == "call_by_call":
+        return call_by_call(fns, rounds, report=report, turns=turns)
+    return interleaved(fns, rounds, report=report, turns=turns)
+
+
 def row(kind, L, D):
     from torch.nn.attention.flex_attention import flex_attention
     B = max(1, TOKENS // L)
@@ -140,8 +208,9 @@ def row(kind, L, D):
     F = torch.nn.functional
     if sdpa_causal is not None and not CUDA_ONLY and bias is None:
         fwd["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa_causal)
-    turns = (lambda r, i, n, ms: print(f"{kind}@{L}@{D} round {r} place {i} {n}: {ms:.3f} ms")) if PER_ROUND else None
-    res = interleaved(fwd, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns)
+    turns = (lambda r, i, n, ms: print(f"{kind}@{L}@{D} round {r}" + ("" if i is None else f" place {i}")
+                                       + f" {n}: {ms:.3f} ms")) if PER_ROUND else None
+    res = measure(fwd, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns)
     if "flex" not in res:
         fa = None
     gerr = float("nan")
@@ -178,7 +247,7 @@ def row(kind, L, D):
                     steps[name + "_bwd"] = bwd_of(fn)
                 except Exception as e:  # report, keep going
                     print(f"{name} bwd {kind}: {type(e).__name__}: {str(e)[:200]}")
-            res.update(interleaved(steps, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns))
+            res.update(measure(steps, ROUNDS, report=lambda m: print(f"{kind} {m}"), turns=turns))
     tf = {n: (2.5 if n.endswith("_bwd") else 1.0) * flops / ms * 1e-9 for n, ms in res.items()}
     print(table_line(f"{kind} | {L // 1024}K | {D}", tf, err, gerr), flush=True)
 
@@ -249,7 +318,9 @@ def main():
     spec = row_spec(sys.argv[1:])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, H={H}, B*L=16K"
           + (f"; {ROUNDS} rounds, the backends taking turns, medians" if ROUNDS > 1 else "")
-          + ("; timed back to back (no L2 flush)" if TIMER == "back_to_back" else ""))
+          + {"do_bench": "; do_bench per backend (flushed single calls)",
+             "back_to_back": "; timed back to back (no L2 flush)",
+             "call_by_call": "; flushed single calls, the backends alternating call by call"}[TIMER])
     print(HEADER)
     for kind, L, D in parse_rows(spec):
         try:

@@ -366,14 +366,14 @@ if want cudabench; then
     mv "$OUT/cuda_bench.1.md" "$OUT/cuda_bench.md"
   fi
 fi
-# Why do_bench reads our forward below its kernel time (docs/perf-notes.md, 55th session):
-# the timing probe, then the forward table by do_bench and by back-to-back calls, each
-# timing printed with its round and place. Needs FA4 (the carry's second call).
+# How the timer moves the ratios (docs/perf-notes.md C123): the timing probe, then the
+# forward table by each timer in TIMING_TIMERS, each timing printed with its round (and
+# place, where the backends take turns by runs). Needs FA4 (the carry's second call).
 if [[ " $parts " == *" timing "* ]]; then
   rows="${TIMING_ROWS:-causal@8192,prefix_lm@16384,sliding4096@8192,full@8192}"
   timeout "${T_TIMING:-200}" python3 -m benchmarks.timing_probe "$rows" --host-ops 2>&1 | grep -v Warning \
     > "$OUT/timing.md"; grep "^|" "$OUT/timing.md"
-  for timer in do_bench back_to_back; do
+  for timer in ${TIMING_TIMERS:-do_bench call_by_call}; do
     timeout "${T_TIMING_BENCH:-200}" python3 -m benchmarks.cuda_bench "$rows" --no-bwd --rounds 3 --per-round \
       --timer "$timer" 2>&1 | grep -v Warning | tee "$OUT/timing_$timer.md" | grep "^|"
   done

@@ -312,3 +312,43 @@ def test_cuda_bench_merge_tables_takes_medians_and_recomputes_ratios():
     # FLASH did not run: the ratio is to Flex, the FLASH column stays nan
     cells = [c.strip() for c in merged[1].strip("|").split("|")]
     assert cells[3] == "501" and cells[6] == "nan" and cells[-2] == f"{501 / 300:.2f} / {400 / 250:.2f}"
+
+
+def test_cuda_bench_call_by_call_alternates_calls():
+    """cuda_bench --timer call_by_call: the backends' single calls alternate call by call
+    (the order rotated every cycle), each call between its own two events; untimed cycles
+    first; each column the median of its timed calls; one that raises on its first call is
+    reported and left out. A clock that slows down during the run reaches both alike."""
+    from benchmarks.cuda_bench import call_by_call
+    now = [0.0]
+    cost = {"a": 1.0, "b": 2.0}
+    calls, reports, seen = [], [], []
+
+    class Event:
+        def record(self):
+            self.t = now[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    def run(name):
+        def fn():
+            if name == "bad":
+                raise RuntimeError("no kernel")
+            calls.append(name)
+            now[0] += cost[name] * (1 + len(calls) / 100)    # a clock that slows down
+        return fn
+
+    got = call_by_call({n: run(n) for n in ("a", "bad", "b")}, 2, report=reports.append,
+                       turns=lambda *t: seen.append(t), ms=6.0, flush=False, event=Event,
+                       synchronize=lambda: None)
+    assert reports == ["bad: RuntimeError: no kernel"]
+    # the first calls, a sizing cycle and one untimed cycle (a, b each), then the timed
+    # cycles, the order rotated every cycle: 6 ms per callable and round over a ~3.1 ms
+    # cycle is 3 cycles per round, 2 rounds
+    assert calls[:6] == ["a", "b"] * 3
+    assert calls[6:] == ["a", "b", "b", "a"] * 3
+    assert len(calls) == 6 + 2 * 3 * 2
+    # the slowdown reaches both: b stays twice a's time per call (within the drift of one call)
+    assert 1.9 < got["b"] / got["a"] < 2.1, got
+    assert [(r, p, n) for r, p, n, _ in seen] == [(0, None, "a"), (0, None, "b"), (1, None, "a"), (1, None, "b")]
