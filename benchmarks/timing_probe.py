@@ -3,9 +3,10 @@ backend) against FlexAttention's FLASH backend, in one process: the ratio column
 cuda_bench come from triton's do_bench (the L2 flushed before each call), while the
 profiler's per-kernel split (kernel_split) counts GPU time only.
 
-    python -m benchmarks.timing_probe [rows] [--bwd] [--host-ops]   rows: kind@L[@D],... as cuda_bench
+    python -m benchmarks.timing_probe [rows] [--bwd] [--host-ops] [--flex]   rows: kind@L[@D],... as cuda_bench
 
-(--host-ops: also the host's time of 10 calls by operator, torch.profiler's CPU table.)
+(--host-ops: also the host's time of 10 calls by operator, torch.profiler's CPU table;
+--flex: FlexAttention's Triton backend as a third backend.)
 
 Per row and backend, in ms per call: `do_bench` (cuda_bench's timer), single calls between
 two CUDA events with and without a 256 MB zero fill before each (do_bench's L2 flush, the
@@ -43,9 +44,11 @@ def row_calls(kind, L, D, bwd):
     fs_mask, mask_mod, per_head, _, _ = make_case(kind, B, L, device=q.device)
     desc = fs_mask.compile(B, H, H, L, L, device=q.device)
     calls = {"cuda": lambda a, b, c: flexsparse.attention(a, b, c, desc, backend="cuda")}
+    fa = torch.compile(flex_attention, dynamic=False)
+    bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
+    if "--flex" in sys.argv:     # FlexAttention's Triton backend too
+        calls["flex"] = lambda a, b, c: fa(a, b, c, block_mask=bm)
     if HAS_FLASH:
-        fa = torch.compile(flex_attention, dynamic=False)
-        bm = flex_block_mask(desc, mask_mod, per_head, L, q.device)
         calls["flash"] = lambda a, b, c: fa(a, b, c, block_mask=bm, kernel_options=FLASH)
     fns = {}
     for name, call in calls.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU visit: install, GPU tests, demo, benchmark, scale; short tables last.
-# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|timing|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph|fwdedges ...]
+# Usage (on the device): bash tests/gpu.sh [tests|demo|bench|scale|all|sweep|profile|ncu|ncusrc|sanitize|csanitize|fuzz|cuda|cudabench|timing|ab|build_ab|desc_ab|split|trace|btrace|ifwd|ifwdsan|ibwd|ibwdprof|ibwdrace|topk|hf|probe|step|build|buildgraph|fwdedges|hostlayers ...]
 # (default: all = tests, demo, bench, scale)
 # Logs and tables go to $OUT (or ./.out when $OUT is unset).
 set -uo pipefail
@@ -377,6 +377,16 @@ if [[ " $parts " == *" timing "* ]]; then
     timeout "${T_TIMING_BENCH:-200}" python3 -m benchmarks.cuda_bench "$rows" --no-bwd --rounds 3 --per-round \
       --timer "$timer" 2>&1 | grep -v Warning | tee "$OUT/timing_$timer.md" | grep "^|"
   done
+fi
+# Host time per call of the CUDA backend, layer by layer, beside Flex's compiled call
+# (tests/gpu/host_cuda_layers.py, docs/perf-notes.md C124), then the timing probe of the
+# same rows with Flex's Triton backend (kernel times beside host times).
+if [[ " $parts " == *" hostlayers "* ]]; then
+  rows="${HOST_ROWS:-sliding256@8192@64,causal@8192}"
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_HOST:-150}" python3 tests/gpu/host_cuda_layers.py "$rows" \
+    2>&1 | grep -v Warning | tee "$OUT/host_layers.md" | grep "^|"
+  timeout "${T_HOST:-150}" python3 -m benchmarks.timing_probe "$rows" --flex 2>&1 | grep -v Warning \
+    | tee "$OUT/host_timing.md" | grep "^|"
 fi
 if want tests || want demo; then
   timeout 150 python3 -m flexsparse demo 2>&1 | tee "$OUT/demo.txt" | grep -v Warning
