@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .ops import visibility
-from .ops.schema import MASK_TENSOR_NAMES, MAX_RANGES, MaskTensors
+from .ops.schema import MAX_RANGES, MaskTensors
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 _STATE_CHARS = {SKIP: ".", PARTIAL: "+", FULL: "#"}
@@ -88,7 +88,11 @@ class BlockDescriptor:
     # ------------------------------------------------------------ what the op reads
 
     def mask_tensors(self) -> MaskTensors:
-        return MaskTensors(*(getattr(self, name) for name in MASK_TENSOR_NAMES))
+        # (written out: a generator of getattr took ~5 µs per call, twice per attention call)
+        return MaskTensors(self.kv_count, self.kv_index, self.kv_full_count, self.kv_full_index,
+                           self.q_count, self.q_index, self.q_full_count, self.q_full_index,
+                           self.dense_mask, self.col_ranges, self.partial_bits_index,
+                           self.partial_bits, self.attn_indices, self.window)
 
     @property
     def is_index_mask(self) -> bool:

@@ -358,12 +358,20 @@ def _below_autograd(op, args):
         return op(*args)
 
 
+def _needs_grad(args) -> bool:
+    """Grad mode on and one of query, key, value and bias (the ops' first four arguments)
+    requiring grad: otherwise an eager call needs no autograd node."""
+    return torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:4])
+
+
 def attention_with_grad(*args):
     """torch.ops.flexsparse.attention(*args) with autograd: the registered op itself when
-    compiling (what torch.compile sees), the eager Function above otherwise."""
+    compiling (what torch.compile sees), the eager Function above where an input needs
+    grad, else the op below autograd (an inference call with grad mode on, as in most
+    benchmarks, would otherwise pay the Function's ~15-60 µs: perf-notes C124)."""
     if torch.compiler.is_compiling():
         return torch.ops.flexsparse.attention(*args)
-    if not torch.is_grad_enabled():
+    if not _needs_grad(args):
         return _below_autograd(torch.ops.flexsparse.attention, args)
     return _EagerAttention.apply(*args)
 
@@ -384,7 +392,10 @@ _EagerCudaAttention = _eager_function(
 
 def cuda_attention_with_grad(*args):
     """torch.ops.flexsparse.cuda_attention(*args) with autograd: the registered op when
-    compiling or without grad mode, the eager Function above otherwise."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    compiling, the eager Function above where an input needs grad, else the op below
+    autograd (its C++ kernel without the autograd wrapper's fill_defaults)."""
+    if torch.compiler.is_compiling():
         return torch.ops.flexsparse.cuda_attention(*args)
+    if not _needs_grad(args):
+        return _cuda_attention_below_autograd(args)
     return _EagerCudaAttention.apply(*args)

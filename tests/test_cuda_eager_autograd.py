@@ -99,3 +99,37 @@ def test_eager_function_without_grad_mode_takes_the_op(cpu_kernels):
     want, _ = flexsparse.attention(*[t.detach() for t in tensors[:3]], desc, scale=0.25,
                                    return_lse=True, backend="reference")
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("op_name", ["cuda", "generic"])
+def test_grad_mode_without_inputs_needing_grad_skips_autograd(cpu_kernels, monkeypatch, op_name):
+    """An inference call with grad mode on (no input requires grad) takes the op below
+    autograd, not the eager Function (its ~15-60 µs of host time per call, perf-notes
+    C124): no graph node, the same values; with one input needing grad, the Function."""
+    from flexsparse.ops import schema
+    tensors, desc = _inputs(True)
+    plain = [t.detach() for t in tensors]
+    applied = []
+    for name in ("_EagerCudaAttention", "_EagerAttention"):
+        fn = getattr(schema, name)
+        monkeypatch.setattr(fn, "apply", (lambda real: lambda *a: applied.append(1) or real(*a))(fn.apply))
+    if op_name == "cuda":
+        call = cuda_attention_with_grad
+        tail = (False,)
+    else:
+        call = schema.attention_with_grad
+        tail = ("reference", False)
+    args = (*plain, *desc.mask_tensors(), *desc.block_size, 0.25, 0.0, *tail)
+    assert torch.is_grad_enabled()
+    out, lse = call(*args)
+    assert out.grad_fn is None and not out.requires_grad and applied == []
+    want, want_lse = flexsparse.attention(*plain[:3], desc, bias=plain[3], scale=0.25,
+                                          return_lse=True, backend="reference")
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
+    # the bias alone needing grad: the Function, a graph node, its gradient
+    bias = plain[3].clone().requires_grad_()
+    out, _ = call(*plain[:3], bias, *args[4:])
+    assert applied == [1] and out.grad_fn is not None
+    (g,) = torch.autograd.grad(out.sum(), bias)
+    assert g.shape == bias.shape and torch.isfinite(g).all()

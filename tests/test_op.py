@@ -444,3 +444,14 @@ def test_low_rank_bias_on_every_backend_and_compiled(shape, backend, compiled):
     assert g_bias.shape == bias.shape
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(g_bias.double(), g_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_mask_tensors_in_schema_order():
+    """BlockDescriptor.mask_tensors() (written out field by field for host time) holds each
+    field named by MASK_TENSOR_NAMES, in that order."""
+    from flexsparse.descriptor import BlockDescriptor
+    values = {name: object() for name in MASK_TENSOR_NAMES}
+    desc = BlockDescriptor((1, 1), (1, 1), (1, 1), **values)
+    mt = desc.mask_tensors()
+    assert mt._fields == MASK_TENSOR_NAMES
+    assert all(got is values[name] for name, got in zip(MASK_TENSOR_NAMES, mt))
