@@ -293,12 +293,27 @@ def _cuda_index_backward(*args):
 def _cuda_backward(ctx, grad_out, grad_lse):
     if ctx.index_mode:
         return _backward(ctx, grad_out, grad_lse, _cuda_index_backward)
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(
-            "flexsparse::cuda_attention_backward", ctx.device_key):
+    if not _has_cuda_backward_kernel(ctx.device_key):
         raise NotImplementedError(
             "backend='cuda': this build of flexsparse._C has forward kernels only (no "
             "csrc/bwd_sm90.cu yet); use backend='triton' or 'auto' for training")
     return _backward(ctx, grad_out, grad_lse, torch.ops.flexsparse.cuda_attention_backward)
+
+
+_CUDA_BACKWARD_REGISTERED = []    # [True] once the CUDA key was found to have the kernel
+
+
+def _has_cuda_backward_kernel(device_key: str) -> bool:
+    """Whether flexsparse::cuda_attention_backward has a kernel for the key ("CUDA" or
+    "CPU"). The dispatcher's answer costs ~8 µs of host time per backward; for the CUDA key
+    (registered when flexsparse._C loads, never taken back) a True is kept. Tests register
+    and remove CPU kernels, so the CPU key is asked every time."""
+    if device_key == "CUDA" and _CUDA_BACKWARD_REGISTERED:
+        return True
+    found = torch._C._dispatch_has_kernel_for_dispatch_key("flexsparse::cuda_attention_backward", device_key)
+    if found and device_key == "CUDA":
+        _CUDA_BACKWARD_REGISTERED.append(True)
+    return found
 
 
 torch.library.register_autograd("flexsparse::cuda_attention", _cuda_backward,

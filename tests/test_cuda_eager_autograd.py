@@ -133,3 +133,29 @@ def test_grad_mode_without_inputs_needing_grad_skips_autograd(cpu_kernels, monke
     assert applied == [1] and out.grad_fn is not None
     (g,) = torch.autograd.grad(out.sum(), bias)
     assert g.shape == bias.shape and torch.isfinite(g).all()
+
+
+def test_cuda_backward_kernel_check_keeps_a_cuda_true(monkeypatch):
+    """_has_cuda_backward_kernel: the CPU key asked every time (tests register and remove
+    CPU kernels); the CUDA key asked until it answers True once (flexsparse._C registers it
+    at import and never removes it), then no more: the dispatcher's answer costs ~8 µs of
+    host time per backward (perf-notes C124)."""
+    from flexsparse.ops import schema
+    assert schema._has_cuda_backward_kernel("CPU") is False
+    lib = torch.library.Library("flexsparse", "IMPL")
+    lib.impl("cuda_attention_backward", lambda *a: None, "CPU")
+    try:
+        assert schema._has_cuda_backward_kernel("CPU") is True
+    finally:
+        lib._destroy()
+    assert schema._has_cuda_backward_kernel("CPU") is False
+    asked = []
+    answers = iter([False, True])
+
+    def dispatcher(op, key):
+        asked.append((op, key))
+        return next(answers)
+    monkeypatch.setattr(schema, "_CUDA_BACKWARD_REGISTERED", [])
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", dispatcher)
+    assert [schema._has_cuda_backward_kernel("CUDA") for _ in range(4)] == [False, True, True, True]
+    assert asked == [("flexsparse::cuda_attention_backward", "CUDA")] * 2
