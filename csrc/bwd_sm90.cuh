@@ -29,6 +29,7 @@
 // half of the step's queries each for S^T and dP^T and half of the head dim each for dK,
 // dV and dQ, so P^T and dS^T go through shared memory (FlashAttention-3/4's hd256 layout),
 // with a single query and dO stage.
+#include "tma_encode.cuh"   // before CuTe: TMA descriptors without a lookup per call
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>

@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "tma_encode.cuh"   // before CuTe: TMA descriptors without a lookup per call
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>

@@ -2,6 +2,7 @@
 // GMMA accumulator as (row, column). After FlashAttention-3's utils.h, written for our
 // kernels.
 #pragma once
+#include "tma_encode.cuh"   // before CuTe: TMA descriptors without a lookup per call
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
