@@ -8,6 +8,7 @@ directly (backends._resolve).
 from typing import NamedTuple, Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 # The 14 optional tensors that describe a mask to the op, in schema order.
 MASK_TENSOR_NAMES = (
@@ -375,7 +376,12 @@ def _below_autograd(op, args):
 
 def _needs_grad(args) -> bool:
     """Grad mode on and one of query, key, value and bias (the ops' first four arguments)
-    requiring grad: otherwise an eager call needs no autograd node."""
+    requiring grad: otherwise an eager call needs no autograd node. Inside a forward-mode
+    AD level (torch.autograd.forward_ad.dual_level) always True: the Function then
+    refuses dual inputs (it has no jvp) where the kernels below autograd would drop their
+    tangents silently."""
+    if getattr(_forward_ad, "_current_level", -1) >= 0:
+        return True
     return torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args[:4])
 
 

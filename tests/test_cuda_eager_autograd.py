@@ -159,3 +159,19 @@ def test_cuda_backward_kernel_check_keeps_a_cuda_true(monkeypatch):
     monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", dispatcher)
     assert [schema._has_cuda_backward_kernel("CUDA") for _ in range(4)] == [False, True, True, True]
     assert asked == [("flexsparse::cuda_attention_backward", "CUDA")] * 2
+
+
+def test_forward_ad_dual_inputs_refused_not_dropped(cpu_kernels):
+    """Under forward-mode AD a dual input (no requires_grad) still takes the eager Function,
+    which refuses it for want of a jvp, as before C124: below autograd the CUDA and Triton
+    kernels would return the output without its tangent."""
+    import torch.autograd.forward_ad as fwAD
+    tensors, desc = _inputs(False)
+    q, k, v = (t.detach() for t in tensors[:3])
+    args = (None, *desc.mask_tensors(), *desc.block_size, 0.25, 0.0, False)
+    with fwAD.dual_level():
+        qd = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            cuda_attention_with_grad(qd, k, v, *args)
+    out, _ = cuda_attention_with_grad(q, k, v, *args)   # outside the level: below autograd
+    assert out.grad_fn is None
