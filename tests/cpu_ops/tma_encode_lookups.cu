@@ -4,12 +4,12 @@
 // (docs/perf-notes.md C125). The runtime's cudaGetDriverEntryPointByVersion is replaced
 // by a counting stub here (linked against the shared cudart, so the executable's
 // definition is the one called), which hands out a fake encoder; no GPU or driver needed.
-// Built and run by .ci/run, twice:
+// Built and run by .ci/run:
 //   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -cudart shared -I csrc -I <cutlass include> \
 //        tests/cpu_ops/tma_encode_lookups.cu -o /tmp/tma_lookups && /tmp/tma_lookups 1
-// and with -DFLEXSPARSE_TMA_ENCODE_LOOKUP_PER_CALL (CUTLASS's own wrapper), expecting one
-// lookup per descriptor: `/tmp/tma_lookups_per_call 3` (so that the stub is shown to see
-// CUTLASS's lookups too).
+// The control, by hand: with -DFLEXSPARSE_TMA_ENCODE_LOOKUP_PER_CALL (CUTLASS's own
+// wrapper) one lookup per descriptor, `/tmp/tma_lookups_per_call 3` (the stub sees
+// CUTLASS's lookups too; 2026-12-01: 3 lookups, and the check with 1 fails).
 #include <cstdio>
 #include <cstdlib>
 
