@@ -78,10 +78,11 @@ def single_calls_ms(fn, flush, n=30):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def host_ms(fn, n=10):
-    """The host's time per call with the GPU busy (a sleep kernel ahead of the calls)."""
+def host_ms(fn, n=10, runs=3):
+    """The host's time per call with the GPU busy (a sleep kernel ahead of the calls): the
+    median of `runs` runs of `n` calls."""
     times = []
-    for _ in range(3):
+    for _ in range(runs):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(2e9))   # ~1 s of GPU time at ~2 GHz: the queue never drains
         t0 = time.perf_counter()

@@ -6,34 +6,23 @@ that no launch waits for the GPU and the time is the host's alone.
     python3 tests/gpu/host_cuda_layers.py [rows]   rows: kind@L[@D],... (bench rows)
 """
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 import flexsparse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks/
 from benchmarks.bench import _no_donated_buffers, flex_block_mask, make_case, parse_rows  # noqa: E402
+from benchmarks.cuda_bench import DTYPE, H, TOKENS  # noqa: E402
+from benchmarks.timing_probe import host_ms  # noqa: E402
 from flexsparse import api  # noqa: E402
 from flexsparse.ops import schema  # noqa: E402
 
-H, TOKENS, DTYPE = 16, 16384, torch.bfloat16
 
-
-def host_us(fn, n=50):
-    """Median over five runs of the host's µs per call, with the GPU busy throughout."""
+def host_us(fn):
+    """Median over five runs of 50 calls of the host's µs per call, the GPU busy throughout."""
     fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        torch.cuda._sleep(int(1e9))     # ~0.5 s of GPU time: the queue never drains
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(runs)
+    return host_ms(fn, n=50, runs=5) * 1e3
 
 
 def main():
