@@ -10,7 +10,7 @@ from .descriptor import BlockDescriptor, check_sizes, dim_in
 from .ops import backends
 from .ops import kernel_options as kernel_options_mod
 from .ops import mask_checks
-from .ops.schema import attention_with_grad, cuda_attention_with_grad
+from .ops.schema import MASK_TENSOR_NAMES, attention_with_grad, cuda_attention_with_grad
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BACKENDS = ("auto", "reference", "triton", "cuda")
@@ -110,10 +110,9 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
         if mask.device != masks_mod.canonical_device(device):
             raise ValueError(f"mask: descriptor is on {mask.device}, inputs on {device}")
         mt = mask.mask_tensors()
-        for name, t in zip(mt._fields, mt):
-            # every mask tensor but the bitmap pool (P, block_q, words) and the window (2,)
-            # has a batch dim
-            if name not in ("partial_bits", "window") and t is not None and not dim_in(t.shape[0], 1):
+        for i in _BATCHED_MASK_TENSORS:
+            name, t = mt._fields[i], mt[i]
+            if t is not None and not dim_in(t.shape[0], 1):
                 check_sizes((t.shape[0],), (B,),
                             f"mask: descriptor tensor {name} has batch {{got}}, inputs have "
                             f"B={{want}} (it must be 1 or B)")
@@ -130,15 +129,21 @@ def compile_mask(mask, B, Hq, Hkv, Lq, Lk, *, device, block_size=masks_mod.DEFAU
     return mask.compile(B, Hq, Hkv, Lq, Lk, device=device, block_size=block_size)
 
 
+# The mask tensors with a batch dim (1 or B): all but the bitmap pool (P, block_q, words)
+# and the window (2,); positions in MaskTensors.
+_BATCHED_MASK_TENSORS = tuple(i for i, name in enumerate(MASK_TENSOR_NAMES)
+                              if name not in ("partial_bits", "window"))
+
+
 def _descriptor_fits(desc, B, Hq, Hkv, Lq, Lk, device) -> bool:
     """Eagerly, whether a descriptor passes compile_mask's checks below (sizes, heads,
     device, every batched mask tensor's batch 1 or B), in ~2 µs of host time against their
     ~15 (perf-notes C124); when False those checks run and name what differs."""
     if desc.seq_lengths != (Lq, Lk) or desc.num_heads != (Hq, Hkv) or desc.device != device:
         return False
-    for t in (desc.kv_count, desc.kv_index, desc.kv_full_count, desc.kv_full_index, desc.q_count,
-              desc.q_index, desc.q_full_count, desc.q_full_index, desc.dense_mask, desc.col_ranges,
-              desc.partial_bits_index, desc.attn_indices):
+    mt = desc.mask_tensors()
+    for i in _BATCHED_MASK_TENSORS:
+        t = mt[i]
         if t is not None and t.shape[0] != 1 and t.shape[0] != B:
             return False
     return True
