@@ -385,6 +385,13 @@ if [[ " $parts " == *" hostlayers "* ]]; then
   rows="${HOST_ROWS:-sliding256@8192@64,causal@8192}"
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_HOST:-150}" python3 tests/gpu/host_cuda_layers.py "$rows" \
     2>&1 | grep -v Warning | tee "$OUT/host_layers.md" | grep "^|"
+  # With build_ab in the same call: the same layers on the second build (AB_FLAGS/AB_CSRC),
+  # its flexsparse imported from the side tree, after the first (both on a warm GPU).
+  if [[ " $parts " == *" build_ab "* ]] && second_build_ok; then
+    echo "hostlayers, second build (${AB_FLAGS:-} ${AB_CSRC:-}):"
+    PYTHONPATH="$ab_tree${PYTHONPATH:+:$PYTHONPATH}" timeout "${T_HOST:-150}" python3 tests/gpu/host_cuda_layers.py "$rows" \
+      2>&1 | grep -v Warning | tee "$OUT/host_layers_ab.md" | grep "^|"
+  fi
   timeout "${T_HOST:-150}" python3 -m benchmarks.timing_probe "$rows" --flex 2>&1 | grep -v Warning \
     | tee "$OUT/host_timing.md" | grep "^|"
 fi
