@@ -1113,9 +1113,17 @@ fwd_kernel(CUTE_GRID_CONSTANT typename T::KernelParams const kp) {
       // Scheduler barriers make the warpgroups issue their pairs of wgmmas in turn, in a
       // ring (warpgroup 0 first): a warpgroup's turn ends with an arrival at the next one's
       // barrier.
-      auto issue_begin = [&] { bar_sync_wg<2 * 128, kBarrierSchedule, kWarpgroups>(wg); };
+      // Three warpgroups take the ids from a register: their hand-off then needs no
+      // predicate and branch after the last wgmma; two warpgroups keep immediates, where
+      // a register id measured slower (docs/perf-notes.md C126, C25).
+      auto issue_begin = [&] {
+        if constexpr (kWarpgroups == 3) bar_sync_id<2 * 128>(kBarrierSchedule + wg);
+        else bar_sync_wg<2 * 128, kBarrierSchedule, kWarpgroups>(wg);
+      };
       auto issue_end = [&] {
-        bar_arrive_wg<2 * 128, kBarrierSchedule, kWarpgroups>(wg + 1 == kWarpgroups ? 0 : wg + 1);
+        const int next = wg + 1 == kWarpgroups ? 0 : wg + 1;
+        if constexpr (kWarpgroups == 3) bar_arrive_id<2 * 128>(kBarrierSchedule + next);
+        else bar_arrive_wg<2 * 128, kBarrierSchedule, kWarpgroups>(next);
       };
       using FragP = decltype(make_tensor<Element>(accumulator_as_a(FragS{}.layout())));
       FragP tOrP0 = make_tensor<Element>(accumulator_as_a(FragS{}.layout()));

@@ -225,6 +225,17 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void bar_arrive_hw() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads));
 }
+// The same barriers with the id as a register operand (bar.sync/bar.arrive take one):
+// no branch or predicate per barrier, the id computed from the warp-uniform wg where it is
+// used (the three-warpgroup forward's scheduler barriers).
+template <int kThreads>
+__device__ __forceinline__ void bar_sync_id(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads));
+}
+template <int kThreads>
+__device__ __forceinline__ void bar_arrive_id(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads));
+}
 template <int kHwId0, int kWarpgroups>
 constexpr bool wg_barrier_ids_ok() {
   return kWarpgroups >= 2 && kWarpgroups <= 3 && kHwId0 >= 1 && kHwId0 + kWarpgroups <= 16;
